@@ -1,0 +1,41 @@
+# kvpush: `make demo` runs the main job, `make test` runs every check.
+# Both build .venv themselves on a fresh machine.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvpush-installed
+# Debian packages that tests need: iproute2 for the two-host (network namespace) test,
+# libibverbs1 and libnuma1 for Mooncake's CPU build, which the benchmark compares against.
+DEB_PACKAGES := iproute2 libibverbs1 libnuma1
+
+.PHONY: all demo test lint typecheck pytest venv clean bench-full
+
+all: test
+
+$(STAMP): pyproject.toml scripts/setup-venv
+	PYTHON=$(PYTHON) VENV=$(VENV) DEB_PACKAGES="$(DEB_PACKAGES)" bash scripts/setup-venv
+	touch $@
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvpush demo
+
+lint: $(STAMP)
+	$(BIN)/ruff format --check src tests scripts
+	$(BIN)/ruff check src tests
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/pytest
+
+test: lint typecheck pytest
+
+bench-full: $(STAMP)
+	$(BIN)/kvpush bench --json runs/bench.json --plot docs/bench.png
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

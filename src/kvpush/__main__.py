@@ -1,0 +1,5 @@
+import sys
+
+from kvpush.cli import main
+
+sys.exit(main())

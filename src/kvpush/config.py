@@ -1,0 +1,65 @@
+"""kvpush's settings: typed, frozen, loaded once. Nothing else reads the environment.
+
+Sections belong to the parts that use them; add fields with defaults, at the end.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvpush.errors import ConfigError
+
+TOKEN_ENV = "KVPUSH_TOKEN"
+
+
+@dataclass(frozen=True, slots=True)
+class TimingConfig:
+    """Liveness and deadlines of the push protocol, in seconds."""
+
+    heartbeat_interval_s: float = 0.5
+    # A peer silent for this long is declared gone; well below any transfer deadline.
+    liveness_timeout_s: float = 3.0
+    # How long the sender may hold blocks without hearing from the receiver.
+    lease_s: float = 5.0
+    # A transfer not finished by then fails with DEADLINE_EXCEEDED.
+    transfer_deadline_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval_s", "liveness_timeout_s", "lease_s", "transfer_deadline_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.heartbeat_interval_s >= self.liveness_timeout_s:
+            raise ConfigError(
+                f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be below "
+                f"liveness_timeout_s ({self.liveness_timeout_s})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class SideChannelConfig:
+    token: str | None = None  # shared secret; None disables authentication
+    max_frame_bytes: int = 64 * 1024  # requests larger than this are dropped unread
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    timing: TimingConfig = field(default_factory=TimingConfig)
+    side_channel: SideChannelConfig = field(default_factory=SideChannelConfig)
+
+
+def load_token(token_file: str | Path | None, env: Mapping[str, str] | None = None) -> str | None:
+    """The shared secret: from `token_file` if given, else `$KVPUSH_TOKEN`, else None."""
+    if token_file is not None:
+        path = Path(token_file)
+        try:
+            token = path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from None
+        if not token:
+            raise ConfigError(f"token file {path} is empty: expected a shared secret")
+        return token
+    env = os.environ if env is None else env
+    return env.get(TOKEN_ENV) or None
