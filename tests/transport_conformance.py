@@ -1,0 +1,448 @@
+"""The transport conformance suite: what every `Transport` must do, checked on real bytes.
+
+Use it by subclassing `TransportConformance` in a test module and overriding the
+`transport_factory` fixture with one that returns a callable `name -> Transport` (not
+started). Each test builds two or three endpoints, registers real memory (torch tensors),
+handshakes them and checks what lands where, byte for byte.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvpush.errors import ClosedError, FailureReason, KVPushError, TransportError
+from kvpush.geometry import CacheGeometry, Region
+from kvpush.transports.base import (
+    MessageReceived,
+    Transport,
+    TransportEvent,
+    WriteDone,
+    WriteFailed,
+)
+
+TransportFactory = Callable[[str], Transport]
+
+POLL_TIMEOUT_S = 10.0
+
+
+@dataclass
+class KVBuffers:
+    """A KV cache made of torch tensors, one per region, plus its geometry."""
+
+    tensors: list[torch.Tensor]
+    geometry: CacheGeometry
+
+    def block(self, region: int, block: int) -> bytes:
+        r = self.geometry.regions[region]
+        t = self.tensors[region].view(torch.uint8).reshape(r.num_blocks, -1)
+        return bytes(t[block, : r.block_bytes].numpy())
+
+    def fill_random(self, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for t in self.tensors:
+            flat = t.view(torch.uint8).reshape(-1)
+            flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
+
+    def zero(self) -> None:
+        for t in self.tensors:
+            t.view(torch.uint8).zero_()
+
+
+def make_kv(
+    num_layers: int = 2,
+    num_blocks: int = 8,
+    block_bytes: int = 256,
+    *,
+    padding: int = 0,
+    device: str = "cpu",
+    name_prefix: str = "model.layers",
+) -> KVBuffers:
+    """K and V regions per layer; each block `block_bytes` long, `padding` bytes apart
+    (padding > 0 makes a strided region whose blocks are not contiguous)."""
+    tensors: list[torch.Tensor] = []
+    regions: list[Region] = []
+    stride = block_bytes + padding
+    for layer in range(num_layers):
+        for kv in ("k", "v"):
+            t = torch.zeros((num_blocks, stride), dtype=torch.uint8, device=device)
+            tensors.append(t)
+            regions.append(
+                Region(
+                    name=f"{name_prefix}.{layer}.{kv}",
+                    layer=layer,
+                    base_addr=t.data_ptr(),
+                    block_bytes=block_bytes,
+                    block_stride=stride,
+                    num_blocks=num_blocks,
+                    device=str(t.device) if t.is_cuda else "cpu",
+                )
+            )
+    geometry = CacheGeometry(
+        layout="kv_separate/NHD",
+        block_size_tokens=16,
+        dtype="uint8",
+        regions=tuple(regions),
+    )
+    return KVBuffers(tensors, geometry)
+
+
+def pump(
+    transports: Sequence[Transport],
+    until: Callable[[list[list[TransportEvent]]], bool],
+    timeout_s: float = POLL_TIMEOUT_S,
+    events: list[list[TransportEvent]] | None = None,
+) -> list[list[TransportEvent]]:
+    """Poll every transport until `until(events_so_far)` holds; fail the test on timeout."""
+    seen = events if events is not None else [[] for _ in transports]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for i, t in enumerate(transports):
+            seen[i].extend(t.poll())
+        if until(seen):
+            return seen
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s}s waiting; events so far: {seen}")
+        time.sleep(0.0005)
+
+
+def settle(transports: Sequence[Transport], duration_s: float) -> list[list[TransportEvent]]:
+    """Poll for a while and return everything that happened."""
+    seen: list[list[TransportEvent]] = [[] for _ in transports]
+    deadline = time.monotonic() + duration_s
+    while time.monotonic() < deadline:
+        for i, t in enumerate(transports):
+            seen[i].extend(t.poll())
+        time.sleep(0.001)
+    return seen
+
+
+def messages(events: list[TransportEvent]) -> list[MessageReceived]:
+    return [e for e in events if isinstance(e, MessageReceived)]
+
+
+def write_results(events: list[TransportEvent]) -> list[WriteDone | WriteFailed]:
+    return [e for e in events if isinstance(e, WriteDone | WriteFailed)]
+
+
+@dataclass
+class Pair:
+    sender: Transport
+    receiver: Transport
+    sender_kv: KVBuffers
+    receiver_kv: KVBuffers
+
+
+class TransportConformance:
+    """Subclass and override `transport_factory`."""
+
+    @pytest.fixture
+    def transport_factory(self) -> TransportFactory:
+        raise NotImplementedError("override the transport_factory fixture")
+
+    @pytest.fixture
+    def endpoints(self, transport_factory: TransportFactory) -> Iterator[list[Transport]]:
+        """Every transport a test creates through `new_endpoint`, closed at the end."""
+        made: list[Transport] = []
+        yield made
+        for t in made:
+            t.close()
+
+    @pytest.fixture
+    def new_endpoint(
+        self, transport_factory: TransportFactory, endpoints: list[Transport]
+    ) -> Callable[[str, KVBuffers], Transport]:
+        counter = iter(range(1_000_000))
+
+        def make(role: str, kv: KVBuffers) -> Transport:
+            t = transport_factory(f"{role}-{next(counter)}-{time.monotonic_ns()}")
+            endpoints.append(t)
+            t.start()
+            t.register_memory(kv.geometry)
+            return t
+
+        return make
+
+    @pytest.fixture
+    def pair(self, new_endpoint: Callable[[str, KVBuffers], Transport]) -> Pair:
+        sender_kv = make_kv()
+        receiver_kv = make_kv()
+        sender_kv.fill_random(1)
+        sender = new_endpoint("sender", sender_kv)
+        receiver = new_endpoint("receiver", receiver_kv)
+        sender.add_peer(receiver.agent_name, receiver.metadata(), receiver_kv.geometry)
+        receiver.add_peer(sender.agent_name, sender.metadata(), sender_kv.geometry)
+        return Pair(sender, receiver, sender_kv, receiver_kv)
+
+    # ------------------------------------------------------------------ writes
+    def test_write_copies_blocks_and_notifies_after_the_data(self, pair: Pair) -> None:
+        ours, theirs = [1, 2, 3, 6], [5, 6, 7, 0]
+        pair.sender.write_blocks(pair.receiver.agent_name, 7, ours, theirs, b"done-7")
+        landed: dict[str, bool] = {}
+
+        def until(ev: list[list[TransportEvent]]) -> bool:
+            got = [m for m in messages(ev[1]) if m.payload == b"done-7"]
+            if got and "checked" not in landed:
+                # The notification is here: every byte must be here too.
+                landed["checked"] = all(
+                    pair.receiver_kv.block(r, t) == pair.sender_kv.block(r, o)
+                    for r in range(len(pair.sender_kv.geometry.regions))
+                    for o, t in zip(ours, theirs, strict=True)
+                )
+            return bool(got) and WriteDone(7) in ev[0]
+
+        ev = pump([pair.sender, pair.receiver], until)
+        assert landed["checked"], "notification arrived before the data"
+        assert write_results(ev[0]) == [WriteDone(7)]
+        assert messages(ev[1]) == [MessageReceived(pair.sender.agent_name, b"done-7")]
+        # Blocks not named by the write are untouched.
+        zero = bytes(pair.sender_kv.geometry.regions[0].block_bytes)
+        for r in range(len(pair.receiver_kv.geometry.regions)):
+            for b in (1, 2, 3, 4):
+                assert pair.receiver_kv.block(r, b) == zero
+
+    def test_write_without_notification_sends_no_message(self, pair: Pair) -> None:
+        pair.sender.write_blocks(pair.receiver.agent_name, 1, [0, 1], [2, 3], None)
+        ev = pump([pair.sender, pair.receiver], lambda ev: WriteDone(1) in ev[0])
+        ev2 = settle([pair.sender, pair.receiver], 0.2)
+        assert messages(ev[1] + ev2[1]) == []
+        for r in range(len(pair.sender_kv.geometry.regions)):
+            assert pair.receiver_kv.block(r, 2) == pair.sender_kv.block(r, 0)
+            assert pair.receiver_kv.block(r, 3) == pair.sender_kv.block(r, 1)
+
+    def test_write_only_the_given_regions(self, pair: Pair) -> None:
+        pair.sender.write_blocks(pair.receiver.agent_name, 2, [4], [4], b"layer", regions=[1, 2])
+        pump(
+            [pair.sender, pair.receiver],
+            lambda ev: WriteDone(2) in ev[0] and bool(messages(ev[1])),
+        )
+        zero = bytes(pair.sender_kv.geometry.regions[0].block_bytes)
+        for r in range(len(pair.sender_kv.geometry.regions)):
+            expected = pair.sender_kv.block(r, 4) if r in (1, 2) else zero
+            assert pair.receiver_kv.block(r, 4) == expected, f"region {r}"
+
+    def test_many_writes_in_flight_complete_once_each(self, pair: Pair) -> None:
+        n = pair.sender_kv.geometry.num_blocks
+        for i in range(n):
+            pair.sender.write_blocks(
+                pair.receiver.agent_name, 100 + i, [i], [n - 1 - i], f"w{i}".encode()
+            )
+        ev = pump(
+            [pair.sender, pair.receiver],
+            lambda ev: len(write_results(ev[0])) == n and len(messages(ev[1])) == n,
+        )
+        ev2 = settle([pair.sender, pair.receiver], 0.1)
+        assert sorted(write_results(ev[0] + ev2[0]), key=lambda e: e.write_id) == [
+            WriteDone(100 + i) for i in range(n)
+        ]
+        assert sorted(m.payload for m in messages(ev[1] + ev2[1])) == sorted(
+            f"w{i}".encode() for i in range(n)
+        )
+        for i in range(n):
+            for r in range(len(pair.sender_kv.geometry.regions)):
+                assert pair.receiver_kv.block(r, n - 1 - i) == pair.sender_kv.block(r, i)
+
+    def test_empty_write_completes_and_notifies(self, pair: Pair) -> None:
+        pair.sender.write_blocks(pair.receiver.agent_name, 3, [], [], b"nothing")
+        ev = pump(
+            [pair.sender, pair.receiver],
+            lambda ev: WriteDone(3) in ev[0] and bool(messages(ev[1])),
+        )
+        assert messages(ev[1]) == [MessageReceived(pair.sender.agent_name, b"nothing")]
+
+    def test_strided_regions(self, new_endpoint: Callable[[str, KVBuffers], Transport]) -> None:
+        a_kv, b_kv = make_kv(padding=64), make_kv(padding=32)
+        a_kv.fill_random(5)
+        b_kv.fill_random(6)
+        a, b = new_endpoint("a", a_kv), new_endpoint("b", b_kv)
+        a.add_peer(b.agent_name, b.metadata(), b_kv.geometry)
+        before = [[b_kv.block(r, x) for x in range(8)] for r in range(4)]
+        pads = [bytes(t.view(torch.uint8).reshape(8, -1)[:, 256:].numpy()) for t in b_kv.tensors]
+        a.write_blocks(b.agent_name, 1, [0, 1, 2, 5], [3, 4, 5, 1], b"s")
+        pump([a, b], lambda ev: WriteDone(1) in ev[0] and bool(messages(ev[1])))
+        for r in range(4):
+            for x in range(8):
+                src = {3: 0, 4: 1, 5: 2, 1: 5}.get(x)
+                want = a_kv.block(r, src) if src is not None else before[r][x]
+                assert b_kv.block(r, x) == want, (r, x)
+            # The padding between blocks is never touched.
+            pad_now = bytes(b_kv.tensors[r].view(torch.uint8).reshape(8, -1)[:, 256:].numpy())
+            assert pad_now == pads[r], f"padding of region {r} was overwritten"
+
+    def test_both_directions(self, pair: Pair) -> None:
+        pair.receiver_kv.fill_random(9)
+        pair.sender.write_blocks(pair.receiver.agent_name, 1, [0], [1], b"to-receiver")
+        pair.receiver.write_blocks(pair.sender.agent_name, 2, [7], [6], b"to-sender")
+        ev = pump(
+            [pair.sender, pair.receiver],
+            lambda ev: (
+                WriteDone(1) in ev[0]
+                and WriteDone(2) in ev[1]
+                and bool(messages(ev[0]))
+                and bool(messages(ev[1]))
+            ),
+        )
+        assert [m.payload for m in messages(ev[0])] == [b"to-sender"]
+        assert [m.payload for m in messages(ev[1])] == [b"to-receiver"]
+        assert pair.receiver_kv.block(0, 1) == pair.sender_kv.block(0, 0)
+        assert pair.sender_kv.block(3, 6) == pair.receiver_kv.block(3, 7)
+
+    # ---------------------------------------------------------------- messages
+    def test_messages_both_ways(self, pair: Pair) -> None:
+        for i in range(5):
+            pair.sender.send_message(pair.receiver.agent_name, f"ping {i}".encode())
+            pair.receiver.send_message(pair.sender.agent_name, f"pong {i}".encode())
+        ev = pump(
+            [pair.sender, pair.receiver],
+            lambda ev: len(messages(ev[0])) == 5 and len(messages(ev[1])) == 5,
+        )
+        assert sorted(m.payload for m in messages(ev[1])) == [
+            f"ping {i}".encode() for i in range(5)
+        ]
+        assert {m.peer for m in messages(ev[1])} == {pair.sender.agent_name}
+        assert {m.peer for m in messages(ev[0])} == {pair.receiver.agent_name}
+
+    def test_binary_message_payload_survives(self, pair: Pair) -> None:
+        payload = bytes(range(256)) * 4
+        pair.sender.send_message(pair.receiver.agent_name, payload)
+        ev = pump([pair.sender, pair.receiver], lambda ev: bool(messages(ev[1])))
+        assert messages(ev[1])[0].payload == payload
+
+    def test_idle_poll_returns_nothing(self, pair: Pair) -> None:
+        assert settle([pair.sender, pair.receiver], 0.1) == [[], []]
+
+    # ----------------------------------------------------------------- errors
+    def test_write_to_unknown_peer_is_refused(self, pair: Pair) -> None:
+        with pytest.raises(TransportError) as info:
+            pair.sender.write_blocks("nobody", 1, [0], [0], b"x")
+        assert info.value.reason is FailureReason.UNKNOWN_PEER
+        with pytest.raises(TransportError) as info:
+            pair.sender.send_message("nobody", b"x")
+        assert info.value.reason is FailureReason.UNKNOWN_PEER
+
+    @pytest.mark.parametrize(
+        ("ours", "theirs", "regions", "words"),
+        [
+            ([0, 1], [0], None, "destination"),
+            ([8], [0], None, "out of range"),
+            ([0], [-1], None, "out of range"),
+            ([0], [0], [4], "region index"),
+            ([0], [0], [1, 1], "repeat"),
+        ],
+    )
+    def test_bad_write_arguments_are_refused(
+        self,
+        pair: Pair,
+        ours: list[int],
+        theirs: list[int],
+        regions: list[int] | None,
+        words: str,
+    ) -> None:
+        with pytest.raises(TransportError) as info:
+            pair.sender.write_blocks(pair.receiver.agent_name, 1, ours, theirs, b"x", regions)
+        assert info.value.reason is FailureReason.LOCAL_ERROR
+        assert words in str(info.value)
+        # Nothing was started: the same write id is free, and the transport still works.
+        pair.sender.write_blocks(pair.receiver.agent_name, 1, [0], [0], None)
+        pump([pair.sender, pair.receiver], lambda ev: WriteDone(1) in ev[0])
+
+    def test_write_id_in_flight_is_refused(self, pair: Pair) -> None:
+        pair.sender.write_blocks(pair.receiver.agent_name, 5, [0], [0], None)
+        with pytest.raises(TransportError) as info:
+            pair.sender.write_blocks(pair.receiver.agent_name, 5, [1], [1], None)
+        assert info.value.reason is FailureReason.LOCAL_ERROR
+        ev = pump([pair.sender, pair.receiver], lambda ev: WriteDone(5) in ev[0])
+        assert write_results(ev[0]) == [WriteDone(5)]
+
+    def test_garbage_metadata_fails_the_handshake(
+        self, new_endpoint: Callable[[str, KVBuffers], Transport]
+    ) -> None:
+        kv = make_kv()
+        a = new_endpoint("a", kv)
+        with pytest.raises(TransportError) as info:
+            a.add_peer("b", b"\x00not metadata at all", make_kv().geometry)
+        assert info.value.reason is FailureReason.HANDSHAKE_FAILED
+        assert not a.has_peer("b")
+
+    def test_metadata_of_another_agent_fails_the_handshake(
+        self, new_endpoint: Callable[[str, KVBuffers], Transport]
+    ) -> None:
+        a_kv, b_kv = make_kv(), make_kv()
+        a, b = new_endpoint("a", a_kv), new_endpoint("b", b_kv)
+        with pytest.raises(TransportError) as info:
+            a.add_peer("someone-else", b.metadata(), b_kv.geometry)
+        assert info.value.reason is FailureReason.HANDSHAKE_FAILED
+        assert "someone-else" in str(info.value)
+        assert not a.has_peer("someone-else")
+        # The failed attempt left nothing behind: the right name still works.
+        a.add_peer(b.agent_name, b.metadata(), b_kv.geometry)
+        a.write_blocks(b.agent_name, 1, [0], [0], b"ok")
+        pump([a, b], lambda ev: WriteDone(1) in ev[0] and bool(messages(ev[1])))
+
+    def test_incompatible_geometry_is_refused(
+        self, new_endpoint: Callable[[str, KVBuffers], Transport]
+    ) -> None:
+        a_kv, b_kv = make_kv(block_bytes=256), make_kv(block_bytes=128)
+        a, b = new_endpoint("a", a_kv), new_endpoint("b", b_kv)
+        with pytest.raises(TransportError) as info:
+            a.add_peer(b.agent_name, b.metadata(), b_kv.geometry)
+        assert info.value.reason is FailureReason.INCOMPATIBLE_PEER
+        assert "128" in str(info.value) and "256" in str(info.value)
+        assert not a.has_peer(b.agent_name)
+
+    def test_remove_peer(self, pair: Pair) -> None:
+        name = pair.receiver.agent_name
+        assert pair.sender.has_peer(name)
+        pair.sender.remove_peer(name)
+        assert not pair.sender.has_peer(name)
+        pair.sender.remove_peer(name)  # unknown peers are ignored
+        pair.sender.remove_peer("never-heard-of")
+        with pytest.raises(TransportError) as info:
+            pair.sender.write_blocks(name, 1, [0], [0], None)
+        assert info.value.reason is FailureReason.UNKNOWN_PEER
+        # Added again, it works again.
+        pair.sender.add_peer(name, pair.receiver.metadata(), pair.receiver_kv.geometry)
+        pair.sender.write_blocks(name, 1, [2], [2], b"again")
+        pump(
+            [pair.sender, pair.receiver],
+            lambda ev: WriteDone(1) in ev[0] and bool(messages(ev[1])),
+        )
+        assert pair.receiver_kv.block(0, 2) == pair.sender_kv.block(0, 2)
+
+    def test_restarted_peer_is_a_new_peer(
+        self, pair: Pair, new_endpoint: Callable[[str, KVBuffers], Transport]
+    ) -> None:
+        old = pair.receiver.agent_name
+        pair.receiver.close()
+        pair.sender.remove_peer(old)
+        fresh_kv = make_kv()
+        fresh = new_endpoint("receiver-restarted", fresh_kv)
+        pair.sender.add_peer(fresh.agent_name, fresh.metadata(), fresh_kv.geometry)
+        fresh.add_peer(pair.sender.agent_name, pair.sender.metadata(), pair.sender_kv.geometry)
+        pair.sender.write_blocks(fresh.agent_name, 9, [3], [4], b"hello again")
+        ev = pump(
+            [pair.sender, fresh],
+            lambda ev: WriteDone(9) in ev[0] and bool(messages(ev[1])),
+        )
+        assert messages(ev[1]) == [MessageReceived(pair.sender.agent_name, b"hello again")]
+        assert fresh_kv.block(1, 4) == pair.sender_kv.block(1, 3)
+
+    def test_close_is_idempotent_and_final(self, pair: Pair) -> None:
+        pair.sender.close()
+        pair.sender.close()
+        with pytest.raises(KVPushError):
+            pair.sender.write_blocks(pair.receiver.agent_name, 1, [0], [0], None)
+        with pytest.raises(ClosedError):
+            pair.sender.poll()
+
+    def test_calls_before_start_are_refused(self, transport_factory: TransportFactory) -> None:
+        t = transport_factory(f"unstarted-{time.monotonic_ns()}")
+        try:
+            with pytest.raises(KVPushError, match="start"):
+                t.register_memory(make_kv().geometry)
+        finally:
+            t.close()
