@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from kvpush import __version__
 from kvpush.errors import KVPushError
 
-_COMMANDS: tuple[str, ...] = ()
+_COMMANDS: tuple[str, ...] = ("bench",)
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 

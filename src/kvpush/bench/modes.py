@@ -1,0 +1,376 @@
+"""The two halves of every benchmarked transfer layer, run inside the bench's children.
+
+Each mode has a `Receiver` (allocates and registers the destination cache, then reports
+when each transfer has landed) and a `Sender` (allocates the source cache, then writes
+batches of transfers). Both are constructed in the child process and driven by
+`kvpush.bench.runner`; timestamps are `time.monotonic_ns()`, which on Linux is one clock
+for every process on the host, so a sender's "blocks ready" and a receiver's "finished"
+can be subtracted.
+
+Every mode copies the same blocks through the same descriptors (one per block per region,
+from `workload.descriptor_arrays`). The raw modes are deliberately the simplest correct
+code an engine author would write against that library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from typing import Any, Protocol, cast
+
+from kvpush.bench.workload import CacheBuffers, Transfer, Workload, descriptor_arrays
+from kvpush.errors import KVPushError
+
+
+class BenchFailed(KVPushError):
+    """A benchmarked mode failed while running (not a skip: a real error)."""
+
+
+class ModeUnavailable(KVPushError):
+    """The mode cannot run on this host; the message says exactly why."""
+
+
+class Receiver(Protocol):
+    buffers: CacheBuffers
+
+    def setup(self, peer: Connection) -> object:
+        """Allocate and register; return what the sender needs (picklable)."""
+
+    def wait(self, tags: set[int], deadline: float) -> dict[int, int]:
+        """Block until every tag's transfer is reported finished; tag -> monotonic ns."""
+
+    def idle(self, seconds: float) -> None:
+        """Sit as an idle endpoint (ready to receive, nothing arriving) for `seconds`."""
+
+    def close(self) -> None: ...
+
+
+class Sender(Protocol):
+    buffers: CacheBuffers
+
+    def setup(self, peer_meta: object, peer: Connection) -> None: ...
+
+    def run_batch(
+        self, transfers: Sequence[Transfer], inflight: int, deadline: float
+    ) -> dict[int, int]:
+        """Write every transfer, at most `inflight` at once; tag -> monotonic ns submitted."""
+
+    def close(self) -> None: ...
+
+
+SENDER_FILL_SEED = 7
+
+
+def load_nixl() -> tuple[Any, Any]:
+    """(nixl_agent, nixl_agent_config): the `nixl` meta-package first, then nixl_cu12."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        try:
+            from nixl_cu12._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise ModeUnavailable(f"NIXL is not importable (nixl, nixl_cu12): {exc}") from None
+    return nixl_agent, nixl_agent_config
+
+
+def _check_deadline(deadline: float, what: str) -> None:
+    if time.monotonic() > deadline:
+        raise BenchFailed(f"timed out: {what}")
+
+
+# --------------------------------------------------------------------------- memcpy
+
+
+class MemcpyPair:
+    """Source and destination in one process; one memmove per descriptor."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+        self.buffers = CacheBuffers(workload)
+        self.dst = CacheBuffers(workload)
+
+    def setup(self) -> None:
+        self.buffers.allocate(SENDER_FILL_SEED)
+        self.dst.allocate(None)
+
+    def run_batch(self, transfers: Sequence[Transfer]) -> tuple[dict[int, int], dict[int, int]]:
+        memmove = ctypes.memmove
+        src_bases, dst_bases = self.buffers.bases(), self.dst.bases()
+        submitted: dict[int, int] = {}
+        done: dict[int, int] = {}
+        for t in transfers:
+            submitted[t.tag] = time.monotonic_ns()
+            src, dst = descriptor_arrays(self.workload, src_bases, dst_bases, t)
+            length = self.workload.block_bytes
+            for s, d in zip(src[:, 0].tolist(), dst[:, 0].tolist(), strict=True):
+                memmove(d, s, length)
+            done[t.tag] = time.monotonic_ns()
+        return submitted, done
+
+
+# --------------------------------------------------------------------------- nixl-raw
+
+
+def _nixl_register(agent: Any, buffers: CacheBuffers) -> Any:
+    descs = [(int(r.ctypes.data), int(r.nbytes), 0, "") for r in buffers.regions]
+    reg = agent.register_memory(descs, "DRAM")
+    if reg is None:
+        raise BenchFailed("NIXL register_memory returned nothing (no backend took DRAM)")
+    return reg
+
+
+class NixlRawReceiver:
+    """Two-agent NIXL over UCX, no progress thread; completion by notification."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+        self.buffers = CacheBuffers(workload)
+        self.agent: Any = None
+        self.reg: Any = None
+        self.early: dict[int, int] = {}
+
+    def setup(self, peer: Connection) -> object:
+        nixl_agent, nixl_agent_config = load_nixl()
+        self.buffers.allocate(None)
+        self.agent = nixl_agent(
+            f"bench-rx-{time.monotonic_ns()}",
+            nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
+        )
+        self.reg = _nixl_register(self.agent, self.buffers)
+        return {"agent_md": self.agent.get_agent_metadata(), "bases": self.buffers.bases()}
+
+    def _poll(self, into: dict[int, int]) -> None:
+        notifs = self.agent.get_new_notifs()
+        if notifs:
+            now = time.monotonic_ns()
+            for msgs in notifs.values():
+                for m in msgs:
+                    into[int(m)] = now
+
+    def wait(self, tags: set[int], deadline: float) -> dict[int, int]:
+        done = {t: ns for t, ns in self.early.items() if t in tags}
+        while len(done) < len(tags):
+            self._poll(done)
+            if time.monotonic() > deadline:
+                missing = len(tags) - len(done)
+                raise BenchFailed(f"nixl-raw receiver: {missing} notifications never came")
+        return done
+
+    def idle(self, seconds: float) -> None:
+        # The same loop as `wait`: an endpoint ready to receive polls for notifications.
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self._poll(self.early)
+
+    def close(self) -> None:
+        if self.agent is not None and self.reg is not None:
+            self.agent.deregister_memory(self.reg)
+            self.reg = None
+
+
+class NixlRawSender:
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+        self.buffers = CacheBuffers(workload)
+        self.agent: Any = None
+        self.reg: Any = None
+        self.peer_name = ""
+        self.peer_bases: list[int] = []
+
+    def setup(self, peer_meta: object, peer: Connection) -> None:
+        assert isinstance(peer_meta, dict)
+        nixl_agent, nixl_agent_config = load_nixl()
+        self.buffers.allocate(SENDER_FILL_SEED)
+        self.agent = nixl_agent(
+            f"bench-tx-{time.monotonic_ns()}",
+            nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
+        )
+        self.reg = _nixl_register(self.agent, self.buffers)
+        self.peer_name = self.agent.add_remote_agent(peer_meta["agent_md"])
+        self.peer_bases = list(peer_meta["bases"])
+
+    def run_batch(
+        self, transfers: Sequence[Transfer], inflight: int, deadline: float
+    ) -> dict[int, int]:
+        agent = self.agent
+        bases = self.buffers.bases()
+        pending = deque(transfers)
+        active: dict[int, Any] = {}
+        submitted: dict[int, int] = {}
+        while pending or active:
+            while pending and len(active) < inflight:
+                t = pending.popleft()
+                submitted[t.tag] = time.monotonic_ns()
+                src, dst = descriptor_arrays(self.workload, bases, self.peer_bases, t)
+                handle = agent.initialize_xfer(
+                    "WRITE",
+                    agent.get_xfer_descs(src, "DRAM"),
+                    agent.get_xfer_descs(dst, "DRAM"),
+                    self.peer_name,
+                    str(t.tag).encode(),
+                )
+                if agent.transfer(handle) == "ERR":
+                    raise BenchFailed(f"nixl-raw: posting transfer {t.tag} failed")
+                active[t.tag] = handle
+            for tag, handle in list(active.items()):
+                state = agent.check_xfer_state(handle)
+                if state == "DONE":
+                    agent.release_xfer_handle(handle)
+                    del active[tag]
+                elif state == "ERR":
+                    raise BenchFailed(f"nixl-raw: transfer {tag} failed")
+            _check_deadline(deadline, "nixl-raw sender batch")
+        return submitted
+
+    def close(self) -> None:
+        if self.agent is not None:
+            if self.peer_name:
+                self.agent.remove_remote_agent(self.peer_name)
+                self.peer_name = ""
+            if self.reg is not None:
+                self.agent.deregister_memory(self.reg)
+                self.reg = None
+
+
+# --------------------------------------------------------------------------- mooncake
+
+
+def load_mooncake() -> Any:
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        raise ModeUnavailable(
+            f"Mooncake is not importable ({exc}); install mooncake-transfer-engine-non-cuda "
+            "(needs libibverbs1 and libnuma1)"
+        ) from None
+    return TransferEngine
+
+
+def _mooncake_engine(buffers: CacheBuffers) -> tuple[Any, str]:
+    engine = load_mooncake()()
+    rc = engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    if rc != 0:
+        raise ModeUnavailable(f"Mooncake TransferEngine.initialize(tcp, P2PHANDSHAKE) -> {rc}")
+    for r in buffers.regions:
+        rc = engine.register_memory(int(r.ctypes.data), int(r.nbytes), "cpu:0")
+        if rc != 0:
+            raise ModeUnavailable(f"Mooncake register_memory -> {rc}")
+    return engine, f"127.0.0.1:{engine.get_rpc_port()}"
+
+
+class MooncakeReceiver:
+    """Mooncake over TCP has no write notification: the sender tells us on the pipe,
+    as SGLang's and vLLM's Mooncake connectors do over ZMQ after the write returns."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+        self.buffers = CacheBuffers(workload)
+        self.engine: Any = None
+        self.peer: Connection | None = None
+
+    def setup(self, peer: Connection) -> object:
+        self.buffers.allocate(None)
+        self.engine, session = _mooncake_engine(self.buffers)
+        self.peer = peer
+        return {"session": session, "bases": self.buffers.bases()}
+
+    def wait(self, tags: set[int], deadline: float) -> dict[int, int]:
+        assert self.peer is not None
+        done: dict[int, int] = {}
+        while len(done) < len(tags):
+            if not self.peer.poll(max(0.0, deadline - time.monotonic())):
+                raise BenchFailed("mooncake receiver: completion messages never came")
+            msg = self.peer.recv()
+            if msg[0] != "landed":
+                raise BenchFailed(f"mooncake receiver: unexpected message {msg[0]!r}")
+            now = time.monotonic_ns()
+            for tag in msg[1]:
+                done[tag] = now
+        return done
+
+    def idle(self, seconds: float) -> None:
+        assert self.peer is not None
+        self.peer.poll(seconds)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            for r in self.buffers.regions:
+                self.engine.unregister_memory(int(r.ctypes.data))
+            self.engine = None
+
+
+class MooncakeSender:
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+        self.buffers = CacheBuffers(workload)
+        self.engine: Any = None
+        self.session = ""
+        self.peer_bases: list[int] = []
+        self.peer: Connection | None = None
+
+    def setup(self, peer_meta: object, peer: Connection) -> None:
+        assert isinstance(peer_meta, dict)
+        self.buffers.allocate(SENDER_FILL_SEED)
+        self.engine, _ = _mooncake_engine(self.buffers)
+        self.session = peer_meta["session"]
+        self.peer_bases = list(peer_meta["bases"])
+        self.peer = peer
+
+    def run_batch(
+        self, transfers: Sequence[Transfer], inflight: int, deadline: float
+    ) -> dict[int, int]:
+        assert self.peer is not None
+        engine = self.engine
+        bases = self.buffers.bases()
+        length = self.workload.block_bytes
+        pending = deque(transfers)
+        active: deque[tuple[int, int]] = deque()
+        submitted: dict[int, int] = {}
+        while pending or active:
+            while pending and len(active) < inflight:
+                t = pending.popleft()
+                submitted[t.tag] = time.monotonic_ns()
+                src, dst = descriptor_arrays(self.workload, bases, self.peer_bases, t)
+                n = len(src)
+                batch = engine.batch_transfer_async_write(
+                    self.session, src[:, 0].tolist(), dst[:, 0].tolist(), [length] * n
+                )
+                if batch == 0:
+                    raise BenchFailed(f"mooncake: batch_transfer_async_write({t.tag}) failed")
+                active.append((t.tag, batch))
+            # Blocks until the oldest batch completes (0) or fails/times out (< 0).
+            tag, batch = active.popleft()
+            rc = engine.get_batch_transfer_status([batch])
+            if rc != 0:
+                raise BenchFailed(f"mooncake: transfer {tag} failed (status {rc})")
+            self.peer.send(("landed", [tag]))
+            _check_deadline(deadline, "mooncake sender batch")
+        return submitted
+
+    def close(self) -> None:
+        if self.engine is not None:
+            for r in self.buffers.regions:
+                self.engine.unregister_memory(int(r.ctypes.data))
+            self.engine = None
+
+
+ReceiverFactory = Callable[[Workload], Receiver]
+SenderFactory = Callable[[Workload], Sender]
+
+
+def factories(mode: str) -> tuple[ReceiverFactory, SenderFactory]:
+    if mode == "nixl-raw":
+        return NixlRawReceiver, NixlRawSender
+    if mode == "mooncake":
+        return MooncakeReceiver, MooncakeSender
+    if mode == "kvpush":
+        from kvpush.bench import kvpush_mode as kvpush_mode_
+
+        return (
+            cast(ReceiverFactory, kvpush_mode_.KvpushReceiver),
+            cast(SenderFactory, kvpush_mode_.KvpushSender),
+        )
+    raise BenchFailed(f"no two-process implementation for mode {mode!r}")

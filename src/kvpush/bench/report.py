@@ -1,0 +1,106 @@
+"""Turns a bench report into text (a table, returned as a string) and a plot file."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _num(v: float | None, fmt: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return format(v, fmt)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The whole report as a fixed-width table, one row per (mode, size)."""
+    w = report["workload"]
+    lines = [
+        f"kvpush bench: preset {w['preset']}, {w['layers']} layers x 2 regions, "
+        f"{w['block_size_tokens']}-token blocks of {human_bytes(w['block_bytes'])} per region "
+        f"({human_bytes(w['bytes_per_block'])} per block id, "
+        f"{human_bytes(w['bytes_per_token'])}/token), {w['inflight']} in flight",
+        "GB/s = bytes of a batch / wall time of the whole batch (10^9 B/s). "
+        "Latency: blocks ready -> receiver reports finished.",
+        "",
+    ]
+    head = (
+        f"{'mode':<9} {'size':>10} {'descs':>7} {'xfers':>6} {'GB/s':>8} "
+        f"{'p50 us':>9} {'p99 us':>9} {'tx cpu s/GB':>11} {'rx cpu s/GB':>11} {'bytes':>6}"
+    )
+    lines += [head, "-" * len(head)]
+    for m in report["modes"]:
+        if m["status"] != "ok" and not m["sizes"]:
+            lines.append(f"{m['mode']:<9} {m['status'].upper()}: {m['reason']}")
+            continue
+        for s in m["sizes"]:
+            lines.append(
+                f"{m['mode']:<9} {human_bytes(s['bytes']):>10} {s['descriptors']:>7} "
+                f"{s['transfers']:>6} {s['gbps']:>8.2f} {s['p50_us']:>9.0f} "
+                f"{s['p99_us']:>9.0f} {_num(s['sender_cpu_s_per_gb'], '11.3f'):>11} "
+                f"{_num(s['receiver_cpu_s_per_gb'], '11.3f'):>11} "
+                f"{'ok' if s['checksums']['match'] else 'BAD':>6}"
+            )
+        if m["status"] != "ok":
+            lines.append(f"{m['mode']:<9} {m['status'].upper()}: {m['reason']}")
+    lines += ["", "Control plane (1-block transfers) and idle endpoint:"]
+    head2 = f"{'mode':<9} {'xfers/s':>9} {'p50 us':>9} {'p99 us':>9} {'idle CPU %core':>15}"
+    lines += [head2, "-" * len(head2)]
+    for m in report["modes"]:
+        r = m.get("rate")
+        if r is None:
+            why = m["reason"] or "no rate measured"
+            lines.append(f"{m['mode']:<9} {'-':>9} {'-':>9} {'-':>9} {'-':>15}  ({why})")
+            continue
+        lines.append(
+            f"{m['mode']:<9} {r['transfers_per_s']:>9.0f} {r['p50_us']:>9.0f} "
+            f"{r['p99_us']:>9.0f} {_num(m.get('idle_cpu_percent'), '15.1f'):>15}"
+        )
+    ratios = report.get("ratios") or {}
+    if ratios:
+        lines += ["", "GB/s ratios, size by size:"]
+        sizes: list[dict[str, Any]] = next((m["sizes"] for m in report["modes"] if m["sizes"]), [])
+        labels = " ".join(f"{human_bytes(s['bytes']):>9}" for s in sizes)
+        lines.append(f"{'':<22} {labels}")
+        for mode, bases in ratios.items():
+            for base, row in bases.items():
+                cells = " ".join(f"{_num(v, '9.2f'):>9}" for v in row)
+                lines.append(f"{mode + ' ' + base:<22} {cells}")
+    return "\n".join(lines)
+
+
+def write_plot(report: dict[str, Any], path: str) -> None:
+    """GB/s against transfer size, one line per mode, log-scale x (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for m in report["modes"]:
+        if not m["sizes"]:
+            continue
+        xs = [s["bytes"] for s in m["sizes"]]
+        ys = [s["gbps"] for s in m["sizes"]]
+        ax.plot(xs, ys, marker="o", label=m["mode"])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("transfer size (bytes)")
+    ax.set_ylabel("aggregate GB/s (bytes / wall time of the batch)")
+    w = report["workload"]
+    ax.set_title(
+        f"kvpush bench: {w['preset']} x{w['layers']} layers, {w['inflight']} in flight, "
+        f"{report['host']['cpus']} CPUs"
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,383 @@
+"""Runs every mode, each in fresh child processes, and collects one report.
+
+Theory of operation. For a two-process mode the parent spawns a receiver and a sender
+(multiprocessing "spawn": no inherited NIXL or UCX state) joined by a pipe. The receiver
+allocates its cache and hands its metadata to the sender over that pipe. For each batch
+the sender tells the receiver which transfers to expect ("arm"); the receiver zeroes their
+destination blocks and answers; the sender writes them all, at most `inflight` at once,
+stamping each "blocks ready" time; the receiver stamps each "finished" time as it observes
+completion, then checksums what landed. Both clocks are CLOCK_MONOTONIC on one host.
+
+  aggregate GB/s = bytes of the batch / (last finished - first ready): wall time of the
+  whole batch, never a sum of per-transfer rates.
+
+Each side measures its own CPU time (getrusage, every thread of the process) across the
+batch. The parent only relays progress and kills children that outlive their deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import resource
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from kvpush.bench.modes import (
+    BenchFailed,
+    MemcpyPair,
+    ModeUnavailable,
+    Receiver,
+    Sender,
+    factories,
+)
+from kvpush.bench.workload import Plan, Workload, make_plan
+from kvpush.errors import KVPushError
+
+ALL_MODES = ("memcpy", "nixl-raw", "kvpush", "mooncake")
+PIPE_TIMEOUT_S = 120.0
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+def cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile; `q` in 0..100."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+def _recv(conn: Connection, timeout: float, what: str) -> Any:
+    if not conn.poll(timeout):
+        raise BenchFailed(f"no answer from the peer process within {timeout:.0f} s ({what})")
+    msg = conn.recv()
+    if isinstance(msg, tuple) and msg and msg[0] == "error":
+        raise BenchFailed(f"peer process failed: {msg[1]}")
+    return msg
+
+
+def plans(workload: Workload) -> list[Plan]:
+    """Warm-up, every size, then the 1-block control-plane rate run."""
+    out = [make_plan(workload, "warmup", 1, max(4, workload.inflight), first_tag=1)]
+    tag = 1000
+    for blocks in workload.sizes_blocks:
+        count = workload.iterations(blocks)
+        out.append(make_plan(workload, f"size:{blocks}", blocks, count, first_tag=tag))
+        tag += count
+    out.append(make_plan(workload, "rate", 1, workload.rate_transfers, first_tag=tag))
+    return out
+
+
+def _batch_result(
+    workload: Workload,
+    *,
+    plan: Plan,
+    submitted: dict[int, int],
+    finished: dict[int, int],
+    sender_cpu: float,
+    receiver_cpu: float | None,
+    src_crc: dict[tuple[int, ...], int],
+    dst_crc: dict[tuple[int, ...], int],
+) -> dict[str, Any]:
+    size = plan.blocks * workload.bytes_per_block
+    total = size * len(plan.transfers)
+    start = min(submitted.values())
+    end = max(finished.values())
+    wall = max(end - start, 1) / 1e9
+    lat = [(finished[t.tag] - submitted[t.tag]) / 1e3 for t in plan.transfers]
+    gb = total / 1e9
+    mismatched = [k for k in src_crc if dst_crc.get(k) != src_crc[k]]
+    return {
+        "label": plan.label,
+        "bytes": size,
+        "blocks": plan.blocks,
+        "descriptors": plan.blocks * workload.regions,
+        "transfers": len(plan.transfers),
+        "total_bytes": total,
+        "wall_s": wall,
+        "gbps": gb / wall,
+        "transfers_per_s": len(plan.transfers) / wall,
+        "p50_us": percentile(lat, 50),
+        "p99_us": percentile(lat, 99),
+        "sender_cpu_s_per_gb": sender_cpu / gb,
+        "receiver_cpu_s_per_gb": None if receiver_cpu is None else receiver_cpu / gb,
+        "checksums": {
+            "slots": len(src_crc),
+            "src": [src_crc[k] for k in src_crc],
+            "dst": [dst_crc.get(k) for k in src_crc],
+            "match": not mismatched,
+        },
+    }
+
+
+# ----------------------------------------------------------------- child processes
+
+
+def _receiver_main(mode: str, workload: Workload, peer: Connection) -> None:
+    rx: Receiver | None = None
+    try:
+        rx = factories(mode)[0](workload)
+        meta = rx.setup(peer)
+        peer.send(("meta", meta))
+        while True:
+            msg = _recv(peer, PIPE_TIMEOUT_S * 5, "receiver waiting for orders")
+            if msg[0] == "arm":
+                transfers = msg[1]
+                slots = {dst for _, dst in transfers}
+                for dst in slots:
+                    rx.buffers.zero(dst)
+                peer.send(("armed",))
+                cpu0 = cpu_seconds()
+                done = rx.wait({tag for tag, _ in transfers}, time.monotonic() + PIPE_TIMEOUT_S)
+                cpu = cpu_seconds() - cpu0
+                crcs = {dst: rx.buffers.checksum(dst) for dst in slots}
+                peer.send(("done", done, cpu, crcs))
+            elif msg[0] == "idle":
+                cpu0 = cpu_seconds()
+                rx.idle(float(msg[1]))
+                peer.send(("idled", cpu_seconds() - cpu0))
+            elif msg[0] == "stop":
+                break
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            peer.send(("error", f"receiver: {type(exc).__name__}: {exc}"))
+        if not isinstance(exc, KVPushError):
+            traceback.print_exc()
+    finally:
+        if rx is not None:
+            with contextlib.suppress(Exception):
+                rx.close()
+
+
+def _sender_main(mode: str, workload: Workload, peer: Connection, parent: Connection) -> None:
+    tx: Sender | None = None
+    try:
+        tx = factories(mode)[1](workload)
+        _, meta = _recv(peer, PIPE_TIMEOUT_S, "receiver metadata")
+        tx.setup(meta, peer)
+        for plan in plans(workload):
+            parent.send(("progress", plan.label))
+            slots = plan.slots
+            src_crc = {t.dst_blocks: tx.buffers.checksum(t.src_blocks) for t in slots}
+            peer.send(("arm", [(t.tag, t.dst_blocks) for t in plan.transfers]))
+            _recv(peer, PIPE_TIMEOUT_S, "receiver arming")
+            cpu0 = cpu_seconds()
+            submitted = tx.run_batch(
+                plan.transfers, workload.inflight, time.monotonic() + PIPE_TIMEOUT_S
+            )
+            cpu = cpu_seconds() - cpu0
+            _, finished, rx_cpu, dst_crc = _recv(peer, PIPE_TIMEOUT_S, "receiver completion")
+            if plan.label == "warmup":
+                continue
+            res = _batch_result(
+                workload,
+                plan=plan,
+                submitted=submitted,
+                finished=finished,
+                sender_cpu=cpu,
+                receiver_cpu=rx_cpu,
+                src_crc=src_crc,
+                dst_crc=dst_crc,
+            )
+            parent.send(("batch", res))
+        parent.send(("progress", "idle"))
+        peer.send(("idle", workload.idle_s))
+        _, idle_cpu = _recv(peer, PIPE_TIMEOUT_S, "receiver idling")
+        parent.send(("idle", 100.0 * idle_cpu / workload.idle_s))
+        peer.send(("stop",))
+        parent.send(("finished",))
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            kind = "skipped" if isinstance(exc, ModeUnavailable) else "error"
+            parent.send((kind, f"{type(exc).__name__}: {exc}"))
+        if not isinstance(exc, KVPushError):
+            traceback.print_exc()
+    finally:
+        if tx is not None:
+            with contextlib.suppress(Exception):
+                tx.close()
+
+
+def _memcpy_main(workload: Workload, parent: Connection) -> None:
+    try:
+        pair = MemcpyPair(workload)
+        pair.setup()
+        for plan in plans(workload):
+            parent.send(("progress", plan.label))
+            slots = plan.slots
+            src_crc = {t.dst_blocks: pair.buffers.checksum(t.src_blocks) for t in slots}
+            for t in slots:
+                pair.dst.zero(t.dst_blocks)
+            cpu0 = cpu_seconds()
+            submitted, finished = pair.run_batch(plan.transfers)
+            cpu = cpu_seconds() - cpu0
+            dst_crc = {t.dst_blocks: pair.dst.checksum(t.dst_blocks) for t in slots}
+            if plan.label == "warmup":
+                continue
+            res = _batch_result(
+                workload,
+                plan=plan,
+                submitted=submitted,
+                finished=finished,
+                sender_cpu=cpu,
+                receiver_cpu=None,
+                src_crc=src_crc,
+                dst_crc=dst_crc,
+            )
+            parent.send(("batch", res))
+        parent.send(("finished",))
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            parent.send(("error", f"{type(exc).__name__}: {exc}"))
+        traceback.print_exc()
+
+
+# ----------------------------------------------------------------- parent
+
+
+def _stop(procs: list[mp.process.BaseProcess]) -> None:
+    """Join every child; kill any that does not exit in time. Runs on every exit path."""
+    for p in procs:
+        p.join(timeout=5)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def run_mode(
+    mode: str,
+    workload: Workload,
+    *,
+    on_progress: ProgressFn | None = None,
+    step_offset: int = 0,
+    total_steps: int = 0,
+    deadline_s: float = 900.0,
+) -> dict[str, Any]:
+    """Run one mode in fresh processes; never raises for a mode failure, reports it."""
+    result: dict[str, Any] = {"mode": mode, "status": "ok", "reason": None, "sizes": []}
+    result |= {"rate": None, "idle_cpu_percent": None}
+    ctx = mp.get_context("spawn")
+    parent_end, child_end = ctx.Pipe()
+    procs: list[mp.process.BaseProcess] = []
+    try:
+        if mode == "memcpy":
+            procs.append(ctx.Process(target=_memcpy_main, args=(workload, child_end)))
+        else:
+            rx_end, tx_end = ctx.Pipe()
+            procs.append(ctx.Process(target=_receiver_main, args=(mode, workload, rx_end)))
+            procs.append(ctx.Process(target=_sender_main, args=(mode, workload, tx_end, child_end)))
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + deadline_s
+        step = step_offset
+        while True:
+            if not parent_end.poll(0.2):
+                if time.monotonic() > deadline:
+                    raise BenchFailed(f"mode {mode} did not finish within {deadline_s:.0f} s")
+                dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+                if dead or all(not p.is_alive() for p in procs):
+                    code = dead[0].exitcode if dead else 0
+                    if not parent_end.poll(0.5):
+                        raise BenchFailed(f"a {mode} child process exited (status {code})")
+                continue
+            msg = parent_end.recv()
+            kind = msg[0]
+            if kind == "progress":
+                step += 1
+                if on_progress is not None:
+                    on_progress(f"{mode} {msg[1]}", step, total_steps)
+            elif kind == "batch":
+                if msg[1]["label"] == "rate":
+                    result["rate"] = msg[1]
+                else:
+                    result["sizes"].append(msg[1])
+            elif kind == "idle":
+                result["idle_cpu_percent"] = msg[1]
+            elif kind == "skipped":
+                result |= {"status": "skipped", "reason": msg[1]}
+                break
+            elif kind == "error":
+                result |= {"status": "failed", "reason": msg[1]}
+                break
+            elif kind == "finished":
+                break
+    except BenchFailed as exc:
+        result |= {"status": "failed", "reason": str(exc)}
+    finally:
+        _stop(procs)
+        parent_end.close()
+        child_end.close()
+    return result
+
+
+def steps_per_mode(workload: Workload) -> int:
+    return len(plans(workload)) + 1
+
+
+def run_bench(
+    workload: Workload,
+    modes: tuple[str, ...] = ALL_MODES,
+    on_progress: ProgressFn | None = None,
+    skip: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Every mode in turn on the same workload; the report as a JSON-ready dict."""
+    import platform
+
+    per = steps_per_mode(workload)
+    total = per * len(modes)
+    report: dict[str, Any] = {
+        "kvpush_bench": 1,
+        "host": {"machine": platform.machine(), "node": platform.node(), "cpus": _cpus()},
+        "started_unix": time.time(),
+        "workload": workload.describe(),
+        "modes": [],
+    }
+    for i, mode in enumerate(modes):
+        if skip and mode in skip:
+            report["modes"].append(
+                {"mode": mode, "status": "skipped", "reason": skip[mode], "sizes": []}
+                | {"rate": None, "idle_cpu_percent": None}
+            )
+            continue
+        report["modes"].append(
+            run_mode(
+                mode, workload, on_progress=on_progress, step_offset=i * per, total_steps=total
+            )
+        )
+    report["elapsed_s"] = time.time() - report["started_unix"]
+    report["ratios"] = ratios(report)
+    return report
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+def ratios(report: dict[str, Any]) -> dict[str, dict[str, list[float | None]]]:
+    """GB/s of each mode over memcpy's and nixl-raw's, size by size."""
+    by_mode = {m["mode"]: {s["bytes"]: s["gbps"] for s in m["sizes"]} for m in report["modes"]}
+    out: dict[str, dict[str, list[float | None]]] = {}
+    for base in ("memcpy", "nixl-raw"):
+        if not by_mode.get(base):
+            continue
+        for mode, sizes in by_mode.items():
+            if mode == base or not sizes:
+                continue
+            row = [
+                (sizes[b] / by_mode[base][b]) if b in by_mode[base] else None for b in sorted(sizes)
+            ]
+            out.setdefault(mode, {})[f"vs_{base}"] = row
+    return out

@@ -1,0 +1,107 @@
+"""`kvpush bench`: memcpy, raw NIXL, kvpush and Mooncake, side by side on the same bytes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from kvpush.bench.report import format_table, write_plot
+from kvpush.bench.runner import ALL_MODES, run_bench
+from kvpush.bench.workload import PRESETS, make_workload, parse_size
+from kvpush.errors import ConfigError
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="measure KV transfer throughput, latency and CPU, every mode in one run",
+        description=__doc__,
+    )
+    p.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.1-8b")
+    p.add_argument("--layers", type=int, help="layers to keep (default: all; 8 with --quick)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    p.add_argument("--block-bytes", help="bytes of one block of one region (default: preset)")
+    p.add_argument("--context", type=int, help="largest transfer as a context length in tokens")
+    p.add_argument("--max-size", help="largest transfer, e.g. 1G (default 1G; 64M with --quick)")
+    p.add_argument("--sizes", help="explicit comma-separated transfer sizes, e.g. 2M,64M,1G")
+    p.add_argument("--inflight", type=int, default=4, help="transfers in flight (default 4)")
+    p.add_argument(
+        "--modes",
+        default=",".join(ALL_MODES),
+        help=f"comma-separated subset of {','.join(ALL_MODES)}",
+    )
+    p.add_argument("--quick", action="store_true", help="a small run, under a minute")
+    p.add_argument("--json", metavar="FILE", help="write the full report as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="plot GB/s against transfer size")
+    p.add_argument("--target", metavar="HOST:PORT", help="bench against a `kvpush endpoint`")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(run=run)
+
+
+class _ProgressBar:
+    """A one-line bar on stderr, shown only once the run has lasted a couple of seconds."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.started = time.monotonic()
+        self.drawn = False
+
+    def __call__(self, label: str, step: int, total: int) -> None:
+        if not self.enabled or time.monotonic() - self.started < 2.0 or total <= 0:
+            return
+        width = 30
+        filled = int(width * min(step, total) / total)
+        bar = "#" * filled + "." * (width - filled)
+        elapsed = time.monotonic() - self.started
+        sys.stderr.write(f"\r[{bar}] {step}/{total} {elapsed:5.0f}s {label:<28.28}")
+        sys.stderr.flush()
+        self.drawn = True
+
+    def finish(self) -> None:
+        if self.drawn:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def run(args: argparse.Namespace) -> int:
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    unknown = [m for m in modes if m not in ALL_MODES]
+    if unknown or not modes:
+        raise ConfigError(f"--modes {args.modes!r}: expected a subset of {','.join(ALL_MODES)}")
+    if args.target is not None:
+        from kvpush.bench.remote import check_target
+
+        check_target(args.target)
+    workload = make_workload(
+        preset=args.preset,
+        layers=args.layers,
+        block_size_tokens=args.block_size,
+        block_bytes=parse_size(args.block_bytes) if args.block_bytes else None,
+        context_tokens=args.context,
+        max_size_bytes=parse_size(args.max_size) if args.max_size else None,
+        sizes_bytes=[parse_size(s) for s in args.sizes.split(",")] if args.sizes else None,
+        inflight=args.inflight,
+        quick=args.quick,
+    )
+    for path in (args.json, args.plot):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ConfigError(f"cannot write {path}: its directory does not exist")
+    bar = _ProgressBar(enabled=not args.no_progress)
+    try:
+        report = run_bench(workload, modes, on_progress=bar)
+    finally:
+        bar.finish()
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        write_plot(report, args.plot)
+    bad = [
+        m["mode"]
+        for m in report["modes"]
+        if m["status"] == "failed" or any(not s["checksums"]["match"] for s in m["sizes"])
+    ]
+    return 1 if bad else 0
