@@ -1,0 +1,233 @@
+"""The side-channel client: fetch one rank's metadata, check it, never block past a deadline.
+
+Each fetch uses its own DEALER socket and a socket monitor, so that a refused connection
+(nothing listening) fails at once instead of waiting out the timeout while ZeroMQ retries
+in the background, and a server that drops us (a frame over its size cap) is noticed too.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvpush.errors import (
+    AuthenticationRefused,
+    IncompatiblePeer,
+    MalformedReply,
+    PeerUnreachable,
+    SideChannelError,
+    UnknownRank,
+)
+from kvpush.geometry import PROTOCOL_VERSION, CacheGeometry
+from kvpush.net import zmq_address
+from kvpush.sidechannel.wire import (
+    ROLES,
+    PeerMetadata,
+    Refusal,
+    ReplyHeader,
+    decode_geometry_leniently,
+    decode_header,
+    decode_metadata,
+    describe_differences,
+    encode_request,
+)
+
+_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    metadata: PeerMetadata
+    round_trip_s: float  # from connect to reply, as the caller saw it
+    compat_hash: str
+    peer_protocol_version: int
+    peer_kvpush_version: str
+
+
+def fetch_metadata(
+    host: str,
+    port: int,
+    rank: int = 0,
+    *,
+    timeout_ms: int = 2000,
+    token: str | None = None,
+    expect_compat_hash: str | None = None,
+    expect_geometry: CacheGeometry | None = None,
+) -> PeerMetadata:
+    """Fetch and check one rank's metadata from an engine's side channel.
+
+    Raises `PeerUnreachable` (refused, closed on us, or no answer within `timeout_ms`),
+    `AuthenticationRefused`, `IncompatiblePeer` (naming what differs), `UnknownRank` or
+    `MalformedReply`.
+    """
+    return fetch_metadata_timed(
+        host,
+        port,
+        rank,
+        timeout_ms=timeout_ms,
+        token=token,
+        expect_compat_hash=expect_compat_hash,
+        expect_geometry=expect_geometry,
+    ).metadata
+
+
+def fetch_metadata_timed(
+    host: str,
+    port: int,
+    rank: int = 0,
+    *,
+    timeout_ms: int = 2000,
+    token: str | None = None,
+    expect_compat_hash: str | None = None,
+    expect_geometry: CacheGeometry | None = None,
+    context: zmq.Context[zmq.Socket[bytes]] | None = None,
+) -> FetchResult:
+    """`fetch_metadata`, also returning the round trip and what the header said."""
+    if timeout_ms <= 0:
+        raise SideChannelError(f"timeout_ms must be positive, got {timeout_ms}")
+    if rank < 0:
+        raise UnknownRank(f"rank must be >= 0, got {rank}")
+    address = zmq_address(host, port)
+    where = f"{address} rank {rank}"
+    ctx = context if context is not None else zmq.Context.instance()
+    started = time.perf_counter()
+    deadline = started + timeout_ms / 1000
+    sock = ctx.socket(zmq.DEALER)
+    monitor: zmq.Socket[bytes] | None = None
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
+        monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        try:
+            sock.connect(address)
+        except zmq.ZMQError as exc:
+            raise PeerUnreachable(f"{where}: cannot connect: {exc.strerror}") from None
+        sock.send(encode_request(rank, token))
+        frames = _await_reply(sock, monitor, deadline, where, timeout_ms)
+        round_trip = time.perf_counter() - started
+    finally:
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+        sock.close(linger=0)
+    return _check_reply(
+        frames,
+        where=where,
+        rank=rank,
+        round_trip=round_trip,
+        expect_compat_hash=expect_compat_hash,
+        expect_geometry=expect_geometry,
+    )
+
+
+def _await_reply(
+    sock: zmq.Socket[bytes],
+    monitor: zmq.Socket[bytes],
+    deadline: float,
+    where: str,
+    timeout_ms: int,
+) -> list[bytes]:
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    connected = False
+    while True:
+        left_ms = int((deadline - time.perf_counter()) * 1000)
+        if left_ms <= 0:
+            state = "connected, but" if connected else "could not connect and"
+            raise PeerUnreachable(f"{where}: {state} no answer within {timeout_ms} ms")
+        ready = dict(poller.poll(left_ms))
+        if sock in ready:
+            return sock.recv_multipart()
+        if monitor in ready:
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                connected = True
+            elif event == zmq.EVENT_CONNECT_RETRIED and not connected:
+                raise PeerUnreachable(f"{where}: connection refused (is the endpoint running?)")
+            elif event == zmq.EVENT_DISCONNECTED:
+                if connected:
+                    raise PeerUnreachable(
+                        f"{where}: the peer closed the connection before answering"
+                    )
+                raise PeerUnreachable(f"{where}: could not connect (no route to the host?)")
+
+
+def _check_reply(
+    frames: list[bytes],
+    *,
+    where: str,
+    rank: int,
+    round_trip: float,
+    expect_compat_hash: str | None,
+    expect_geometry: CacheGeometry | None,
+) -> FetchResult:
+    if len(frames) != 2:
+        raise MalformedReply(f"{where}: expected a reply of 2 frames, got {len(frames)}")
+    header = decode_header(frames[0])
+    if header.status == "refused":
+        _raise_refusal(header, where)
+    if header.protocol_version != PROTOCOL_VERSION:
+        raise IncompatiblePeer(
+            f"{where}: protocol version differs: theirs {header.protocol_version} "
+            f"(kvpush {header.kvpush_version}), ours {PROTOCOL_VERSION}"
+        )
+    expected = expect_compat_hash
+    if expected is None and expect_geometry is not None:
+        expected = expect_geometry.compat_hash()
+    if expected is not None and header.compat_hash != expected:
+        raise IncompatiblePeer(
+            _incompatibility(header, frames[1], where, expected, expect_geometry)
+        )
+    meta = decode_metadata(frames[1])
+    if meta.geometry.compat_hash() != header.compat_hash:
+        raise MalformedReply(
+            f"{where}: the header's compat hash {header.compat_hash} does not match the "
+            f"payload's geometry ({meta.geometry.compat_hash()})"
+        )
+    if meta.rank != rank:
+        raise MalformedReply(f"{where}: asked for rank {rank}, the reply is for rank {meta.rank}")
+    if meta.role not in ROLES:
+        raise MalformedReply(f"{where}: unknown role {meta.role!r}: expected one of {ROLES}")
+    return FetchResult(
+        metadata=meta,
+        round_trip_s=round_trip,
+        compat_hash=header.compat_hash,
+        peer_protocol_version=header.protocol_version,
+        peer_kvpush_version=header.kvpush_version,
+    )
+
+
+def _raise_refusal(header: ReplyHeader, where: str) -> None:
+    message = f"{where}: {header.detail or header.refusal}"
+    if header.refusal == Refusal.AUTH_REFUSED:
+        raise AuthenticationRefused(message)
+    if header.refusal == Refusal.UNKNOWN_RANK:
+        raise UnknownRank(message)
+    if header.refusal == Refusal.MALFORMED_REQUEST:
+        raise SideChannelError(f"{where}: the peer could not read our request: {header.detail}")
+    raise SideChannelError(f"{where}: refused ({header.refusal}): {header.detail}")
+
+
+def _incompatibility(
+    header: ReplyHeader,
+    payload: bytes,
+    where: str,
+    expected: str,
+    ours: CacheGeometry | None,
+) -> str:
+    head = f"{where}: compatibility hash differs: theirs {header.compat_hash}, ours {expected}"
+    # Their geometry is read only to explain the refusal; none of their metadata is used.
+    theirs = decode_geometry_leniently(payload)
+    if theirs is None:
+        return head
+    if ours is None:
+        return (
+            f"{head}; theirs is layout {theirs.layout}, dtype {theirs.dtype}, block size "
+            f"{theirs.block_size_tokens} tokens, {len(theirs.regions)} regions, mode {theirs.mode}"
+        )
+    differences = describe_differences(theirs, ours)
+    return f"{head}; differs in {'; '.join(differences) or 'nothing we can name'}"

@@ -1,0 +1,311 @@
+"""The metadata server: one ZeroMQ ROUTER per engine, answering every rank by rank.
+
+Theory of operation. `start()` binds the ROUTER in the caller's thread (so a bad address
+or a port in use raises there, at once) and hands it to one server thread, which owns it
+from then on. The thread waits on the ROUTER and on an inproc wake-up socket, never on a
+timer, so an idle server costs nothing and `close()` takes effect at once. Each request
+is answered, refused with a reason, or dropped; nothing a client sends can stop the loop.
+
+A host that is a name is resolved here and every address it names is bound (ZeroMQ binds
+only interfaces and addresses); `::1` and other IPv6 literals need the socket's IPV6
+option, which is always on (an IPv4 address still binds IPv4 only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import itertools
+import logging
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import zmq
+
+from kvpush import __version__
+from kvpush.config import SideChannelConfig
+from kvpush.errors import ClosedError, ConfigError, SideChannelError
+from kvpush.net import bracket_host, check_port, unbracket_host, zmq_address
+from kvpush.sidechannel.wire import (
+    MalformedRequest,
+    PeerMetadata,
+    Refusal,
+    decode_request,
+    encode_ok,
+    encode_refusal,
+)
+
+log = logging.getLogger(__name__)
+
+RankSource = Mapping[int, PeerMetadata] | Callable[[], Mapping[int, PeerMetadata]]
+
+_JOIN_TIMEOUT_S = 5.0
+_server_ids = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class SideChannelStats:
+    """A snapshot of what a server has done since it started."""
+
+    served: int = 0  # metadata replies sent
+    refused_auth: int = 0  # refusals: missing or wrong token
+    refused_unknown_rank: int = 0  # refusals: no such rank
+    malformed: int = 0  # refusals: a request that was not (b"get_meta_msg", rank[, token])
+    dropped: int = 0  # not answered at all: wrong framing, over the size cap
+    unavailable: int = 0  # refusals: the rank source raised
+
+    @property
+    def refused(self) -> int:
+        return self.refused_auth + self.refused_unknown_rank + self.malformed + self.unavailable
+
+
+class MetadataServer:
+    """Serves `PeerMetadata` by rank on one port. Use `start()`/`close()` or `with`.
+
+    `ranks` is a mapping, or a callable returning one, called for every request (so an
+    engine can add ranks as they come up).
+    """
+
+    def __init__(self, host: str, port: int, config: SideChannelConfig, ranks: RankSource) -> None:
+        self._host = unbracket_host(host)
+        self._requested_port = check_port(port)
+        self._config = config
+        self._ranks = ranks
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._wake: zmq.Socket[bytes] | None = None
+        self._thread: threading.Thread | None = None
+        self._port: int | None = None
+        self._endpoints: list[str] = []
+        self._closed = False
+        self._stats_lock = threading.Lock()
+        self._counts = {f.name: 0 for f in dataclasses.fields(SideChannelStats)}
+        self._failure: BaseException | None = None
+        # rank -> (metadata object, encoded reply): encoding is skipped while it is unchanged
+        self._cache: dict[int, tuple[PeerMetadata, tuple[bytes, bytes]]] = {}
+
+    # --- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._closed:
+            raise ClosedError("this MetadataServer was closed; create a new one")
+        if self._thread is not None:
+            raise SideChannelError("MetadataServer.start() called twice")
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        router = context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.IPV6, 1)
+        # Larger frames make ZeroMQ drop the connection before we see a byte of them.
+        router.setsockopt(zmq.MAXMSGSIZE, self._config.max_frame_bytes)
+        # A client that never reads its replies must not make us queue without bound:
+        # past this, ROUTER drops replies to that client.
+        router.setsockopt(zmq.SNDHWM, 1000)
+        try:
+            self._bind(router)
+        except BaseException:
+            router.close(linger=0)
+            context.term()
+            raise
+        wake_addr = f"inproc://kvpush-sidechannel-wake-{next(_server_ids)}"
+        wake_recv = context.socket(zmq.PAIR)
+        wake_recv.bind(wake_addr)
+        wake_send = context.socket(zmq.PAIR)
+        wake_send.setsockopt(zmq.LINGER, 0)
+        wake_send.connect(wake_addr)
+        self._context, self._wake = context, wake_send
+        self._thread = threading.Thread(
+            target=self._serve,
+            args=(router, wake_recv),
+            name=f"kvpush-sidechannel-{self._port}",
+            daemon=True,
+        )
+        self._thread.start()
+        log.info("side channel serving on %s", ", ".join(self._endpoints))
+
+    def close(self) -> None:
+        """Stop serving and release the port. Idempotent; joins the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        thread, wake, context = self._thread, self._wake, self._context
+        if thread is not None and wake is not None:
+            wake.send(b"stop")
+            thread.join(_JOIN_TIMEOUT_S)
+            if thread.is_alive():
+                log.error("side channel thread did not stop within %.0f s", _JOIN_TIMEOUT_S)
+            wake.close(linger=0)
+        if context is not None and (thread is None or not thread.is_alive()):
+            context.term()
+        if self._failure is not None:
+            raise SideChannelError(
+                f"the side channel thread failed: {self._failure!r}"
+            ) from self._failure
+
+    def __enter__(self) -> MetadataServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- what it shows ---------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        """The bound port (the one picked when constructed with port 0)."""
+        if self._port is None:
+            raise SideChannelError("the side channel is not started: no port is bound yet")
+        return self._port
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The ZeroMQ addresses bound, one per address the host names."""
+        return list(self._endpoints)
+
+    def statistics(self) -> SideChannelStats:
+        with self._stats_lock:
+            return SideChannelStats(**self._counts)
+
+    # --- inside ---------------------------------------------------------------------
+
+    def _bind(self, router: zmq.Socket[bytes]) -> None:
+        addresses = _bind_addresses(self._host)
+        port = self._requested_port
+        for address in addresses:
+            endpoint = zmq_address(address, port) if port else _any_port(address)
+            try:
+                router.bind(endpoint)
+            except zmq.ZMQError as exc:
+                raise SideChannelError(
+                    f"cannot serve the side channel on {endpoint}: {exc.strerror}"
+                ) from None
+            bound = router.getsockopt(zmq.LAST_ENDPOINT)
+            assert isinstance(bound, bytes)
+            port = int(bound.decode().rsplit(":", 1)[1])
+            self._endpoints.append(zmq_address(address, port))
+        self._port = port
+
+    def _count(self, field: str) -> None:
+        with self._stats_lock:
+            self._counts[field] += 1
+
+    def _serve(self, router: zmq.Socket[bytes], wake: zmq.Socket[bytes]) -> None:
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if wake in ready:
+                    return
+                # Drain what is queued before polling again: cheaper under load.
+                for _ in range(256):
+                    try:
+                        frames = router.recv_multipart(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    self._handle(router, frames)
+        except Exception as exc:
+            # A bug, not a client's fault: serving stops, and close() re-raises it.
+            log.exception("side channel thread stopped by an unexpected error")
+            self._failure = exc
+        finally:
+            router.close(linger=0)
+            wake.close(linger=0)
+
+    def _handle(self, router: zmq.Socket[bytes], frames: list[bytes]) -> None:
+        # ROUTER prepends the client's identity: [identity, request]; DEALER and REQ-less
+        # clients send exactly one frame. REQ clients add an empty delimiter: accept it.
+        if len(frames) == 3 and frames[1] == b"":
+            identity, delimiter, body = frames[0], [b""], frames[2]
+        elif len(frames) == 2:
+            identity, delimiter, body = frames[0], [], frames[1]
+        else:
+            self._count("dropped")
+            return
+        if len(body) > self._config.max_frame_bytes:
+            self._count("dropped")
+            return
+        reply = self._reply_to(body)
+        try:
+            router.send_multipart([identity, *delimiter, *reply], zmq.NOBLOCK)
+        except zmq.Again:
+            self._count("dropped")
+        except zmq.ZMQError as exc:
+            log.debug("side channel reply not sent: %s", exc)
+
+    def _reply_to(self, body: bytes) -> tuple[bytes, bytes]:
+        try:
+            rank, token = decode_request(body)
+        except MalformedRequest as exc:
+            self._count("malformed")
+            return encode_refusal(Refusal.MALFORMED_REQUEST, str(exc), __version__)
+        expected_token = self._config.token
+        if expected_token is not None and (
+            token is None or not hmac.compare_digest(token.encode(), expected_token.encode())
+        ):
+            self._count("refused_auth")
+            problem = "no token given" if token is None else "wrong token"
+            return encode_refusal(
+                Refusal.AUTH_REFUSED,
+                f"{problem}: this side channel needs the shared token (--token-file or "
+                "KVPUSH_TOKEN)",
+                __version__,
+            )
+        try:
+            ranks = self._ranks() if callable(self._ranks) else self._ranks
+            meta = ranks.get(rank)
+            served = sorted(ranks)
+        except Exception as exc:
+            log.exception("side channel rank source failed")
+            self._count("unavailable")
+            return encode_refusal(
+                Refusal.UNAVAILABLE, f"metadata not available: {exc}", __version__
+            )
+        if meta is None:
+            self._count("refused_unknown_rank")
+            return encode_refusal(
+                Refusal.UNKNOWN_RANK,
+                f"no rank {rank} here: this engine serves ranks {_ranks_text(served)}",
+                __version__,
+            )
+        cached = self._cache.get(rank)
+        if cached is None or cached[0] is not meta:
+            cached = (meta, encode_ok(meta, __version__))
+            self._cache[rank] = cached
+        self._count("served")
+        return cached[1]
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if not ranks:
+        return "none (yet)"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"{ranks[0]}..{ranks[-1]}"
+    return ", ".join(str(r) for r in ranks)
+
+
+def _any_port(address: str) -> str:
+    return f"tcp://{bracket_host(address)}:*"
+
+
+def _bind_addresses(host: str) -> list[str]:
+    """The addresses to bind for `host`: itself when a literal or `*`, else what it names."""
+    if host in ("*", "0.0.0.0", "::"):
+        return [host]
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
+        return [host]
+    except OSError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot resolve side-channel host {host!r}: {exc.strerror}") from None
+    addresses: list[str] = []
+    for _family, _type, _proto, _name, sockaddr in infos:
+        address = str(sockaddr[0])
+        if address not in addresses:
+            addresses.append(address)
+    return addresses

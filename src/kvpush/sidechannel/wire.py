@@ -1,0 +1,189 @@
+"""The side channel's wire format. Pure encoding and decoding: no sockets, no threads.
+
+Request (one ZeroMQ frame, at most `SideChannelConfig.max_frame_bytes`):
+
+    msgpack array  (b"get_meta_msg", rank)          -- no authentication
+                   (b"get_meta_msg", rank, token)   -- token: str, the shared secret
+
+The token travels in clear text: it keeps strangers and misconfigured peers from reading
+a cache's addresses, it does not protect against someone who can read the network.
+
+Reply (two frames):
+
+    frame 1  msgpack array  [status, protocol_version, compat_hash, kvpush_version,
+                             refusal, detail]
+    frame 2  msgpack map    PeerMetadata (empty when status is "refused")
+
+The client reads frame 1 first and checks the protocol version and the compatibility
+hash before it decodes frame 2. Fields are only ever appended (old peers ignore them).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from kvpush.errors import MalformedReply
+from kvpush.geometry import PROTOCOL_VERSION, CacheGeometry
+
+GET_META_MSG = b"get_meta_msg"
+
+REQUEST_FORM = '(b"get_meta_msg", rank: int >= 0[, token: str])'
+
+
+class PeerMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """What one rank of an engine publishes on its side channel."""
+
+    engine_id: str
+    incarnation: str  # changes on every start of the process
+    rank: int
+    role: str  # "sender" | "receiver" | "both"
+    agent_name: str  # transport agent name; "" when no agent
+    agent_metadata: bytes  # what a peer's Transport.add_peer needs; b"" when no agent
+    geometry: CacheGeometry
+    kvpush_version: str
+    # Append new fields with defaults only.
+
+
+ROLES = ("sender", "receiver", "both")
+
+
+class Refusal(enum.StrEnum):
+    """Why a server answered without metadata. Travels on the wire: append only."""
+
+    UNKNOWN_RANK = "unknown_rank"
+    AUTH_REFUSED = "auth_refused"
+    MALFORMED_REQUEST = "malformed_request"
+    UNAVAILABLE = "unavailable"  # the server could not produce its metadata right now
+
+
+class ReplyHeader(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=False):
+    status: str  # "ok" | "refused"
+    protocol_version: int
+    compat_hash: str  # "" when refused
+    kvpush_version: str
+    refusal: str = ""  # a Refusal value when refused
+    detail: str = ""  # human-readable, for the refused peer's error message
+
+
+class MalformedRequest(Exception):
+    """A request that is not `REQUEST_FORM`; the message says what was wrong."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+# Requests are at most max_frame_bytes, so decoding any msgpack in them is cheap and
+# bounded; the element types are checked by hand to give a precise reason.
+_request_decoder = msgspec.msgpack.Decoder(tuple[Any, ...])
+_header_decoder = msgspec.msgpack.Decoder(ReplyHeader)
+_metadata_decoder = msgspec.msgpack.Decoder(PeerMetadata)
+
+
+def encode_request(rank: int, token: str | None = None) -> bytes:
+    if token is None:
+        return _encoder.encode((GET_META_MSG, rank))
+    return _encoder.encode((GET_META_MSG, rank, token))
+
+
+def decode_request(frame: bytes) -> tuple[int, str | None]:
+    """(rank, token) of a request, or `MalformedRequest` saying what is wrong with it."""
+    try:
+        items = _request_decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise MalformedRequest(f"not a msgpack {REQUEST_FORM}: {exc}") from None
+    if len(items) not in (2, 3):
+        raise MalformedRequest(f"expected {REQUEST_FORM}, got an array of {len(items)}")
+    if items[0] != GET_META_MSG:
+        raise MalformedRequest(f"expected {REQUEST_FORM}, got a first element {_short(items[0])}")
+    rank = items[1]
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise MalformedRequest(f"expected {REQUEST_FORM}, got rank {_short(rank)}")
+    token = items[2] if len(items) == 3 else None
+    if token is not None and not isinstance(token, str):
+        raise MalformedRequest(f"expected {REQUEST_FORM}, got a token of type bytes")
+    return rank, token
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def encode_ok(meta: PeerMetadata, kvpush_version: str) -> tuple[bytes, bytes]:
+    header = ReplyHeader(
+        status="ok",
+        protocol_version=PROTOCOL_VERSION,
+        compat_hash=meta.geometry.compat_hash(),
+        kvpush_version=kvpush_version,
+    )
+    return _encoder.encode(header), _encoder.encode(meta)
+
+
+def encode_refusal(refusal: Refusal, detail: str, kvpush_version: str) -> tuple[bytes, bytes]:
+    header = ReplyHeader(
+        status="refused",
+        protocol_version=PROTOCOL_VERSION,
+        compat_hash="",
+        kvpush_version=kvpush_version,
+        refusal=refusal.value,
+        detail=detail,
+    )
+    return _encoder.encode(header), b""
+
+
+def decode_header(frame: bytes) -> ReplyHeader:
+    try:
+        header = _header_decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise MalformedReply(f"reply header is not a side-channel header: {exc}") from None
+    if header.status not in ("ok", "refused"):
+        raise MalformedReply(f"reply header has unknown status {_short(header.status)}")
+    return header
+
+
+def decode_metadata(frame: bytes) -> PeerMetadata:
+    try:
+        return _metadata_decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise MalformedReply(f"reply payload is not valid peer metadata: {exc}") from None
+
+
+def decode_geometry_leniently(frame: bytes) -> CacheGeometry | None:
+    """Only the geometry of a payload, for explaining an incompatibility; None if unreadable."""
+
+    class _GeometryOnly(msgspec.Struct, forbid_unknown_fields=False):
+        geometry: CacheGeometry
+
+    try:
+        return msgspec.msgpack.decode(frame, type=_GeometryOnly).geometry
+    except msgspec.DecodeError:
+        return None
+
+
+def describe_differences(theirs: CacheGeometry, ours: CacheGeometry) -> list[str]:
+    """What differs between two geometries' compatibility fields, one phrase per field."""
+    their_fields, our_fields = theirs.compat_fields(), ours.compat_fields()
+    out: list[str] = []
+    for key, ours_value in our_fields.items():
+        their_value = their_fields.get(key)
+        if their_value == ours_value:
+            continue
+        if key == "regions":
+            out.append(_describe_region_difference(their_value, ours_value))
+        else:
+            out.append(f"{key}: theirs {their_value!r}, ours {ours_value!r}")
+    return out
+
+
+def _describe_region_difference(theirs: Any, ours: Any) -> str:
+    theirs, ours = list(theirs), list(ours)
+    if len(theirs) != len(ours):
+        return f"regions: theirs {len(theirs)}, ours {len(ours)}"
+    for i, (a, b) in enumerate(zip(theirs, ours, strict=True)):
+        if a != b:
+            return (
+                f"regions differ first at #{i}: theirs (name, layer, block_bytes) = "
+                f"{tuple(a)}, ours {tuple(b)}"
+            )
+    return "regions differ"
