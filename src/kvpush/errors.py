@@ -98,3 +98,21 @@ class TransferFailed(KVPushError):
         self.transfer_id = transfer_id
         self.reason = reason
         self.detail = detail
+
+
+class NotReady(KVPushError):
+    """A freshly started server did not pass a readiness check before its deadline."""
+
+    def __init__(self, check: str, detail: str) -> None:
+        super().__init__(f"{check}: {detail}")
+        self.check = check
+        self.detail = detail
+
+
+class ServerExited(NotReady):
+    """The server process ended before it was ready; `returncode` is None when unknown."""
+
+    def __init__(self, pid: int, returncode: int | None, detail: str) -> None:
+        super().__init__("process", detail)
+        self.pid = pid
+        self.returncode = returncode
