@@ -15,6 +15,7 @@ code an engine author would write against that library.
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -238,7 +239,12 @@ class NixlRawSender:
 # --------------------------------------------------------------------------- mooncake
 
 
+MOONCAKE_MAX_OUTSTANDING = 1024
+
+
 def load_mooncake() -> Any:
+    # Its glog INFO lines (one per batch) would drown the bench's own output.
+    os.environ.setdefault("GLOG_minloglevel", "2")
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:
@@ -326,27 +332,47 @@ class MooncakeSender:
         engine = self.engine
         bases = self.buffers.bases()
         length = self.workload.block_bytes
+        # Mooncake's TCP lane rejects work once about 1024 slices are queued (it logs
+        # "queue-full rejection" and fails the batch), so it gets at most that many
+        # descriptors outstanding, in sub-batches; waits are in submission order.
+        cap = MOONCAKE_MAX_OUTSTANDING
         pending = deque(transfers)
-        active: deque[tuple[int, int]] = deque()
+        active: deque[tuple[int, int, int, bool]] = deque()  # tag, batch, descs, last
+        outstanding = 0
+        transfers_open: set[int] = set()
         submitted: dict[int, int] = {}
-        while pending or active:
-            while pending and len(active) < inflight:
-                t = pending.popleft()
-                submitted[t.tag] = time.monotonic_ns()
-                src, dst = descriptor_arrays(self.workload, bases, self.peer_bases, t)
-                n = len(src)
+        chunks: deque[tuple[int, list[int], list[int], bool]] = deque()
+        while pending or active or chunks:
+            while (pending or chunks) and (len(transfers_open) < inflight or chunks):
+                if not chunks:
+                    t = pending.popleft()
+                    submitted[t.tag] = time.monotonic_ns()
+                    transfers_open.add(t.tag)
+                    src, dst = descriptor_arrays(self.workload, bases, self.peer_bases, t)
+                    s_all, d_all = src[:, 0].tolist(), dst[:, 0].tolist()
+                    for i in range(0, len(s_all), cap):
+                        last = i + cap >= len(s_all)
+                        chunks.append((t.tag, s_all[i : i + cap], d_all[i : i + cap], last))
+                tag, s_part, d_part, last = chunks[0]
+                if outstanding + len(s_part) > cap and active:
+                    break
+                chunks.popleft()
                 batch = engine.batch_transfer_async_write(
-                    self.session, src[:, 0].tolist(), dst[:, 0].tolist(), [length] * n
+                    self.session, s_part, d_part, [length] * len(s_part)
                 )
                 if batch == 0:
-                    raise BenchFailed(f"mooncake: batch_transfer_async_write({t.tag}) failed")
-                active.append((t.tag, batch))
+                    raise BenchFailed(f"mooncake: batch_transfer_async_write({tag}) failed")
+                active.append((tag, batch, len(s_part), last))
+                outstanding += len(s_part)
             # Blocks until the oldest batch completes (0) or fails/times out (< 0).
-            tag, batch = active.popleft()
+            tag, batch, n, last = active.popleft()
             rc = engine.get_batch_transfer_status([batch])
+            outstanding -= n
             if rc != 0:
                 raise BenchFailed(f"mooncake: transfer {tag} failed (status {rc})")
-            self.peer.send(("landed", [tag]))
+            if last:
+                transfers_open.discard(tag)
+                self.peer.send(("landed", [tag]))
             _check_deadline(deadline, "mooncake sender batch")
         return submitted
 
