@@ -1,0 +1,131 @@
+"""`kvpush bench`: the report's shape and the integrity of the bytes, never the speed.
+
+One real `kvpush bench --quick` run (real child processes, real NIXL over UCX, real
+Mooncake where installed) is shared by the tests of its report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+MODES = ("memcpy", "nixl-raw", "kvpush", "mooncake")
+
+
+def _kvpush(*args: str, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvpush", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench")
+    json_path, plot_path = out / "report.json", out / "bench.png"
+    proc = _kvpush(
+        "bench", "--quick", "--no-progress", "--json", str(json_path), "--plot", str(plot_path)
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return {
+        "report": json.loads(json_path.read_text()),
+        "stdout": proc.stdout,
+        "plot": plot_path,
+    }
+
+
+@pytest.mark.nixl
+def test_every_mode_has_a_figure_or_a_reason(quick_run: dict[str, Any]) -> None:
+    report = quick_run["report"]
+    assert {"workload", "modes", "ratios", "host", "elapsed_s"} <= set(report)
+    assert [m["mode"] for m in report["modes"]] == list(MODES)
+    for m in report["modes"]:
+        assert m["status"] in ("ok", "skipped", "failed"), m
+        if m["status"] == "ok":
+            assert m["reason"] is None
+            assert [s["bytes"] for s in m["sizes"]] == report["workload"]["sizes_bytes"]
+        else:
+            assert isinstance(m["reason"], str) and m["reason"], m
+    by_mode = {m["mode"]: m for m in report["modes"]}
+    # The two baselines must always run: without them no ratio means anything.
+    assert by_mode["memcpy"]["status"] == "ok", by_mode["memcpy"]
+    assert by_mode["nixl-raw"]["status"] == "ok", by_mode["nixl-raw"]
+    assert by_mode["mooncake"]["status"] != "failed", by_mode["mooncake"]
+    if importlib.util.find_spec("mooncake") is not None:
+        assert by_mode["mooncake"]["status"] == "ok", by_mode["mooncake"]
+    if importlib.util.find_spec("kvpush.runtime") is not None:
+        assert by_mode["kvpush"]["status"] == "ok", by_mode["kvpush"]
+
+
+@pytest.mark.nixl
+def test_bytes_arrived_intact_in_every_mode(quick_run: dict[str, Any]) -> None:
+    for m in quick_run["report"]["modes"]:
+        for s in m["sizes"] + ([m["rate"]] if m["rate"] else []):
+            sums = s["checksums"]
+            assert sums["slots"] >= 1
+            assert sums["src"] == sums["dst"], (m["mode"], s["bytes"])
+            assert sums["match"] is True
+
+
+@pytest.mark.nixl
+def test_throughput_is_bytes_over_batch_wall_time(quick_run: dict[str, Any]) -> None:
+    """GB/s must come from the whole batch's wall time, never from summed per-transfer rates."""
+    report = quick_run["report"]
+    per_block = report["workload"]["bytes_per_block"]
+    regions = report["workload"]["regions"]
+    for m in report["modes"]:
+        for s in m["sizes"]:
+            assert s["total_bytes"] == s["bytes"] * s["transfers"]
+            assert math.isclose(s["gbps"], s["total_bytes"] / s["wall_s"] / 1e9, rel_tol=1e-9)
+            assert s["descriptors"] == s["blocks"] * regions
+            assert s["bytes"] == s["blocks"] * per_block
+            assert 0 < s["p50_us"] <= s["p99_us"]
+            # The batch cannot take less wall time than its slowest single transfer.
+            assert s["wall_s"] * 1e6 >= s["p99_us"] * 0.999
+        if m["status"] == "ok" and m["mode"] != "memcpy":
+            assert m["rate"]["blocks"] == 1
+            assert m["idle_cpu_percent"] is not None and m["idle_cpu_percent"] >= 0
+
+
+@pytest.mark.nixl
+def test_table_and_plot_are_written(quick_run: dict[str, Any]) -> None:
+    stdout = quick_run["stdout"]
+    for mode in MODES:
+        assert mode in stdout
+    assert "GB/s" in stdout and "p99 us" in stdout
+    assert quick_run["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--modes", "memcpy,rdma"], "--modes 'memcpy,rdma': expected a subset of"),
+        (["--layers", "0"], "--layers 0 out of range"),
+        (["--max-size", "lots"], "bad size 'lots'"),
+        (["--inflight", "0"], "--inflight 0: expected 1..256"),
+        (["--sizes", "8G"], "exceeds 4 GiB per side"),
+        (["--target", "::1:5000"], "an IPv6 host must be bracketed"),
+        (["--json", "/nonexistent-dir/x.json"], "its directory does not exist"),
+    ],
+)
+def test_bad_input_is_refused_with_the_reason(args: list[str], expected: str) -> None:
+    proc = _kvpush("bench", "--quick", *args, timeout=30)
+    assert proc.returncode == 1, proc.stderr
+    assert expected in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+
+
+def test_unknown_preset_is_a_usage_error(tmp_path: Path) -> None:
+    proc = _kvpush("bench", "--preset", "gpt-5", timeout=30)
+    assert proc.returncode == 2
+    assert "invalid choice: 'gpt-5'" in proc.stderr
