@@ -1,0 +1,62 @@
+"""The push protocol without I/O: wire messages and the two sides' state machines.
+
+`messages` defines what travels between a sender and a receiver; `state` holds every
+transition (read its docstring for the theory of operation). Nothing in this package
+opens a socket, starts a thread or reads a clock.
+"""
+
+from kvpush.protocol.messages import (
+    PROTOCOL_VERSION,
+    Cancel,
+    CancelAck,
+    Done,
+    Failed,
+    Heartbeat,
+    Message,
+    Register,
+    Reject,
+    decode,
+    encode,
+)
+from kvpush.protocol.state import (
+    DropPeer,
+    Effect,
+    Handshake,
+    LocalIdentity,
+    PushProtocol,
+    ReceiverProtocol,
+    ReceiverState,
+    SenderProtocol,
+    SenderState,
+    SendMessage,
+    Side,
+    TransferEnded,
+    WriteBlocks,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Cancel",
+    "CancelAck",
+    "Done",
+    "DropPeer",
+    "Effect",
+    "Failed",
+    "Handshake",
+    "Heartbeat",
+    "LocalIdentity",
+    "Message",
+    "PushProtocol",
+    "ReceiverProtocol",
+    "ReceiverState",
+    "Register",
+    "Reject",
+    "SendMessage",
+    "SenderProtocol",
+    "SenderState",
+    "Side",
+    "TransferEnded",
+    "WriteBlocks",
+    "decode",
+    "encode",
+]

@@ -1,0 +1,585 @@
+"""Sans-IO tests of the push protocol: real state machines wired by a fake wire.
+
+`Wire` carries the effects of one `PushProtocol` to another: messages go through a
+queue the test controls (deliver, drop, duplicate, reorder), writes really copy bytes
+between per-endpoint block memories when the test lets them land. Each endpoint is named
+by its agent name, as on the data plane, so a restart is a new endpoint with the same
+engine id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+
+from kvpush.config import TimingConfig
+from kvpush.errors import FailureReason, LocalProtocolError, RemoteProtocolError
+from kvpush.protocol import (
+    Cancel,
+    CancelAck,
+    Done,
+    DropPeer,
+    Effect,
+    Handshake,
+    Heartbeat,
+    LocalIdentity,
+    PushProtocol,
+    ReceiverState,
+    Register,
+    SenderState,
+    SendMessage,
+    TransferEnded,
+    WriteBlocks,
+    decode,
+    encode,
+)
+
+TIMING = TimingConfig(
+    heartbeat_interval_s=0.5, liveness_timeout_s=3.0, lease_s=5.0, transfer_deadline_s=60.0
+)
+NUM_LAYERS = 2
+NUM_BLOCKS = 16
+
+
+@dataclass
+class InFlightWrite:
+    src: str
+    write: WriteBlocks
+    issued_at: float
+
+
+class Wire:
+    """Endpoints plus the network between them, driven step by step by a test."""
+
+    def __init__(self, timing: TimingConfig = TIMING, num_layers: int = NUM_LAYERS) -> None:
+        self.timing = timing
+        self.num_layers = num_layers
+        self.now = 0.0
+        self.ends: dict[str, PushProtocol] = {}
+        self.engine_of: dict[str, str] = {}
+        self.memory: dict[str, list[list[bytes]]] = {}
+        self.queue: list[tuple[str, str, bytes]] = []
+        self.writes: list[InFlightWrite] = []
+        self.results: dict[str, list[TransferEnded]] = {}
+        self.dropped_peers: dict[str, list[DropPeer]] = {}
+        self.handshakes: list[tuple[str, Handshake]] = []
+        self.dead: set[str] = set()
+        self.auto_handshake = True
+        self.write_log: list[tuple[str, str, str, tuple[int, ...]]] = []  # src, dst, tid, blocks
+
+    # ----- endpoints
+
+    def add(self, agent: str, engine_id: str, incarnation: str = "1") -> PushProtocol:
+        ident = LocalIdentity(engine_id, incarnation, "127.0.0.1", 5000 + len(self.ends), 0)
+        proto = PushProtocol(ident, self.timing, self.num_layers)
+        self.ends[agent] = proto
+        self.engine_of[agent] = engine_id
+        # Block b of layer l holds a pattern naming its owner, so content checks are exact.
+        self.memory[agent] = [
+            [f"{agent}:L{layer}:B{b}".encode() for b in range(NUM_BLOCKS)]
+            for layer in range(self.num_layers)
+        ]
+        self.results[agent] = []
+        self.dropped_peers[agent] = []
+        return proto
+
+    def kill(self, agent: str) -> None:
+        self.dead.add(agent)
+        self.queue = [m for m in self.queue if m[0] != agent]
+        self.writes = [w for w in self.writes if w.src != agent]
+
+    # ----- effects
+
+    def apply(self, src: str, effects: Sequence[Effect]) -> None:
+        for eff in effects:
+            match eff:
+                case SendMessage(peer=peer, message=msg):
+                    self.queue.append((src, peer, encode(msg)))
+                case WriteBlocks():
+                    self.writes.append(InFlightWrite(src, eff, self.now))
+                case Handshake():
+                    self.handshakes.append((src, eff))
+                    if self.auto_handshake:
+                        self.apply(src, self.ends[src].sender.peer_ready(self.now, eff.peer))
+                case DropPeer():
+                    self.dropped_peers[src].append(eff)
+                case TransferEnded():
+                    seen = [r for r in self.results[src] if r.transfer_id == eff.transfer_id]
+                    assert not [r for r in seen if r.side == eff.side], f"reported twice: {eff}"
+                    self.results[src].append(eff)
+
+    # ----- engine calls, as effects applied at once
+
+    def expect(self, d: str, tid: str, p: str, blocks: Sequence[int], offset: int = 0) -> None:
+        effects = self.ends[d].receiver.expect(
+            self.now, tid, p, self.engine_of[p], blocks, sender_offset=offset
+        )
+        self.apply(d, effects)
+
+    def submit(
+        self, p: str, tid: str, blocks: Sequence[int], layers: Sequence[int] | None = None
+    ) -> None:
+        self.apply(p, self.ends[p].sender.submit(self.now, tid, blocks, layers))
+
+    # ----- the network
+
+    def deliver(self, index: int = 0) -> None:
+        src, dst, payload = self.queue.pop(index)
+        if dst in self.dead:
+            return
+        self.apply(dst, self.ends[dst].receive_message(self.now, src, payload))
+
+    def complete_write(self, index: int = 0, ok: bool = True) -> None:
+        w = self.writes.pop(index)
+        wb = w.write
+        if ok:
+            layers = range(self.num_layers) if wb.layers is None else wb.layers
+            for layer in layers:
+                for ours, theirs in zip(wb.our_blocks, wb.their_blocks, strict=True):
+                    self.memory[wb.peer][layer][theirs] = self.memory[w.src][layer][ours]
+            self.write_log.append((w.src, wb.peer, wb.transfer_id, wb.their_blocks))
+            self.apply(w.src, self.ends[w.src].sender.write_done(self.now, wb.write_id))
+        else:
+            effects = self.ends[w.src].sender.write_failed(
+                self.now, wb.write_id, FailureReason.WRITE_ERROR, "injected"
+            )
+            self.apply(w.src, effects)
+
+    def settle(self, max_steps: int = 1000) -> None:
+        """Deliver every message and land every write, until nothing moves."""
+        for _ in range(max_steps):
+            if self.queue:
+                self.deliver()
+            elif self.writes:
+                self.complete_write()
+            else:
+                return
+        raise AssertionError("the wire did not settle")
+
+    def advance(self, dt: float, settle: bool = True) -> None:
+        self.now += dt
+        for agent, proto in self.ends.items():
+            if agent not in self.dead:
+                self.apply(agent, proto.tick(self.now))
+        if settle:
+            self.settle()
+
+    def run_for(self, seconds: float, step: float = 0.25) -> None:
+        end = self.now + seconds
+        while self.now < end:
+            self.advance(step)
+
+    def ended(self, agent: str, tid: str) -> TransferEnded:
+        [r] = [r for r in self.results[agent] if r.transfer_id == tid]
+        return r
+
+    def sent(self, src: str, kind: type) -> list[object]:
+        return [decode(m[2]) for m in self.queue if m[0] == src and isinstance(decode(m[2]), kind)]
+
+
+@pytest.fixture
+def wire() -> Wire:
+    w = Wire()
+    w.add("p-1", "engine-p")
+    w.add("d-1", "engine-d")
+    return w
+
+
+def assert_block_copied(w: Wire, p: str, our: int, d: str, their: int) -> None:
+    for layer in range(w.num_layers):
+        assert w.memory[d][layer][their] == f"{p}:L{layer}:B{our}".encode()
+
+
+# --------------------------------------------------------------------------- happy paths
+
+
+def test_registration_before_sender_ready(wire: Wire) -> None:
+    wire.expect("d-1", "t1", "p-1", [7, 8])
+    wire.settle()
+    assert wire.ends["p-1"].sender.state_of("t1") is SenderState.REGISTERED
+    assert wire.ends["p-1"].sender.held_blocks() == {}
+    wire.submit("p-1", "t1", [1, 2])
+    wire.settle()
+    assert wire.ended("p-1", "t1").ok and wire.ended("d-1", "t1").ok
+    assert_block_copied(wire, "p-1", 1, "d-1", 7)
+    assert_block_copied(wire, "p-1", 2, "d-1", 8)
+    assert wire.ends["p-1"].sender.held_blocks() == {}
+    assert wire.ends["d-1"].receiver.held_blocks() == {}
+
+
+def test_registration_after_sender_ready(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [3, 4, 5])
+    assert wire.ends["p-1"].sender.state_of("t1") is SenderState.AWAITING_REGISTER
+    wire.expect("d-1", "t1", "p-1", [0, 1, 2])
+    wire.settle()
+    assert wire.ended("p-1", "t1").ok and wire.ended("d-1", "t1").ok
+    for ours, theirs in [(3, 0), (4, 1), (5, 2)]:
+        assert_block_copied(wire, "p-1", ours, "d-1", theirs)
+
+
+def test_layer_by_layer_push_writes_each_layer_once_and_finishes_after_the_last(
+    wire: Wire,
+) -> None:
+    wire.submit("p-1", "t1", [1, 2], layers=[])
+    wire.expect("d-1", "t1", "p-1", [5, 6])
+    wire.settle()
+    assert wire.write_log == [] and wire.results["d-1"] == []
+    wire.apply("p-1", wire.ends["p-1"].sender.layers_ready(wire.now, "t1", [0]))
+    wire.settle()
+    assert wire.memory["d-1"][0][5] == b"p-1:L0:B1"
+    assert wire.memory["d-1"][1][5] == b"d-1:L1:B5"  # layer 1 not written yet
+    assert wire.results["d-1"] == []
+    wire.apply("p-1", wire.ends["p-1"].sender.layers_ready(wire.now, "t1", [1, 0]))
+    wire.settle()
+    assert len(wire.write_log) == 2
+    assert wire.ended("d-1", "t1").ok
+    assert_block_copied(wire, "p-1", 2, "d-1", 6)
+
+
+def test_partial_prefix_hit_maps_the_sender_tail_onto_the_receiver_blocks(wire: Wire) -> None:
+    # The receiver already has the first 2 of 5 blocks cached; it registers the last 3.
+    wire.submit("p-1", "t1", [10, 11, 12, 13, 14])
+    wire.expect("d-1", "t1", "p-1", [3, 9, 4], offset=2)
+    wire.settle()
+    assert wire.ended("d-1", "t1").ok
+    assert_block_copied(wire, "p-1", 12, "d-1", 3)
+    assert_block_copied(wire, "p-1", 13, "d-1", 9)
+    assert_block_copied(wire, "p-1", 14, "d-1", 4)
+    # Nothing else of the receiver was touched.
+    untouched = [b for b in range(NUM_BLOCKS) if b not in (3, 9, 4)]
+    for b in untouched:
+        assert wire.memory["d-1"][0][b] == f"d-1:L0:B{b}".encode()
+
+
+def test_full_prefix_hit_writes_nothing_and_frees_the_sender_at_once(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1, 2, 3], layers=[])  # not even computed yet
+    wire.expect("d-1", "t1", "p-1", [], offset=3)
+    wire.deliver()  # the Register
+    assert wire.ended("p-1", "t1").ok
+    assert wire.ended("p-1", "t1").blocks == (1, 2, 3)
+    assert wire.writes == []
+    wire.settle()
+    assert wire.ended("d-1", "t1").ok
+
+
+def test_prefix_mapping_that_does_not_add_up_fails_both_sides(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1, 2, 3])
+    wire.expect("d-1", "t1", "p-1", [5, 6, 7], offset=1)
+    wire.settle()
+    for agent in ("p-1", "d-1"):
+        r = wire.ended(agent, "t1")
+        assert r.reason is FailureReason.MALFORMED_MESSAGE
+    assert "offset 1" in wire.ended("p-1", "t1").detail
+    assert wire.write_log == []
+
+
+# --------------------------------------------------------------------------- rejects
+
+
+def test_receiver_rejects_before_allocating_and_the_sender_frees_at_once(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1, 2])
+    wire.apply("d-1", wire.ends["d-1"].receiver.reject(wire.now, "t1", "p-1", "out of memory"))
+    wire.settle()
+    r = wire.ended("p-1", "t1")
+    assert r.reason is FailureReason.REJECTED and "out of memory" in r.detail
+    assert wire.ends["p-1"].sender.held_blocks() == {}
+    assert wire.results["d-1"] == []
+
+
+def test_reject_that_arrives_before_submit_fails_the_submit_at_once(wire: Wire) -> None:
+    wire.apply("d-1", wire.ends["d-1"].receiver.reject(wire.now, "t1", "p-1", "busy"))
+    wire.settle()
+    wire.submit("p-1", "t1", [1])
+    assert wire.ended("p-1", "t1").reason is FailureReason.REJECTED
+
+
+# --------------------------------------------------------------------------- duplicates etc.
+
+
+def test_duplicate_register_and_done_are_harmless(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1])
+    wire.expect("d-1", "t1", "p-1", [2])
+    wire.queue.append(wire.queue[0])  # Register twice
+    wire.settle()
+    assert len(wire.write_log) == 1
+    done = encode(Done("t1", 1))
+    wire.apply("d-1", wire.ends["d-1"].receive_message(wire.now, "p-1", done))
+    assert len(wire.results["d-1"]) == 1  # the Wire asserts "not twice" on every report
+
+
+def test_lost_register_is_sent_again(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1])
+    wire.expect("d-1", "t1", "p-1", [2])
+    wire.queue.clear()  # the Register is lost
+    wire.run_for(1.0)
+    assert wire.ended("d-1", "t1").ok and wire.ended("p-1", "t1").ok
+
+
+def test_lost_done_is_sent_again_when_the_receiver_still_waits(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1])
+    wire.expect("d-1", "t1", "p-1", [2])
+    wire.deliver()  # Register
+    wire.complete_write()
+    assert wire.ended("p-1", "t1").ok
+    wire.queue = [m for m in wire.queue if not isinstance(decode(m[2]), Done)]
+    wire.run_for(1.5)
+    assert wire.ended("d-1", "t1").ok
+
+
+def test_cancel_that_overtakes_its_register_keeps_the_sender_from_writing(wire: Wire) -> None:
+    wire.expect("d-1", "t1", "p-1", [2])
+    wire.apply("d-1", wire.ends["d-1"].receiver.abort(wire.now, "t1"))
+    assert isinstance(decode(wire.queue[1][2]), Cancel)
+    wire.deliver(1)  # Cancel first
+    wire.settle()  # then the Register, then the ack
+    wire.submit("p-1", "t1", [1])
+    wire.settle()
+    assert wire.write_log == []
+    assert wire.ended("p-1", "t1").reason is FailureReason.CANCELLED
+    assert wire.ended("d-1", "t1").reason is FailureReason.CANCELLED
+
+
+def test_late_done_after_the_receiver_ended_is_ignored(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1])
+    wire.expect("d-1", "t1", "p-1", [2])
+    wire.settle()
+    late = encode(Done("t1", 1))
+    wire.run_for(1.0)
+    wire.apply("d-1", wire.ends["d-1"].receive_message(wire.now, "p-1", late))
+    assert [r.transfer_id for r in wire.results["d-1"]] == ["t1"]
+
+
+def test_done_from_another_peer_than_the_registered_sender_is_ignored(wire: Wire) -> None:
+    wire.add("p-2", "engine-q")
+    wire.submit("p-1", "t1", [1])
+    wire.expect("d-1", "t1", "p-1", [2])
+    forged = encode(Done("t1", 1))
+    wire.apply("d-1", wire.ends["d-1"].receive_message(wire.now, "p-2", forged))
+    assert wire.results["d-1"] == []
+    wire.settle()
+    assert wire.ended("d-1", "t1").ok
+
+
+# --------------------------------------------------------------------------- aborts, failures
+
+
+def test_receiver_abort_mid_write_fences_its_blocks_until_the_sender_acks(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1, 2])
+    wire.expect("d-1", "t1", "p-1", [3, 4])
+    wire.deliver()  # Register: the write is now in flight
+    assert len(wire.writes) == 1
+    wire.apply("d-1", wire.ends["d-1"].receiver.abort(wire.now, "t1"))
+    assert wire.ends["d-1"].receiver.state_of("t1") is ReceiverState.FENCING
+    wire.settle()  # Cancel reaches the sender; the write lands; only then the ack
+    ack_order = [(src, type(decode(p))) for src, _, p in wire.queue]
+    assert ack_order == []
+    assert wire.ended("p-1", "t1").reason is FailureReason.CANCELLED
+    r = wire.ended("d-1", "t1")
+    assert r.reason is FailureReason.CANCELLED and r.blocks == (3, 4)
+
+
+def test_cancel_ack_is_sent_only_after_the_in_flight_write_finished(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1])
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.deliver()
+    wire.apply("d-1", wire.ends["d-1"].receiver.abort(wire.now, "t1"))
+    wire.deliver()  # the Cancel, while the write is still in flight
+    assert wire.sent("p-1", CancelAck) == []
+    assert wire.results["p-1"] == []
+    wire.complete_write()
+    assert len(wire.sent("p-1", CancelAck)) == 1
+    assert wire.ended("p-1", "t1").reason is FailureReason.CANCELLED
+    assert wire.results["d-1"] == []  # still fenced until the ack arrives
+    wire.settle()
+    assert wire.ended("d-1", "t1").reason is FailureReason.CANCELLED
+
+
+def test_sender_abort_tells_the_receiver_which_frees_at_once(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1])
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.deliver()
+    wire.apply("p-1", wire.ends["p-1"].sender.abort(wire.now, "t1"))
+    assert wire.results["p-1"] == []  # waits for the in-flight write
+    wire.settle()
+    assert wire.ended("p-1", "t1").reason is FailureReason.CANCELLED
+    assert wire.ended("d-1", "t1").reason is FailureReason.CANCELLED
+
+
+def test_failed_write_is_told_to_the_receiver(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1])
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.deliver()
+    wire.complete_write(ok=False)
+    wire.settle()
+    assert wire.ended("p-1", "t1").reason is FailureReason.WRITE_ERROR
+    r = wire.ended("d-1", "t1")
+    assert r.reason is FailureReason.WRITE_ERROR and "injected" in r.detail
+
+
+def test_sender_dies_the_receiver_fails_within_liveness_plus_fence(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1])
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.deliver()
+    wire.kill("p-1")
+    wire.run_for(TIMING.liveness_timeout_s + 0.25)
+    assert wire.ends["d-1"].receiver.state_of("t1") is ReceiverState.FENCING
+    assert [d.peer for d in wire.dropped_peers["d-1"]] == ["p-1"]
+    assert wire.results["d-1"] == []
+    wire.run_for(wire.ends["d-1"].receiver.fence_s)
+    r = wire.ended("d-1", "t1")
+    assert r.reason is FailureReason.PEER_TIMEOUT and r.blocks == (3,)
+
+
+def test_sender_certainly_gone_ends_receiver_transfers_at_once(wire: Wire) -> None:
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.kill("p-1")
+    effects = wire.ends["d-1"].peer_lost(wire.now, "p-1", FailureReason.PEER_GONE, "killed")
+    wire.apply("d-1", effects)
+    assert wire.ended("d-1", "t1").reason is FailureReason.PEER_GONE
+
+
+def test_receiver_dies_the_sender_frees_its_blocks_within_liveness(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1])
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.deliver()
+    wire.kill("d-1")
+    wire.writes.clear()  # a write to a dead process never completes...
+    wire.run_for(TIMING.liveness_timeout_s + 0.25)
+    r = wire.ended("p-1", "t1")
+    assert r.reason is FailureReason.PEER_TIMEOUT and r.blocks == (1,)
+    assert wire.ends["p-1"].sender.held_blocks() == {}
+
+
+def test_sender_restart_fails_old_transfers_and_new_ones_work(wire: Wire) -> None:
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.settle()
+    wire.kill("p-1")
+    wire.add("p-2", "engine-p", incarnation="2")  # same engine id, new incarnation
+    wire.submit("p-2", "t2", [4])
+    wire.expect("d-1", "t2", "p-2", [5])
+    r = wire.ended("d-1", "t1")
+    assert r.reason is FailureReason.PEER_RESTARTED
+    assert [d.peer for d in wire.dropped_peers["d-1"]] == ["p-1"]
+    wire.settle()
+    assert wire.ended("d-1", "t2").ok
+    assert_block_copied(wire, "p-2", 4, "d-1", 5)
+
+
+def test_receiver_restart_fails_old_transfers_and_new_ones_work(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1], layers=[])
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.settle()
+    wire.kill("d-1")
+    wire.add("d-2", "engine-d", incarnation="2")
+    wire.submit("p-1", "t2", [2])
+    wire.expect("d-2", "t2", "p-1", [6])
+    wire.settle()
+    assert wire.ended("p-1", "t1").reason is FailureReason.PEER_RESTARTED
+    assert wire.ended("p-1", "t2").ok and wire.ended("d-2", "t2").ok
+    assert [h.peer for _, h in wire.handshakes] == ["d-1", "d-2"]
+    assert_block_copied(wire, "p-1", 2, "d-2", 6)
+
+
+def test_deadline_fails_a_sender_that_never_hears_from_a_receiver(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1])
+    wire.run_for(TIMING.transfer_deadline_s + 0.25, step=1.0)
+    assert wire.ended("p-1", "t1").reason is FailureReason.DEADLINE_EXCEEDED
+
+
+def test_deadline_fails_a_receiver_whose_sender_never_submits(wire: Wire) -> None:
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.run_for(TIMING.transfer_deadline_s + 1.0, step=1.0)
+    r = wire.ended("d-1", "t1")
+    assert r.reason is FailureReason.DEADLINE_EXCEEDED
+    # The sender saw the cancel (or its own deadline), so no fence wait was needed.
+    wire.submit("p-1", "t1", [1])
+    assert wire.ended("p-1", "t1").reason in (
+        FailureReason.CANCELLED,
+        FailureReason.DEADLINE_EXCEEDED,
+    )
+
+
+def test_handshake_back_failure_fails_the_sender_side(wire: Wire) -> None:
+    wire.auto_handshake = False
+    wire.submit("p-1", "t1", [1])
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.deliver()
+    [(src, hs)] = wire.handshakes
+    assert (src, hs.peer, hs.port) == ("p-1", "d-1", wire.ends["d-1"].identity.port)
+    effects = wire.ends["p-1"].sender.peer_unreachable(
+        wire.now, "d-1", FailureReason.HANDSHAKE_FAILED, "connection refused"
+    )
+    wire.apply("p-1", effects)
+    assert wire.ended("p-1", "t1").reason is FailureReason.HANDSHAKE_FAILED
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_garbage_bytes_raise_remote_protocol_error_and_change_nothing(wire: Wire) -> None:
+    wire.expect("d-1", "t1", "p-1", [3])
+    with pytest.raises(RemoteProtocolError, match="expected a msgpack map"):
+        wire.ends["d-1"].receive_message(wire.now, "p-1", b"\x00garbage")
+    assert wire.ends["d-1"].receiver.state_of("t1") is ReceiverState.WAITING
+    effects = wire.ends["d-1"].peer_misbehaved(wire.now, "p-1", "garbage")
+    wire.apply("d-1", effects)
+    assert wire.ends["d-1"].receiver.state_of("t1") is ReceiverState.FENCING
+    wire.settle()
+    assert wire.ended("d-1", "t1").reason is FailureReason.MALFORMED_MESSAGE
+
+
+def test_register_with_a_negative_block_id_is_refused_by_the_decoder() -> None:
+    bad = encode(Register("t", "e", "i", "h", 1, 0, (1,), 0)).replace(b"\x91\x01", b"\x91\xff")
+    with pytest.raises(RemoteProtocolError, match=r"block_ids"):
+        decode(bad)
+
+
+def test_register_from_another_protocol_version_is_refused(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1])
+    reg = Register("t1", "engine-d", "1", "127.0.0.1", 5001, 0, (3,), 0, protocol_version=99)
+    wire.apply("p-1", wire.ends["p-1"].receive_message(wire.now, "d-1", encode(reg)))
+    msgs = [decode(p) for _, _, p in wire.queue]
+    assert [m.reason for m in msgs if hasattr(m, "reason")] == [FailureReason.INCOMPATIBLE_PEER]
+
+
+def test_engine_misuse_raises_local_protocol_error(wire: Wire) -> None:
+    sender = wire.ends["p-1"].sender
+    sender.submit(wire.now, "t1", [1])
+    with pytest.raises(LocalProtocolError, match="already submitted"):
+        sender.submit(wire.now, "t1", [1])
+    with pytest.raises(LocalProtocolError, match="out of range"):
+        sender.submit(wire.now, "t2", [1], ready_layers=[NUM_LAYERS])
+    with pytest.raises(LocalProtocolError, match="repeat"):
+        sender.submit(wire.now, "t3", [1, 1])
+    with pytest.raises(LocalProtocolError, match="not submitted"):
+        sender.layers_ready(wire.now, "nope", [0])
+    receiver = wire.ends["d-1"].receiver
+    with pytest.raises(LocalProtocolError, match="non-negative"):
+        receiver.expect(wire.now, "t9", "p-1", "engine-p", [-1])
+    with pytest.raises(LocalProtocolError, match="sender_offset"):
+        receiver.expect(wire.now, "t9", "p-1", "engine-p", [1], sender_offset=-2)
+
+
+def test_heartbeats_renew_the_lease_so_a_long_transfer_survives(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1], layers=[])
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.run_for(TIMING.lease_s * 3)
+    assert wire.ends["p-1"].sender.state_of("t1") is SenderState.WRITING
+    hb = [m for m in wire.results["p-1"]]
+    assert hb == []
+    wire.apply("p-1", wire.ends["p-1"].sender.layers_ready(wire.now, "t1", [0, 1]))
+    wire.settle()
+    assert wire.ended("d-1", "t1").ok
+
+
+def test_heartbeat_message_round_trips() -> None:
+    hb = Heartbeat("sender", "e", "i", ("a", "b"))
+    assert decode(encode(hb)) == hb
+
+
+def test_idle_machines_have_no_deadline(wire: Wire) -> None:
+    assert wire.ends["p-1"].next_deadline() is None
+    wire.submit("p-1", "t1", [1])
+    assert wire.ends["p-1"].next_deadline() == TIMING.transfer_deadline_s
