@@ -1,0 +1,509 @@
+"""The reference engine: continuous batching, greedy decoding and n-gram speculation.
+
+One thread owns an `Engine` and calls `step()` in a loop; every call runs one forward
+pass over all running sequences at once (new prompts and decode steps side by side, the
+way vLLM schedules), and returns what each request gained.
+
+Speculative decoding is prompt lookup: the last n tokens of a sequence are searched for
+earlier in the same sequence and the tokens that followed are proposed as drafts. The
+forward pass scores the drafts in one go; a draft is kept only while it equals what greedy
+decoding would have chosen, so the output is exactly greedy's, just in fewer steps. The
+mean acceptance length (tokens gained per step that carried drafts) is tracked per request
+and for the engine, as vLLM reports it.
+
+For disaggregated serving a request can (a) stop after its prompt and hold its blocks
+until `release()` (the prefill side), or (b) arrive with its blocks to be filled from
+outside and start decoding only once `kv_arrived()` says the KV is there (the decode side).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpush.errors import KVPushError
+from kvpush.serving.model import LlamaModel, SeqSlice
+from kvpush.serving.paged import BlockAllocator, PagedKVCache, block_hash
+
+
+class RequestRejected(KVPushError):
+    """A request cannot be served as asked (too long, bad parameters, unknown id)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise RequestRejected(f"max_tokens must be at least 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """Prompt-lookup speculation, with vLLM's parameter names."""
+
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # end-of-sequence token
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class _State(enum.Enum):
+    WAITING = 1  # not yet admitted: no blocks
+    WAITING_FOR_KV = 2  # blocks allocated, filled from outside (decode side)
+    RUNNING = 3
+    HELD = 4  # finished, blocks kept for a transfer (prefill side)
+    FINISHED = 5
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStats:
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens found in the prefix cache
+    num_output_tokens: int
+    num_steps: int  # forward passes that produced tokens for this request
+    num_drafts: int  # steps that carried at least one draft
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens gained per drafted step (1 + accepted drafts); 0 when nothing was drafted."""
+        if self.num_drafts == 0:
+            return 0.0
+        return 1.0 + self.num_accepted_tokens / self.num_drafts
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_held: int
+    num_blocks: int
+    num_free_blocks: int
+    prefix_queries: int
+    prefix_hits: int
+    num_steps: int
+    num_generated_tokens: int
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        if self.num_drafts == 0:
+            return 0.0
+        return 1.0 + self.num_accepted_tokens / self.num_drafts
+
+
+@dataclass(slots=True)
+class _Seq:
+    request_id: str
+    prompt_len: int
+    tokens: list[int]
+    params: SamplingParams
+    hold_blocks: bool
+    state: _State = _State.WAITING
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)  # of blocks whose K/V are complete
+    num_computed: int = 0
+    num_cached: int = 0
+    steps: int = 0
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    def stats(self) -> RequestStats:
+        return RequestStats(
+            num_prompt_tokens=self.prompt_len,
+            num_cached_tokens=self.num_cached,
+            num_output_tokens=self.num_output,
+            num_steps=self.steps,
+            num_drafts=self.drafts,
+            num_draft_tokens=self.draft_tokens,
+            num_accepted_tokens=self.accepted,
+        )
+
+
+def propose_ngram(tokens: Sequence[int], spec: SpecConfig, limit: int) -> list[int]:
+    """Prompt lookup: the tokens that followed the latest earlier match of the tail."""
+    if limit <= 0:
+        return []
+    n_tokens = len(tokens)
+    for n in range(min(spec.prompt_lookup_max, n_tokens - 1), spec.prompt_lookup_min - 1, -1):
+        tail = list(tokens[n_tokens - n :])
+        for start in range(n_tokens - n - 1, -1, -1):
+            if list(tokens[start : start + n]) == tail:
+                follow = list(
+                    tokens[start + n : start + n + min(limit, spec.num_speculative_tokens)]
+                )
+                if follow:
+                    return follow
+    return []
+
+
+LayerHook = Callable[[int, Sequence[str]], None]
+
+
+class Engine:
+    """A paged-attention engine over one `LlamaModel`; driven by one thread."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        *,
+        num_blocks: int = 256,
+        block_size: int = 16,
+        max_batch_tokens: int = 4096,
+        spec: SpecConfig | None = None,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.max_batch_tokens = max_batch_tokens
+        self.spec = spec
+        self.enable_prefix_caching = enable_prefix_caching
+        self.kv_cache = PagedKVCache(
+            num_layers=cfg.num_hidden_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+        )
+        self.allocator = BlockAllocator(num_blocks)
+        self._seqs: dict[str, _Seq] = {}
+        self._waiting: deque[str] = deque()
+        self._steps = 0
+        self._generated = 0
+        self._drafts = 0
+        self._draft_tokens = 0
+        self._accepted = 0
+        # Called after each layer of a step with the ids of sequences in that step.
+        self.on_layer_done: LayerHook | None = None
+
+    # -- requests ----------------------------------------------------------------------
+
+    def _check_new(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
+        cfg = self.model.config
+        if request_id in self._seqs:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise RequestRejected("prompt is empty: expected at least one token")
+        bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise RequestRejected(
+                f"prompt token id {bad[0]} out of range: expected 0..{cfg.vocab_size - 1}"
+            )
+        total = len(prompt) + params.max_tokens
+        if total > cfg.max_position_embeddings:
+            raise RequestRejected(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the model's context length {cfg.max_position_embeddings}"
+            )
+        if self._blocks_for(total) > self.allocator.num_blocks:
+            raise RequestRejected(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs "
+                f"{self._blocks_for(total)} KV blocks; this server has {self.allocator.num_blocks}"
+            )
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        hold_blocks: bool = False,
+    ) -> None:
+        """Queue a request; `hold_blocks` keeps its KV blocks after it finishes."""
+        prompt = [int(t) for t in prompt_token_ids]
+        self._check_new(request_id, prompt, params)
+        self._seqs[request_id] = _Seq(request_id, len(prompt), prompt, params, hold_blocks)
+        self._waiting.append(request_id)
+
+    def add_remote_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> list[int] | None:
+        """Allocate blocks for a prompt whose KV will be written from outside.
+
+        Returns the block ids covering the prompt (in order), or None when there is no
+        room now (the caller retries or rejects). The request waits for `kv_arrived`.
+        """
+        prompt = [int(t) for t in prompt_token_ids]
+        self._check_new(request_id, prompt, params)
+        need = self._blocks_for(len(prompt) + params.max_tokens)
+        if need > self.allocator.num_free:
+            return None
+        seq = _Seq(request_id, len(prompt), prompt, params, hold_blocks=False)
+        seq.blocks = self.allocator.allocate(need)
+        seq.state = _State.WAITING_FOR_KV
+        self._seqs[request_id] = seq
+        return seq.blocks[: self._blocks_for(len(prompt))]
+
+    def kv_arrived(self, request_id: str, first_token_id: int) -> None:
+        """The prompt's KV is in this request's blocks; decoding starts at the next step."""
+        seq = self._get(request_id)
+        if seq.state is not _State.WAITING_FOR_KV:
+            raise RequestRejected(f"request {request_id!r} is not waiting for KV")
+        if not 0 <= first_token_id < self.model.config.vocab_size:
+            raise RequestRejected(f"first token id {first_token_id} out of range")
+        seq.num_computed = seq.prompt_len
+        seq.tokens.append(first_token_id)
+        self._generated += 1
+        self._register_full_blocks(seq)
+        # A request that is already complete (max_tokens 1) finishes at the next step.
+        seq.state = _State.RUNNING
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        """Blocks holding a held request's prompt KV, in order."""
+        seq = self._get(request_id)
+        if seq.state is not _State.HELD:
+            raise RequestRejected(f"request {request_id!r} holds no blocks")
+        return seq.blocks[: self._blocks_for(seq.prompt_len)]
+
+    def release(self, request_id: str) -> None:
+        """Free a held (or any unfinished) request's blocks and forget it."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return
+        if seq.state is _State.WAITING:
+            self._waiting.remove(request_id)
+        if seq.blocks:
+            self.allocator.free(seq.blocks)
+            seq.blocks = []
+        seq.state = _State.FINISHED
+
+    abort = release
+
+    def request_stats(self, request_id: str) -> RequestStats:
+        return self._get(request_id).stats()
+
+    def output_token_ids(self, request_id: str) -> list[int]:
+        seq = self._get(request_id)
+        return seq.tokens[seq.prompt_len :]
+
+    def _get(self, request_id: str) -> _Seq:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise RequestRejected(f"unknown request id {request_id!r}")
+        return seq
+
+    @property
+    def has_work(self) -> bool:
+        return any(s.state is _State.RUNNING for s in self._seqs.values()) or bool(self._waiting)
+
+    # -- scheduling --------------------------------------------------------------------
+
+    def _admit(self, budget: int) -> int:
+        """Give blocks to waiting requests, first come first served; returns tokens used."""
+        used = 0
+        while self._waiting:
+            seq = self._seqs[self._waiting[0]]
+            prompt = seq.tokens
+            # Keep at least one prompt token to compute: its logits give the first output.
+            full = (len(prompt) - 1) // self.block_size
+            hashes: list[bytes] = []
+            parent: bytes | None = None
+            for b in range(full if self.enable_prefix_caching else 0):
+                parent = block_hash(parent, prompt[b * self.block_size : (b + 1) * self.block_size])
+                hashes.append(parent)
+            need_total = self._blocks_for(len(prompt) + seq.params.max_tokens)
+            cached = self.allocator.lookup_prefix(hashes)
+            new_tokens = len(prompt) - len(cached) * self.block_size
+            if need_total - len(cached) > self.allocator.num_free or (
+                used and used + new_tokens > budget
+            ):
+                self.allocator.free(cached)
+                break
+            self._waiting.popleft()
+            seq.blocks = cached + self.allocator.allocate(need_total - len(cached))
+            seq.hashes = hashes[: len(cached)]
+            seq.num_computed = seq.num_cached = len(cached) * self.block_size
+            seq.state = _State.RUNNING
+            used += new_tokens
+        return used
+
+    def _register_full_blocks(self, seq: _Seq) -> None:
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        while (len(seq.hashes) + 1) * bs <= seq.num_computed:
+            b = len(seq.hashes)
+            parent = seq.hashes[-1] if seq.hashes else None
+            h = block_hash(parent, seq.tokens[b * bs : (b + 1) * bs])
+            seq.hashes.append(h)
+            self.allocator.mark_cached(seq.blocks[b], h)
+
+    def _stop_reason(self, seq: _Seq) -> FinishReason | None:
+        if seq.num_output >= seq.params.max_tokens:
+            return FinishReason.LENGTH
+        eos = self.model.config.eos_token_id
+        if (
+            not seq.params.ignore_eos
+            and seq.num_output
+            and eos is not None
+            and seq.tokens[-1] == eos
+        ):
+            return FinishReason.STOP
+        return None
+
+    def _finish(self, seq: _Seq, reason: FinishReason) -> StepOutput:
+        if seq.hold_blocks:
+            seq.state = _State.HELD
+        else:
+            seq.state = _State.FINISHED
+            self.allocator.free(seq.blocks)
+            seq.blocks = []
+        return StepOutput(seq.request_id, (), True, reason)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's record (its statistics) once the caller is done."""
+        seq = self._seqs.get(request_id)
+        if seq is not None and seq.state is _State.FINISHED:
+            del self._seqs[request_id]
+
+    def step(self) -> list[StepOutput]:
+        """Run one forward pass over every running sequence; returns their new tokens."""
+        outputs: list[StepOutput] = []
+        # Requests that are already done (e.g. max_tokens reached by the first token).
+        for seq in list(self._seqs.values()):
+            if seq.state is _State.RUNNING:
+                reason = self._stop_reason(seq)
+                if reason is not None:
+                    outputs.append(self._finish(seq, reason))
+        running = [s for s in self._seqs.values() if s.state is _State.RUNNING]
+        budget = self.max_batch_tokens - sum(
+            len(s.tokens) - s.num_computed + (self.spec.num_speculative_tokens if self.spec else 0)
+            for s in running
+        )
+        self._admit(max(budget, 0))
+        batch = [s for s in self._seqs.values() if s.state is _State.RUNNING]
+        if not batch:
+            return outputs
+
+        inputs: list[int] = []
+        slices: list[SeqSlice] = []
+        drafts_of: list[list[int]] = []
+        for seq in batch:
+            remaining = seq.params.max_tokens - seq.num_output
+            drafts = (
+                propose_ngram(seq.tokens, self.spec, remaining - 1)
+                if self.spec is not None and seq.num_output > 0
+                else []
+            )
+            new = seq.tokens[seq.num_computed :] + drafts
+            inputs.extend(new)
+            slices.append(SeqSlice(seq.blocks, seq.num_computed, len(new)))
+            drafts_of.append(drafts)
+
+        hook = self.on_layer_done
+        ids = [s.request_id for s in batch]
+        logits = self.model.forward(
+            torch.tensor(inputs, dtype=torch.long),
+            slices,
+            self.kv_cache.layers,
+            on_layer_done=(lambda layer: hook(layer, ids)) if hook is not None else None,
+        )
+        self._steps += 1
+
+        row = 0
+        for seq, sl, drafts in zip(batch, slices, drafts_of, strict=True):
+            # Rows of the last real token and of each draft predict the next token.
+            first = row + sl.num_new - len(drafts) - 1
+            targets = logits[first : first + len(drafts) + 1].argmax(dim=-1).tolist()
+            row += sl.num_new
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+                accepted += 1
+            gained = [int(t) for t in targets[: accepted + 1]]
+            eos = self.model.config.eos_token_id
+            if not seq.params.ignore_eos and eos is not None and eos in gained:
+                gained = gained[: gained.index(eos) + 1]
+            seq.num_computed = len(seq.tokens) + min(accepted, len(gained) - 1)
+            seq.tokens.extend(gained)
+            seq.steps += 1
+            if drafts:
+                seq.drafts += 1
+                seq.draft_tokens += len(drafts)
+                seq.accepted += accepted
+                self._drafts += 1
+                self._draft_tokens += len(drafts)
+                self._accepted += accepted
+            self._generated += len(gained)
+            self._register_full_blocks(seq)
+            reason = self._stop_reason(seq)
+            if reason is None:
+                outputs.append(StepOutput(seq.request_id, tuple(gained), False))
+            else:
+                done = self._finish(seq, reason)
+                outputs.append(StepOutput(seq.request_id, tuple(gained), True, done.finish_reason))
+        return outputs
+
+    # -- convenience -------------------------------------------------------------------
+
+    def generate(self, prompts: Iterable[Sequence[int]], params: SamplingParams) -> list[list[int]]:
+        """Run prompts to completion together; returns each one's output token ids."""
+        ids = []
+        for i, prompt in enumerate(prompts):
+            rid = f"generate-{self._steps}-{i}"
+            self.add_request(rid, prompt, params)
+            ids.append(rid)
+        while self.has_work:
+            self.step()
+        out = [self.output_token_ids(rid) for rid in ids]
+        for rid in ids:
+            self.forget(rid)
+        return out
+
+    def statistics(self) -> EngineStats:
+        a = self.allocator.statistics()
+        states = [s.state for s in self._seqs.values()]
+        return EngineStats(
+            num_waiting=len(self._waiting),
+            num_running=sum(st in (_State.RUNNING, _State.WAITING_FOR_KV) for st in states),
+            num_held=sum(st is _State.HELD for st in states),
+            num_blocks=a.num_blocks,
+            num_free_blocks=a.num_free,
+            prefix_queries=a.prefix_queries,
+            prefix_hits=a.prefix_hits,
+            num_steps=self._steps,
+            num_generated_tokens=self._generated,
+            num_drafts=self._drafts,
+            num_draft_tokens=self._draft_tokens,
+            num_accepted_tokens=self._accepted,
+        )
