@@ -15,6 +15,7 @@ code an engine author would write against that library.
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
 import os
 import time
 from collections import deque
@@ -77,9 +78,21 @@ def load_nixl() -> tuple[Any, Any]:
     return nixl_agent, nixl_agent_config
 
 
+_next_parent_check = 0.0
+
+
 def _check_deadline(deadline: float, what: str) -> None:
-    if time.monotonic() > deadline:
+    """Fail past the deadline, or once the bench process is gone (checked every 0.2 s),
+    so that a polling loop in an orphaned child stops at once."""
+    global _next_parent_check
+    now = time.monotonic()
+    if now > deadline:
         raise BenchFailed(f"timed out: {what}")
+    if now >= _next_parent_check:
+        _next_parent_check = now + 0.2
+        parent = multiprocessing.parent_process()
+        if parent is not None and not parent.is_alive():
+            raise BenchFailed(f"the bench process is gone: {what}")
 
 
 # --------------------------------------------------------------------------- memcpy
@@ -155,9 +168,7 @@ class NixlRawReceiver:
         done = {t: ns for t, ns in self.early.items() if t in tags}
         while len(done) < len(tags):
             self._poll(done)
-            if time.monotonic() > deadline:
-                missing = len(tags) - len(done)
-                raise BenchFailed(f"nixl-raw receiver: {missing} notifications never came")
+            _check_deadline(deadline, f"nixl-raw receiver: {len(tags) - len(done)} notifications")
         return done
 
     def idle(self, seconds: float) -> None:
@@ -165,6 +176,7 @@ class NixlRawReceiver:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             self._poll(self.early)
+            _check_deadline(end + 1, "nixl-raw receiver idling")
 
     def close(self) -> None:
         if self.agent is not None and self.reg is not None:

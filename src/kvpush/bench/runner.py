@@ -58,8 +58,15 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def _recv(conn: Connection, timeout: float, what: str) -> Any:
-    if not conn.poll(timeout):
-        raise BenchFailed(f"no answer from the peer process within {timeout:.0f} s ({what})")
+    """The next message, or `BenchFailed` on timeout or when our parent is gone, so an
+    orphaned child never waits out its whole timeout."""
+    end = time.monotonic() + timeout
+    parent = mp.parent_process()
+    while not conn.poll(min(0.5, max(0.0, end - time.monotonic()))):
+        if time.monotonic() >= end:
+            raise BenchFailed(f"no answer from the peer process within {timeout:.0f} s ({what})")
+        if parent is not None and not parent.is_alive():
+            raise BenchFailed(f"the bench process is gone ({what})")
     msg = conn.recv()
     if isinstance(msg, tuple) and msg and msg[0] == "error":
         raise BenchFailed(f"peer process failed: {msg[1]}")
