@@ -1,0 +1,105 @@
+"""Shared fixtures: free ports, `kvpush` subprocesses, and a live `kvpush endpoint`."""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+KVPUSH = [sys.executable, "-m", "kvpush"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (tests that need a closed port use this)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def run_kvpush(
+    *args: str, timeout: float = 30, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`python -m kvpush ARGS`, captured. Raises if it outlives `timeout` (a hang is a bug)."""
+    # An inherited $KVPUSH_TOKEN would change what the command does; tests pass their own.
+    full_env = {k: v for k, v in os.environ.items() if k != "KVPUSH_TOKEN"}
+    full_env.update(env or {})
+    return subprocess.run(
+        [*KVPUSH, *args], check=False, capture_output=True, text=True, timeout=timeout, env=full_env
+    )
+
+
+@dataclass
+class Endpoint:
+    """A `kvpush endpoint` process, started and read until its ready line."""
+
+    process: subprocess.Popen[str]
+    host: str
+    port: int
+    ready_line: str
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
+        """Signal it, wait for it, keep what it printed; returns its exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            out, _ = self.process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.communicate()
+            raise
+        self.output.append(out)
+        return self.process.returncode
+
+
+def start_endpoint(*args: str, host: str = "127.0.0.1", timeout: float = 60) -> Endpoint:
+    process = subprocess.Popen(
+        [*KVPUSH, "endpoint", "--host", host, "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "KVPUSH_TOKEN"},
+    )
+    assert process.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if not selector.select(timeout=deadline - time.monotonic()):
+                continue
+            line = process.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if match := re.search(r"ready: .* port=(\d+)", line):
+                return Endpoint(process, host, int(match.group(1)), line, lines)
+    process.kill()
+    rest, _ = process.communicate()
+    raise AssertionError(f"endpoint never became ready: {''.join(lines)}{rest}")
+
+
+@pytest.fixture(scope="session")
+def tiny_endpoint() -> Iterator[Endpoint]:
+    """One live endpoint on 127.0.0.1 (tiny preset, 2 ranks, no token), shared by tests."""
+    ep = start_endpoint("--preset", "tiny", "--blocks", "8", "--ranks", "2")
+    yield ep
+    ep.stop()
+
+
+def lines_of(result: subprocess.CompletedProcess[str]) -> Sequence[str]:
+    return (result.stdout + result.stderr).strip().splitlines()
