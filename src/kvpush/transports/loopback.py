@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 
 from kvpush.errors import ClosedError, FailureReason, LocalProtocolError, TransportError
 from kvpush.geometry import CacheGeometry, Region
+from kvpush.transports._checks import check_region_fits, validate_write
 from kvpush.transports.base import (
     MessageReceived,
     PeerLost,
@@ -456,66 +457,6 @@ def _copy_run(ours: Region, theirs: Region, run: tuple[int, int, int]) -> int:
                 size,
             )
     return n * size
-
-
-def check_region_fits(ours: CacheGeometry, theirs: CacheGeometry, peer: str) -> None:
-    """Writes copy block b of our region r into block b' of their region r: the two
-    geometries must have the same regions with the same block size."""
-    if len(ours.regions) != len(theirs.regions):
-        raise TransportError(
-            FailureReason.INCOMPATIBLE_PEER,
-            f"peer {peer} has {len(theirs.regions)} KV regions, we have {len(ours.regions)}",
-        )
-    for i, (a, b) in enumerate(zip(ours.regions, theirs.regions, strict=True)):
-        if a.block_bytes != b.block_bytes:
-            raise TransportError(
-                FailureReason.INCOMPATIBLE_PEER,
-                f"region {i} ({a.name}): peer {peer} has {b.block_bytes}-byte blocks, "
-                f"we have {a.block_bytes}-byte blocks",
-            )
-
-
-def validate_write(  # noqa: PLR0917 (mirrors Transport.write_blocks)
-    ours: CacheGeometry,
-    theirs: CacheGeometry,
-    peer: str,
-    our_blocks: Sequence[int],
-    their_blocks: Sequence[int],
-    regions: Sequence[int] | None,
-) -> tuple[int, ...]:
-    """Check a write's arguments; return the region indices it covers."""
-    if len(our_blocks) != len(their_blocks):
-        raise TransportError(
-            FailureReason.LOCAL_ERROR,
-            f"write to {peer}: {len(our_blocks)} source blocks but {len(their_blocks)} "
-            "destination blocks; expected one destination per source block",
-        )
-    for label, blocks, limit in (
-        ("our", our_blocks, ours.num_blocks),
-        ("their", their_blocks, theirs.num_blocks),
-    ):
-        for b in blocks:
-            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < limit:
-                raise TransportError(
-                    FailureReason.LOCAL_ERROR,
-                    f"write to {peer}: {label} block id {b!r} is out of range; expected an "
-                    f"integer in [0, {limit})",
-                )
-    if regions is None:
-        return tuple(range(len(ours.regions)))
-    out = tuple(regions)
-    for r in out:
-        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < len(ours.regions):
-            raise TransportError(
-                FailureReason.LOCAL_ERROR,
-                f"write to {peer}: region index {r!r} is out of range; expected an integer "
-                f"in [0, {len(ours.regions)})",
-            )
-    if len(set(out)) != len(out):
-        raise TransportError(
-            FailureReason.LOCAL_ERROR, f"write to {peer}: region indices {out} repeat"
-        )
-    return out
 
 
 def _region_inside(region: Region, registered: CacheGeometry) -> bool:

@@ -1,0 +1,511 @@
+"""The NIXL data plane: one NIXL agent (UCX backend) per endpoint.
+
+Theory of operation.
+
+- One agent, driven by one thread. NIXL's progress thread is off (it spins a whole core
+  even when idle) and so is its listener (metadata travels over kvpush's side channel:
+  `metadata()` is `get_agent_metadata()`, `add_peer` is `add_remote_agent`). All progress
+  happens when the owner calls `poll()`: checking transfer states and fetching
+  notifications is what drives UCX. An idle endpoint therefore costs nothing, but a peer
+  that writes to us only progresses as fast as both sides poll.
+- Memory is registered once per region (the span of its blocks). At registration we
+  prepare our local descriptor list, one descriptor per (region, block), index
+  `region * num_blocks + block`; at `add_peer` the same for the peer's regions. A write
+  selects indices from both prepared lists (`make_prepped_xfer`): nothing is rebuilt per
+  write, and no byte of the KV cache is copied on the way. NIXL merges descriptors that
+  are contiguous on both sides (measured: a 256 MiB Llama-3.1-8B-shaped write of 8192
+  per-block descriptors goes out as 64, one per region, and runs ~1.4x faster than
+  unmerged), so runs of consecutive blocks cost one descriptor each.
+- Completion rides on the WRITE as its NIXL notification, so the peer sees it only after
+  the data. Control messages are standalone notifications (`send_notif`).
+- NIXL errors are translated here, once: a remote disconnect is PEER_GONE, any other
+  failure of a posted write is WRITE_ERROR, a metadata that cannot be loaded is
+  HANDSHAKE_FAILED. NIXL sends no notification for a failed WRITE; the runtime tells the
+  peer itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvpush.errors import ClosedError, FailureReason, LocalProtocolError, TransportError
+from kvpush.geometry import CacheGeometry, Region
+from kvpush.transports._checks import check_region_fits, validate_write
+from kvpush.transports._nixl_import import NixlModule, load_nixl
+from kvpush.transports.base import (
+    MessageReceived,
+    PeerLost,
+    Transport,
+    TransportEvent,
+    WriteDone,
+    WriteFailed,
+)
+
+logger = logging.getLogger(__name__)
+
+_LOCAL = "NIXL_INIT_AGENT"
+
+
+def _memory_type(region: Region) -> tuple[str, int]:
+    """NIXL memory type and device id of a region: DRAM for "cpu", VRAM for "cuda:N"."""
+    if region.device == "cpu":
+        return "DRAM", 0
+    if region.device == "cuda" or region.device.startswith("cuda:"):
+        _, _, index = region.device.partition(":")
+        return "VRAM", int(index or 0)
+    raise TransportError(
+        FailureReason.LOCAL_ERROR,
+        f"region {region.name} is on device {region.device!r}; expected 'cpu' or 'cuda:N'",
+    )
+
+
+def _memory_type_of(geometry: CacheGeometry) -> str:
+    types = {_memory_type(r)[0] for r in geometry.regions}
+    if len(types) > 1:
+        raise TransportError(
+            FailureReason.LOCAL_ERROR,
+            "every KV region must be in one kind of memory (all cpu or all cuda); "
+            f"got {sorted(types)}",
+        )
+    return types.pop() if types else "DRAM"
+
+
+def block_descriptors(geometry: CacheGeometry) -> npt.NDArray[np.uint64]:
+    """One (address, length, device) row per (region, block), row `r * num_blocks + b`."""
+    nb = geometry.num_blocks
+    out = np.zeros((len(geometry.regions) * nb, 3), dtype=np.uint64)
+    blocks = np.arange(nb, dtype=np.uint64)
+    for r, region in enumerate(geometry.regions):
+        rows = slice(r * nb, (r + 1) * nb)
+        out[rows, 0] = np.uint64(region.base_addr) + blocks * np.uint64(region.block_stride)
+        out[rows, 1] = region.block_bytes
+        out[rows, 2] = _memory_type(region)[1]
+    return out
+
+
+def merged_descriptor_count(
+    ours: npt.NDArray[np.uint64],
+    theirs: npt.NDArray[np.uint64],
+    our_index: npt.NDArray[np.int32],
+    their_index: npt.NDArray[np.int32],
+) -> int:
+    """How many descriptors a write becomes once neighbours contiguous on both sides merge."""
+    if len(our_index) == 0:
+        return 0
+    src = ours[our_index]
+    dst = theirs[their_index]
+    src_next = src[:-1, 0] + src[:-1, 1] == src[1:, 0]
+    dst_next = dst[:-1, 0] + dst[:-1, 1] == dst[1:, 0]
+    return int(len(our_index) - np.count_nonzero(src_next & dst_next))
+
+
+@dataclasses.dataclass(slots=True)
+class _Peer:
+    name: str
+    geometry: CacheGeometry
+    descriptors: npt.NDArray[np.uint64]
+    dlist: Any  # NIXL prepared descriptor list for the peer's blocks
+
+
+@dataclasses.dataclass(slots=True)
+class _InFlight:
+    write_id: int
+    peer: str
+    handle: Any  # nixl_xfer_handle
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NixlStatistics:
+    writes_posted: int
+    writes_done: int
+    writes_failed: int
+    writes_in_flight: int
+    bytes_posted: int
+    descriptors_posted: int  # after merging contiguous blocks
+    last_write_descriptors: int
+    last_write_block_descriptors: int  # before merging: blocks x regions
+    messages_sent: int
+    messages_received: int
+
+
+class NixlTransport(Transport):
+    """One NIXL agent with the UCX backend. See the module docstring."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        backend: str = "UCX",
+        merge_descriptors: bool = True,
+        num_threads: int = 0,
+    ) -> None:
+        if not name:
+            raise ValueError("a NIXL endpoint needs a non-empty agent name")
+        self._name = name
+        self._backend = backend
+        self._merge = merge_descriptors
+        self._num_threads = num_threads
+        self._nixl: NixlModule | None = None
+        self._agent: Any = None
+        self._closed = False
+        self._geometry: CacheGeometry | None = None
+        self._mem_type = "DRAM"
+        self._registered: list[Any] = []
+        self._our_descriptors: npt.NDArray[np.uint64] = np.zeros((0, 3), dtype=np.uint64)
+        self._our_dlist: Any = None
+        self._peers: dict[str, _Peer] = {}
+        self._in_flight: dict[int, _InFlight] = {}
+        self._events: list[TransportEvent] = []
+        self._writes_posted = self._writes_done = self._writes_failed = 0
+        self._bytes_posted = self._descriptors_posted = 0
+        self._last_descriptors = self._last_block_descriptors = 0
+        self._messages_sent = self._messages_received = 0
+
+    # ----------------------------------------------------------------- lifecycle
+    @property
+    def agent_name(self) -> str:
+        return self._name
+
+    def start(self) -> None:
+        if self._closed:
+            raise ClosedError(f"NIXL endpoint {self._name} was closed")
+        if self._agent is not None:
+            return
+        nixl = load_nixl()
+        config = nixl.nixl_agent_config(
+            enable_prog_thread=False,
+            enable_listen_thread=False,
+            backends=[self._backend],
+            num_threads=self._num_threads,
+        )
+        try:
+            agent = nixl.nixl_agent(self._name, config)
+        except Exception as exc:
+            raise TransportError(
+                FailureReason.LOCAL_ERROR, f"cannot create NIXL agent {self._name}: {exc!r}"
+            ) from exc
+        if self._backend not in agent.backends:
+            raise TransportError(
+                FailureReason.LOCAL_ERROR,
+                f"NIXL backend {self._backend} is not available here (have "
+                f"{sorted(agent.backends)}; plugins {agent.plugin_list})",
+            )
+        self._nixl = nixl
+        self._agent = agent
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        agent, self._agent = self._agent, None
+        if agent is None:
+            return
+        for w in self._in_flight.values():
+            _release_quietly(w.handle)
+        self._in_flight.clear()
+        for peer in list(self._peers.values()):
+            _release_quietly(peer.dlist)
+            _quietly(agent.remove_remote_agent, peer.name)
+        self._peers.clear()
+        if self._our_dlist is not None:
+            _release_quietly(self._our_dlist)
+            self._our_dlist = None
+        for reg in self._registered:
+            _quietly(agent.deregister_memory, reg)
+        self._registered.clear()
+        self._events.clear()
+        del agent  # the last reference: NIXL tears the agent down here
+
+    def _live_agent(self) -> Any:
+        if self._closed:
+            raise ClosedError(f"NIXL endpoint {self._name} was closed")
+        if self._agent is None:
+            raise LocalProtocolError(f"NIXL endpoint {self._name}: call start() first")
+        return self._agent
+
+    # ---------------------------------------------------------------- memory, peers
+    def register_memory(self, geometry: CacheGeometry) -> None:
+        agent = self._live_agent()
+        if self._geometry is not None:
+            raise LocalProtocolError(
+                f"NIXL endpoint {self._name}: memory is registered once; it already is"
+            )
+        mem_type = _memory_type_of(geometry)
+        spans = [
+            (
+                r.base_addr,
+                (r.num_blocks - 1) * r.block_stride + r.block_bytes,
+                _memory_type(r)[1],
+                "",
+            )
+            for r in geometry.regions
+            if r.num_blocks > 0
+        ]
+        descriptors = block_descriptors(geometry)
+        try:
+            if spans:
+                self._registered.append(agent.register_memory(spans, mem_type, [self._backend]))
+            dlist = agent.prep_xfer_dlist(_LOCAL, descriptors, mem_type, [self._backend])
+        except Exception as exc:
+            for reg in self._registered:
+                _quietly(agent.deregister_memory, reg)
+            self._registered.clear()
+            raise TransportError(
+                FailureReason.LOCAL_ERROR,
+                f"NIXL could not register {len(spans)} {mem_type} regions: {exc!r}",
+            ) from exc
+        self._geometry = geometry
+        self._mem_type = mem_type
+        self._our_descriptors = descriptors
+        self._our_dlist = dlist
+
+    def metadata(self) -> bytes:
+        agent = self._live_agent()
+        if self._geometry is None:
+            raise LocalProtocolError(
+                f"NIXL endpoint {self._name}: register_memory() before metadata()"
+            )
+        return bytes(agent.get_agent_metadata())
+
+    def add_peer(self, peer: str, metadata: bytes, geometry: CacheGeometry) -> None:
+        agent = self._live_agent()
+        if self._geometry is None:
+            raise LocalProtocolError(
+                f"NIXL endpoint {self._name}: register_memory() before add_peer()"
+            )
+        check_region_fits(self._geometry, geometry, peer)
+        their_type = _memory_type_of(geometry)
+        if peer in self._peers:
+            self.remove_peer(peer)
+        try:
+            loaded = agent.add_remote_agent(bytes(metadata))
+        except Exception as exc:
+            raise TransportError(
+                FailureReason.HANDSHAKE_FAILED,
+                f"NIXL could not load the agent metadata for {peer}: {exc!r}",
+            ) from exc
+        loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded_name != peer:
+            if loaded_name not in self._peers:
+                _quietly(agent.remove_remote_agent, loaded_name)
+            raise TransportError(
+                FailureReason.HANDSHAKE_FAILED,
+                f"metadata names agent {loaded_name!r}, expected {peer!r}",
+            )
+        descriptors = block_descriptors(geometry)
+        try:
+            dlist = agent.prep_xfer_dlist(peer, descriptors, their_type, [self._backend])
+        except Exception as exc:
+            _quietly(agent.remove_remote_agent, peer)
+            raise TransportError(
+                FailureReason.HANDSHAKE_FAILED,
+                f"the regions {peer} published are not memory it registered with NIXL: {exc!r}",
+            ) from exc
+        self._peers[peer] = _Peer(peer, geometry, descriptors, dlist)
+
+    def remove_peer(self, peer: str) -> None:
+        state = self._peers.pop(peer, None)
+        if state is None:
+            return
+        for write_id, w in list(self._in_flight.items()):
+            if w.peer == peer:
+                _release_quietly(w.handle)
+                del self._in_flight[write_id]
+                self._writes_failed += 1
+                self._events.append(
+                    WriteFailed(write_id, FailureReason.PEER_GONE, f"peer {peer} was removed")
+                )
+        _release_quietly(state.dlist)
+        if self._agent is not None:
+            _quietly(self._agent.remove_remote_agent, peer)
+
+    def has_peer(self, peer: str) -> bool:
+        return peer in self._peers
+
+    # --------------------------------------------------------------------- writes
+    def write_blocks(  # noqa: PLR0917 (the port's signature)
+        self,
+        peer: str,
+        write_id: int,
+        our_blocks: Sequence[int],
+        their_blocks: Sequence[int],
+        notification: bytes | None,
+        regions: Sequence[int] | None = None,
+    ) -> None:
+        agent = self._live_agent()
+        target = self._peers.get(peer)
+        if target is None or self._geometry is None:
+            raise TransportError(
+                FailureReason.UNKNOWN_PEER, f"write to {peer}: peer was not added (add_peer)"
+            )
+        if write_id in self._in_flight:
+            raise TransportError(
+                FailureReason.LOCAL_ERROR, f"write id {write_id} is already in flight"
+            )
+        region_ids = validate_write(
+            self._geometry, target.geometry, peer, our_blocks, their_blocks, regions
+        )
+        notif = b"" if notification is None else bytes(notification)
+        if not our_blocks or not region_ids:
+            # Nothing to move; NIXL refuses empty transfers. The notification still goes.
+            if notification is not None:
+                self._send_notif(peer, notif)
+            self._writes_posted += 1
+            self._writes_done += 1
+            self._events.append(WriteDone(write_id))
+            return
+        region_arr = np.asarray(region_ids, dtype=np.int64)[:, None]
+        our_index = (
+            (region_arr * self._geometry.num_blocks + np.asarray(our_blocks, dtype=np.int64))
+            .astype(np.int32)
+            .ravel()
+        )
+        their_index = (
+            (region_arr * target.geometry.num_blocks + np.asarray(their_blocks, dtype=np.int64))
+            .astype(np.int32)
+            .ravel()
+        )
+        try:
+            handle = agent.make_prepped_xfer(
+                "WRITE",
+                self._our_dlist,
+                our_index,
+                target.dlist,
+                their_index,
+                notif,
+                [self._backend],
+                skip_desc_merge=not self._merge,
+            )
+        except Exception as exc:
+            raise self._translate(exc, peer, "prepare a write") from exc
+        try:
+            state = (
+                agent.transfer(handle, notif)
+                if notification is not None
+                else (agent.transfer(handle))
+            )
+        except Exception as exc:
+            _release_quietly(handle)
+            reason = self._reason(exc)
+            self._writes_posted += 1
+            self._writes_failed += 1
+            self._events.append(WriteFailed(write_id, reason, f"NIXL refused the write: {exc!r}"))
+            return
+        nbytes = sum(self._geometry.regions[r].block_bytes for r in region_ids) * len(our_blocks)
+        self._writes_posted += 1
+        self._bytes_posted += nbytes
+        self._last_block_descriptors = len(our_index)
+        self._last_descriptors = (
+            merged_descriptor_count(
+                self._our_descriptors, target.descriptors, our_index, their_index
+            )
+            if self._merge
+            else len(our_index)
+        )
+        self._descriptors_posted += self._last_descriptors
+        if state == "ERR":
+            _release_quietly(handle)
+            self._writes_failed += 1
+            self._events.append(
+                WriteFailed(write_id, FailureReason.WRITE_ERROR, "NIXL failed to post the write")
+            )
+            return
+        self._in_flight[write_id] = _InFlight(write_id, peer, handle)
+
+    def send_message(self, peer: str, payload: bytes) -> None:
+        self._live_agent()
+        if peer not in self._peers:
+            raise TransportError(
+                FailureReason.UNKNOWN_PEER, f"message to {peer}: peer was not added (add_peer)"
+            )
+        self._send_notif(peer, bytes(payload))
+
+    def _send_notif(self, peer: str, payload: bytes) -> None:
+        try:
+            self._agent.send_notif(peer, payload)
+        except Exception as exc:
+            # Fire and forget: a lost message shows up as silence; a dead peer as PeerLost.
+            reason = self._reason(exc)
+            self._events.append(PeerLost(peer, reason, f"NIXL could not notify {peer}: {exc!r}"))
+            return
+        self._messages_sent += 1
+
+    # ----------------------------------------------------------------------- poll
+    def poll(self) -> list[TransportEvent]:
+        agent = self._live_agent()
+        events = self._events
+        self._events = []
+        for write_id, w in list(self._in_flight.items()):
+            try:
+                state = agent.check_xfer_state(w.handle)
+                detail = "NIXL reported the write failed"
+            except Exception as exc:
+                state = "ERR"
+                detail = f"NIXL reported the write failed: {exc!r}"
+                reason = self._reason(exc)
+            else:
+                reason = FailureReason.WRITE_ERROR
+            if state == "PROC":
+                continue
+            del self._in_flight[write_id]
+            _release_quietly(w.handle)
+            if state == "DONE":
+                self._writes_done += 1
+                events.append(WriteDone(write_id))
+            else:
+                self._writes_failed += 1
+                events.append(WriteFailed(write_id, reason, f"write to {w.peer}: {detail}"))
+        try:
+            notifs = agent.get_new_notifs()
+        except Exception as exc:
+            raise self._translate(exc, self._name, "fetch notifications") from exc
+        for sender, payloads in notifs.items():
+            name = sender.decode() if isinstance(sender, bytes) else str(sender)
+            for payload in payloads:
+                self._messages_received += 1
+                events.append(MessageReceived(name, bytes(payload)))
+        return events
+
+    def statistics(self) -> NixlStatistics:
+        return NixlStatistics(
+            writes_posted=self._writes_posted,
+            writes_done=self._writes_done,
+            writes_failed=self._writes_failed,
+            writes_in_flight=len(self._in_flight),
+            bytes_posted=self._bytes_posted,
+            descriptors_posted=self._descriptors_posted,
+            last_write_descriptors=self._last_descriptors,
+            last_write_block_descriptors=self._last_block_descriptors,
+            messages_sent=self._messages_sent,
+            messages_received=self._messages_received,
+        )
+
+    # --------------------------------------------------------------- error mapping
+    def _reason(self, exc: BaseException) -> FailureReason:
+        if self._nixl is not None and isinstance(exc, self._nixl.remote_disconnect_error):
+            return FailureReason.PEER_GONE
+        return FailureReason.WRITE_ERROR
+
+    def _translate(self, exc: BaseException, peer: str, what: str) -> TransportError:
+        return TransportError(self._reason(exc), f"NIXL could not {what} ({peer}): {exc!r}")
+
+
+def _release_quietly(handle: Any) -> None:
+    """Release a NIXL handle; a handle that cannot be released is NIXL's to reclaim."""
+    try:
+        handle.release()
+    except Exception as exc:
+        logger.debug("NIXL handle %r not released: %r", handle, exc)
+
+
+def _quietly(call: Any, *args: Any) -> None:
+    try:
+        call(*args)
+    except Exception as exc:
+        logger.debug("NIXL cleanup %r%r failed: %r", call, args, exc)
