@@ -244,6 +244,9 @@ class SenderProtocol:
 
     # ----- inspection (read-only; what statistics and tests read)
 
+    def in_flight(self) -> bool:
+        return bool(self._transfers)
+
     def state_of(self, transfer_id: str) -> SenderState | None:
         rec = self._transfers.get(transfer_id)
         return rec.state if rec else None
@@ -762,6 +765,9 @@ class ReceiverProtocol:
         """How long blocks stay fenced when the sender never confirms."""
         return self._timing.lease_s + 2 * self._timing.liveness_timeout_s
 
+    def in_flight(self) -> bool:
+        return bool(self._transfers)
+
     def state_of(self, transfer_id: str) -> ReceiverState | None:
         rec = self._transfers.get(transfer_id)
         return rec.state if rec else None
@@ -1044,6 +1050,9 @@ class PushProtocol:
 
     def tick(self, now: float) -> list[Effect]:
         return self.sender.tick(now) + self.receiver.tick(now)
+
+    def in_flight(self) -> bool:
+        return self.sender.in_flight() or self.receiver.in_flight()
 
     def next_deadline(self) -> float | None:
         times = [
