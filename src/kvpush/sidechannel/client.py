@@ -167,7 +167,10 @@ def _check_reply(
 ) -> FetchResult:
     if len(frames) != 2:
         raise MalformedReply(f"{where}: expected a reply of 2 frames, got {len(frames)}")
-    header = decode_header(frames[0])
+    try:
+        header = decode_header(frames[0])
+    except MalformedReply as exc:
+        raise MalformedReply(f"{where}: {exc}") from None
     if header.status == "refused":
         _raise_refusal(header, where)
     if header.protocol_version != PROTOCOL_VERSION:
@@ -182,7 +185,10 @@ def _check_reply(
         raise IncompatiblePeer(
             _incompatibility(header, frames[1], where, expected, expect_geometry)
         )
-    meta = decode_metadata(frames[1])
+    try:
+        meta = decode_metadata(frames[1])
+    except MalformedReply as exc:
+        raise MalformedReply(f"{where}: {exc}") from None
     if meta.geometry.compat_hash() != header.compat_hash:
         raise MalformedReply(
             f"{where}: the header's compat hash {header.compat_hash} does not match the "
