@@ -15,7 +15,15 @@ from collections.abc import Sequence
 from kvpush import __version__
 from kvpush.errors import KVPushError
 
-_COMMANDS: tuple[str, ...] = ("demo", "endpoint", "probe", "wait_ready", "bench", "make_model")
+_COMMANDS: tuple[str, ...] = (
+    "demo",
+    "endpoint",
+    "probe",
+    "wait_ready",
+    "bench",
+    "make_model",
+    "serve",
+)
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 

@@ -1,0 +1,66 @@
+"""`kvpush serve`: the reference OpenAI-compatible server, in one of three roles."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API (prefill, decode or both)",
+        description=(
+            "Serve a local Hugging Face Llama checkpoint with the reference engine. "
+            "--role both serves complete requests; prefill and decode split them, with "
+            "the KV cache pushed from prefill to decode through kvpush."
+        ),
+    )
+    p.add_argument("--model", required=True, help="checkpoint directory (see make-model)")
+    p.add_argument("--role", choices=("both", "prefill", "decode"), default="both")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (IPv4, IPv6, name)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument(
+        "--side-channel-port", type=int, default=None, help="kvpush side channel (prefill/decode)"
+    )
+    p.add_argument("--served-model-name", default=None, help="model name (default: dir name)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks (default 1024)")
+    p.add_argument("--max-batch-tokens", type=int, default=4096)
+    p.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        help="prompt-lookup draft tokens per step; 0 disables speculation (default 0)",
+    )
+    p.add_argument("--prompt-lookup-max", type=int, default=3)
+    p.add_argument("--prompt-lookup-min", type=int, default=1)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--transport", choices=("nixl", "loopback"), default="nixl")
+    p.add_argument("--layerwise", action="store_true", help="push each layer as it is computed")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpush.serving.app import ServeOptions, serve
+
+    return serve(
+        ServeOptions(
+            model=args.model,
+            role=args.role,
+            host=args.host,
+            port=args.port,
+            side_channel_port=args.side_channel_port,
+            served_model_name=args.served_model_name,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            max_batch_tokens=args.max_batch_tokens,
+            speculative_tokens=args.speculative_tokens,
+            prompt_lookup_max=args.prompt_lookup_max,
+            prompt_lookup_min=args.prompt_lookup_min,
+            prefix_caching=not args.no_prefix_caching,
+            transport=args.transport,
+            layerwise=args.layerwise,
+            log_level=args.verbose,
+        )
+    )

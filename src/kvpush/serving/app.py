@@ -1,0 +1,115 @@
+"""Assemble and run one server process: model, engine, engine thread, HTTP app, uvicorn."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvpush.errors import ConfigError
+from kvpush.net import check_port, unbracket_host
+from kvpush.serving.checkpoint import load_model
+from kvpush.serving.engine import Engine, SpecConfig
+from kvpush.serving.metrics import serving_registry
+from kvpush.serving.server import create_app
+from kvpush.serving.worker import EngineWorker
+
+log = logging.getLogger(__name__)
+
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    model: str
+    role: str = "both"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    side_channel_port: int | None = None
+    served_model_name: str | None = None
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_batch_tokens: int = 4096
+    speculative_tokens: int = 0
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+    prefix_caching: bool = True
+    transport: str = "nixl"
+    layerwise: bool = False
+    log_level: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"role {self.role!r}: expected one of {', '.join(ROLES)}")
+        check_port(self.port)
+        if self.role != "both" and self.side_channel_port is None:
+            raise ConfigError(f"--role {self.role} needs --side-channel-port")
+        for name in ("block_size", "num_blocks", "max_batch_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.speculative_tokens < 0:
+            raise ConfigError("speculative_tokens must be 0 (off) or positive")
+        if self.speculative_tokens and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+
+
+def serve(options: ServeOptions) -> int:
+    """Run a server until interrupted; returns the process exit code."""
+    import uvicorn
+
+    loaded = load_model(options.model)
+    spec = (
+        SpecConfig(
+            num_speculative_tokens=options.speculative_tokens,
+            prompt_lookup_max=options.prompt_lookup_max,
+            prompt_lookup_min=options.prompt_lookup_min,
+        )
+        if options.speculative_tokens
+        else None
+    )
+    engine = Engine(
+        loaded.model,
+        num_blocks=options.num_blocks,
+        block_size=options.block_size,
+        max_batch_tokens=options.max_batch_tokens,
+        spec=spec,
+        enable_prefix_caching=options.prefix_caching,
+    )
+    name = options.served_model_name or Path(options.model).resolve().name
+    registry = serving_registry()
+    if options.role != "both":
+        from kvpush.serving.disagg import build_role
+
+        worker, prepare, health_extra = build_role(options, engine, registry)
+    else:
+        worker, prepare, health_extra = EngineWorker(engine), None, None
+    app = create_app(
+        worker,
+        loaded.tokenizer,
+        registry,
+        model_name=name,
+        role=options.role,
+        vocab_size=loaded.config.vocab_size,
+        max_model_len=loaded.config.max_position_embeddings,
+        prepare=prepare,
+        health_extra=health_extra,
+    )
+    config = uvicorn.Config(
+        app,
+        host=unbracket_host(options.host),
+        port=options.port,
+        log_config=None,
+        access_log=options.log_level >= 2,
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    worker.start()
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        # uvicorn re-raises the SIGINT it captured once it has shut down gracefully:
+        # being stopped is this command's normal end.
+        pass
+    finally:
+        worker.close()
+    return 0 if server.started else 1

@@ -1,0 +1,212 @@
+"""The engine thread: the one owner of an `Engine`, fed by a command queue.
+
+HTTP handlers never touch the engine. They `submit()` a job carrying a `sink` (a
+callable the engine thread calls with each event for that request) and `abort()` it if
+the client goes away. The thread drains commands, runs one `Engine.step()` while there is
+work (so requests that arrive mid-generation join the next step: continuous batching),
+and sleeps on the queue when idle. An exception inside a step fails every request in
+flight with the error and the thread keeps serving the next ones.
+
+Subclasses (the prefill and decode roles) add work through `_pump()`, which runs on the
+engine thread before every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvpush.errors import ClosedError
+from kvpush.serving.engine import (
+    Engine,
+    EngineStats,
+    FinishReason,
+    RequestRejected,
+    RequestStats,
+    SamplingParams,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """The engine took the request; tokens follow."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    status: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    reason: FinishReason
+    stats: RequestStats | None
+    error: str | None = None
+    kv_transfer_params: dict[str, object] | None = None
+    status: int = 500  # the HTTP status an error maps to
+
+
+Event = Accepted | Rejected | Tokens | Done
+Sink = Callable[[Event], None]
+
+
+@dataclass(slots=True)
+class Job:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: Sink
+    kv_transfer_params: dict[str, object] | None = None
+    submitted_at: float = field(default_factory=time.monotonic)
+
+
+class EngineWorker:
+    """Runs an engine on its own thread; `start()` and `close()` own that thread."""
+
+    def __init__(self, engine: Engine, *, name: str = "kvpush-engine") -> None:
+        self.engine = engine
+        self._name = name
+        self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._jobs: dict[str, Job] = {}
+        self._stats = engine.statistics()
+        self._closed = False
+        self.on_stats: Callable[[EngineStats], None] | None = None
+
+    # -- any thread --------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("engine worker already started")
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stopping.set()
+        self._commands.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("engine thread did not stop within %.1fs", timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._closed
+
+    def submit(self, job: Job) -> None:
+        if self._closed:
+            raise ClosedError("the engine worker is closed")
+        self._commands.put(("submit", job))
+
+    def abort(self, request_id: str) -> None:
+        if not self._closed:
+            self._commands.put(("abort", request_id))
+
+    def statistics(self) -> EngineStats:
+        """The engine's statistics as of its last step (a snapshot; no locking)."""
+        return self._stats
+
+    # -- engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            busy = self.engine.has_work or self._has_pending()
+            try:
+                cmd = self._commands.get(timeout=0.0 if busy else self._idle_wait())
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                self._handle(*cmd)
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self._stopping.is_set():
+                break
+            try:
+                self._pump()
+                if self.engine.has_work:
+                    self._step()
+            except Exception as exc:  # a bug: fail what is in flight, keep serving
+                log.exception("engine step failed")
+                self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
+            self._stats = self.engine.statistics()
+            if self.on_stats is not None:
+                self.on_stats(self._stats)
+        self._fail_all("server shutting down")
+        self._shutdown()
+
+    def _idle_wait(self) -> float:
+        return 0.5
+
+    def _has_pending(self) -> bool:
+        return False
+
+    def _handle(self, kind: str, arg: object) -> None:
+        if kind == "submit":
+            assert isinstance(arg, Job)
+            self._accept(arg)
+        elif kind == "abort":
+            assert isinstance(arg, str)
+            job = self._jobs.pop(arg, None)
+            if job is not None:
+                self._abort_job(job)
+
+    def _accept(self, job: Job) -> None:
+        try:
+            self.engine.add_request(job.request_id, job.prompt_token_ids, job.params)
+        except RequestRejected as exc:
+            job.sink(Rejected(400, str(exc)))
+            return
+        self._jobs[job.request_id] = job
+        job.sink(Accepted())
+
+    def _abort_job(self, job: Job) -> None:
+        self.engine.release(job.request_id)
+
+    def _step(self) -> None:
+        for out in self.engine.step():
+            job = self._jobs.get(out.request_id)
+            if job is None:
+                continue
+            if out.new_token_ids:
+                job.sink(Tokens(out.new_token_ids))
+            if out.finished:
+                assert out.finish_reason is not None
+                self._finished(job, out.finish_reason)
+
+    def _finished(self, job: Job, reason: FinishReason) -> None:
+        stats = self.engine.request_stats(job.request_id)
+        self._jobs.pop(job.request_id, None)
+        self.engine.forget(job.request_id)
+        job.sink(Done(reason, stats))
+
+    def _fail_all(self, message: str) -> None:
+        for job in list(self._jobs.values()):
+            self._jobs.pop(job.request_id, None)
+            try:
+                self.engine.release(job.request_id)
+            finally:
+                job.sink(Done(FinishReason.ERROR, None, error=message))
+
+    def _pump(self) -> None:
+        """Hook for roles: run on the engine thread before each step."""
+
+    def _shutdown(self) -> None:
+        """Hook for roles: release what the role owns, on the engine thread."""
