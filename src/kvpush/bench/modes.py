@@ -128,7 +128,7 @@ class MemcpyPair:
 # --------------------------------------------------------------------------- nixl-raw
 
 
-def _nixl_register(agent: Any, buffers: CacheBuffers) -> Any:
+def nixl_register(agent: Any, buffers: CacheBuffers) -> Any:
     descs = [(int(r.ctypes.data), int(r.nbytes), 0, "") for r in buffers.regions]
     reg = agent.register_memory(descs, "DRAM")
     if reg is None:
@@ -153,7 +153,7 @@ class NixlRawReceiver:
             f"bench-rx-{time.monotonic_ns()}",
             nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
         )
-        self.reg = _nixl_register(self.agent, self.buffers)
+        self.reg = nixl_register(self.agent, self.buffers)
         return {"agent_md": self.agent.get_agent_metadata(), "bases": self.buffers.bases()}
 
     def _poll(self, into: dict[int, int]) -> None:
@@ -192,6 +192,7 @@ class NixlRawSender:
         self.reg: Any = None
         self.peer_name = ""
         self.peer_bases: list[int] = []
+        self.peer_strides: list[int] | None = None
 
     def setup(self, peer_meta: object, peer: Connection) -> None:
         assert isinstance(peer_meta, dict)
@@ -201,13 +202,19 @@ class NixlRawSender:
             f"bench-tx-{time.monotonic_ns()}",
             nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
         )
-        self.reg = _nixl_register(self.agent, self.buffers)
+        self.reg = nixl_register(self.agent, self.buffers)
         self.peer_name = self.agent.add_remote_agent(peer_meta["agent_md"])
         self.peer_bases = list(peer_meta["bases"])
+        self.peer_strides = peer_meta.get("strides")
 
     def run_batch(
-        self, transfers: Sequence[Transfer], inflight: int, deadline: float
+        self,
+        transfers: Sequence[Transfer],
+        inflight: int,
+        deadline: float,
+        completed: dict[int, int] | None = None,
     ) -> dict[int, int]:
+        """Post every WRITE; `completed`, if given, gets each one's local DONE time."""
         agent = self.agent
         bases = self.buffers.bases()
         pending = deque(transfers)
@@ -217,7 +224,9 @@ class NixlRawSender:
             while pending and len(active) < inflight:
                 t = pending.popleft()
                 submitted[t.tag] = time.monotonic_ns()
-                src, dst = descriptor_arrays(self.workload, bases, self.peer_bases, t)
+                src, dst = descriptor_arrays(
+                    self.workload, bases, self.peer_bases, t, self.peer_strides
+                )
                 handle = agent.initialize_xfer(
                     "WRITE",
                     agent.get_xfer_descs(src, "DRAM"),
@@ -231,12 +240,36 @@ class NixlRawSender:
             for tag, handle in list(active.items()):
                 state = agent.check_xfer_state(handle)
                 if state == "DONE":
+                    if completed is not None:
+                        completed[tag] = time.monotonic_ns()
                     agent.release_xfer_handle(handle)
                     del active[tag]
                 elif state == "ERR":
                     raise BenchFailed(f"nixl-raw: transfer {tag} failed")
             _check_deadline(deadline, "nixl-raw sender batch")
         return submitted
+
+    def read_back(self, blocks: tuple[int, ...], into: CacheBuffers, deadline: float) -> None:
+        """NIXL READ of the peer's `blocks` into the same block ids of `into` (registered
+        here by the caller): how a remote bench checks what landed."""
+        agent = self.agent
+        t = Transfer(tag=0, src_blocks=blocks, dst_blocks=blocks)
+        local, remote = descriptor_arrays(
+            self.workload, into.bases(), self.peer_bases, t, self.peer_strides
+        )
+        handle = agent.initialize_xfer(
+            "READ",
+            agent.get_xfer_descs(local, "DRAM"),
+            agent.get_xfer_descs(remote, "DRAM"),
+            self.peer_name,
+        )
+        state = agent.transfer(handle)
+        while state == "PROC":
+            _check_deadline(deadline, "nixl-raw read-back")
+            state = agent.check_xfer_state(handle)
+        agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise BenchFailed("nixl-raw: reading back the written blocks failed")
 
     def close(self) -> None:
         if self.agent is not None:

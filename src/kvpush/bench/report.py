@@ -23,13 +23,14 @@ def _num(v: float | None, fmt: str) -> str:
 def format_table(report: dict[str, Any]) -> str:
     """The whole report as a fixed-width table, one row per (mode, size)."""
     w = report["workload"]
+    target = f" against {report['target']}" if report.get("target") else ""
     lines = [
-        f"kvpush bench: preset {w['preset']}, {w['layers']} layers x 2 regions, "
+        f"kvpush bench{target}: preset {w['preset']}, {w['layers']} layers x 2 regions, "
         f"{w['block_size_tokens']}-token blocks of {human_bytes(w['block_bytes'])} per region "
         f"({human_bytes(w['bytes_per_block'])} per block id, "
         f"{human_bytes(w['bytes_per_token'])}/token), {w['inflight']} in flight",
         "GB/s = bytes of a batch / wall time of the whole batch (10^9 B/s). "
-        "Latency: blocks ready -> receiver reports finished.",
+        f"Latency: blocks ready -> {report.get('latency_end', 'receiver reports finished')}.",
         "",
     ]
     head = (

@@ -85,7 +85,7 @@ def plans(workload: Workload) -> list[Plan]:
     return out
 
 
-def _batch_result(
+def batch_result(
     workload: Workload,
     *,
     plan: Plan,
@@ -186,7 +186,7 @@ def _sender_main(mode: str, workload: Workload, peer: Connection, parent: Connec
             _, finished, rx_cpu, dst_crc = _recv(peer, PIPE_TIMEOUT_S, "receiver completion")
             if plan.label == "warmup":
                 continue
-            res = _batch_result(
+            res = batch_result(
                 workload,
                 plan=plan,
                 submitted=submitted,
@@ -231,7 +231,7 @@ def _memcpy_main(workload: Workload, parent: Connection) -> None:
             dst_crc = {t.dst_blocks: pair.dst.checksum(t.dst_blocks) for t in slots}
             if plan.label == "warmup":
                 continue
-            res = _batch_result(
+            res = batch_result(
                 workload,
                 plan=plan,
                 submitted=submitted,
@@ -252,7 +252,7 @@ def _memcpy_main(workload: Workload, parent: Connection) -> None:
 # ----------------------------------------------------------------- parent
 
 
-def _stop(procs: list[mp.process.BaseProcess]) -> None:
+def stop_children(procs: list[mp.process.BaseProcess]) -> None:
     """Join every child; kill any that does not exit in time. Runs on every exit path."""
     for p in procs:
         p.join(timeout=5)
@@ -322,7 +322,7 @@ def run_mode(
     except BenchFailed as exc:
         result |= {"status": "failed", "reason": str(exc)}
     finally:
-        _stop(procs)
+        stop_children(procs)
         parent_end.close()
         child_end.close()
     return result

@@ -291,18 +291,24 @@ def descriptor_arrays(
     src_bases: list[int],
     dst_bases: list[int],
     transfer: Transfer,
+    dst_strides: list[int] | None = None,
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """Nx3 (address, length, device id) arrays for the source and destination sides."""
+    """Nx3 (address, length, device id) arrays for the source and destination sides.
+
+    Blocks are `block_bytes` apart on our side; on the destination they are
+    `dst_strides[r]` apart in region `r` when given (a remote endpoint's layout).
+    """
     bb = workload.block_bytes
     src_idx = np.asarray(transfer.src_blocks, dtype=np.int64) * bb
-    dst_idx = np.asarray(transfer.dst_blocks, dtype=np.int64) * bb
+    dst_ids = np.asarray(transfer.dst_blocks, dtype=np.int64)
     n = len(transfer.src_blocks) * len(src_bases)
     src = np.zeros((n, 3), dtype=np.int64)
     dst = np.zeros((n, 3), dtype=np.int64)
     nb = len(transfer.src_blocks)
     for r, (sb, db) in enumerate(zip(src_bases, dst_bases, strict=True)):
+        stride = bb if dst_strides is None else dst_strides[r]
         src[r * nb : (r + 1) * nb, 0] = sb + src_idx
-        dst[r * nb : (r + 1) * nb, 0] = db + dst_idx
+        dst[r * nb : (r + 1) * nb, 0] = db + dst_ids * stride
     src[:, 1] = bb
     dst[:, 1] = bb
     return src, dst

@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from kvpush.bench.report import format_table, write_plot
 from kvpush.bench.runner import ALL_MODES, run_bench
@@ -37,6 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot GB/s against transfer size")
     p.add_argument("--target", metavar="HOST:PORT", help="bench against a `kvpush endpoint`")
+    p.add_argument("--token-file", help="side-channel secret for --target (default $KVPUSH_TOKEN)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=run)
 
@@ -72,9 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not modes:
         raise ConfigError(f"--modes {args.modes!r}: expected a subset of {','.join(ALL_MODES)}")
     if args.target is not None:
-        from kvpush.bench.remote import check_target
-
-        check_target(args.target)
+        return _run_remote(args)
     workload = make_workload(
         preset=args.preset,
         layers=args.layers,
@@ -86,14 +86,43 @@ def run(args: argparse.Namespace) -> int:
         inflight=args.inflight,
         quick=args.quick,
     )
-    for path in (args.json, args.plot):
-        if path and not Path(path).resolve().parent.is_dir():
-            raise ConfigError(f"cannot write {path}: its directory does not exist")
+    _check_outputs(args)
     bar = _ProgressBar(enabled=not args.no_progress)
     try:
         report = run_bench(workload, modes, on_progress=bar)
     finally:
         bar.finish()
+    return _emit(report, args)
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    for path in (args.json, args.plot):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ConfigError(f"cannot write {path}: its directory does not exist")
+
+
+def _run_remote(args: argparse.Namespace) -> int:
+    from kvpush.bench.remote import check_target, run_remote
+    from kvpush.config import load_token
+
+    check_target(args.target)
+    _check_outputs(args)
+    bar = _ProgressBar(enabled=not args.no_progress)
+    try:
+        report = run_remote(
+            args.target,
+            load_token(args.token_file),
+            max_size_bytes=parse_size(args.max_size) if args.max_size else None,
+            inflight=args.inflight,
+            quick=args.quick,
+            on_progress=bar,
+        )
+    finally:
+        bar.finish()
+    return _emit(report, args)
+
+
+def _emit(report: dict[str, Any], args: argparse.Namespace) -> int:
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
