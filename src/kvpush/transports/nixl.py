@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 _LOCAL = "NIXL_INIT_AGENT"
 
 
-def _memory_type(region: Region) -> tuple[str, int]:
+def region_memory_type(region: Region) -> tuple[str, int]:
     """NIXL memory type and device id of a region: DRAM for "cpu", VRAM for "cuda:N"."""
     if region.device == "cpu":
         return "DRAM", 0
@@ -65,8 +65,8 @@ def _memory_type(region: Region) -> tuple[str, int]:
     )
 
 
-def _memory_type_of(geometry: CacheGeometry) -> str:
-    types = {_memory_type(r)[0] for r in geometry.regions}
+def geometry_memory_type(geometry: CacheGeometry) -> str:
+    types = {region_memory_type(r)[0] for r in geometry.regions}
     if len(types) > 1:
         raise TransportError(
             FailureReason.LOCAL_ERROR,
@@ -85,7 +85,7 @@ def block_descriptors(geometry: CacheGeometry) -> npt.NDArray[np.uint64]:
         rows = slice(r * nb, (r + 1) * nb)
         out[rows, 0] = np.uint64(region.base_addr) + blocks * np.uint64(region.block_stride)
         out[rows, 1] = region.block_bytes
-        out[rows, 2] = _memory_type(region)[1]
+        out[rows, 2] = region_memory_type(region)[1]
     return out
 
 
@@ -236,12 +236,12 @@ class NixlTransport(Transport):
             raise LocalProtocolError(
                 f"NIXL endpoint {self._name}: memory is registered once; it already is"
             )
-        mem_type = _memory_type_of(geometry)
+        mem_type = geometry_memory_type(geometry)
         spans = [
             (
                 r.base_addr,
                 (r.num_blocks - 1) * r.block_stride + r.block_bytes,
-                _memory_type(r)[1],
+                region_memory_type(r)[1],
                 "",
             )
             for r in geometry.regions
@@ -280,7 +280,7 @@ class NixlTransport(Transport):
                 f"NIXL endpoint {self._name}: register_memory() before add_peer()"
             )
         check_region_fits(self._geometry, geometry, peer)
-        their_type = _memory_type_of(geometry)
+        their_type = geometry_memory_type(geometry)
         if peer in self._peers:
             self.remove_peer(peer)
         try:
