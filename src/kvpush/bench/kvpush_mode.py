@@ -1,16 +1,172 @@
-"""The `kvpush` mode: the whole kvpush path, through `kvpush.runtime`."""
+"""The `kvpush` mode: the whole kvpush path, as an engine would drive it.
+
+Each side wraps the bench's cache regions as torch tensors, registers them with
+`kvpush.kvcache.register_kv_cache`, and runs a `PushRuntime` over a `NixlTransport`, with
+its metadata published on a real side channel (`MetadataServer` on 127.0.0.1, port 0) and
+peers found through it (`SideChannelPeerDirectory`).
+
+Per batch: the receiver calls `receive()` for every transfer (the decode side allocated
+its blocks and registered them, as in serving), and the sender waits, untimed, until all
+those registrations have reached it. Then the timed part: the sender calls `send()` as
+"blocks ready" (at most `inflight` open at once), and each transfer counts as finished
+when the receiver's `wait()` hands back its result: protocol, writes, completion message
+and result delivery are all inside the figure.
+"""
 
 from __future__ import annotations
 
-from kvpush.bench.modes import ModeUnavailable
-from kvpush.bench.workload import Workload
+import time
+import uuid
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from kvpush.bench.modes import SENDER_FILL_SEED, BenchFailed, ModeUnavailable, check_deadline
+from kvpush.bench.workload import CacheBuffers, Transfer, Workload
+
+HOST = "127.0.0.1"
 
 
-class KvpushReceiver:
+def _tid(tag: int) -> str:
+    return f"bench-{tag}"
+
+
+class _KvpushSide:
     def __init__(self, workload: Workload) -> None:
-        raise ModeUnavailable("not available: kvpush.runtime is not in this tree yet")
+        self.workload = workload
+        self.buffers = CacheBuffers(workload)
+        self.runtime: Any = None
+        self.server: Any = None
+
+    def _start(self, role: str, fill_seed: int | None) -> int:
+        """Allocate, register, start the runtime and its side channel; our port."""
+        try:
+            import torch
+
+            from kvpush.config import SideChannelConfig
+            from kvpush.kvcache import register_kv_cache
+            from kvpush.runtime import PushRuntime, RuntimeIdentity, SideChannelPeerDirectory
+            from kvpush.sidechannel import MetadataServer
+            from kvpush.transports.nixl import NixlTransport
+        except ImportError as exc:
+            raise ModeUnavailable(f"not available: {exc}") from None
+        w = self.workload
+        self.buffers.allocate(fill_seed)
+        heads = w.kv_heads
+        if w.block_bytes != w.block_size_tokens * heads * w.head_dim * w.dtype_bytes:
+            heads = 1
+        head_dim = w.block_bytes // (w.block_size_tokens * heads * w.dtype_bytes)
+        shape = (w.num_blocks, w.block_size_tokens, heads, head_dim)
+
+        def tensor(i: int) -> Any:
+            return torch.from_numpy(self.buffers.regions[i]).view(torch.bfloat16).view(shape)
+
+        kv = {f"model.layers.{i}.attn": (tensor(2 * i), tensor(2 * i + 1)) for i in range(w.layers)}
+        geometry = register_kv_cache(kv, "kv_separate/NHD", w.block_size_tokens)
+        got = [(r.base_addr, r.block_bytes, r.block_stride) for r in geometry.regions]
+        want = [(b, w.block_bytes, w.block_bytes) for b in self.buffers.bases()]
+        if got != want:
+            raise BenchFailed("register_kv_cache derived regions that are not the bench's")
+        ranks: dict[int, Any] = {}
+        self.server = MetadataServer(HOST, 0, SideChannelConfig(), ranks)
+        self.server.start()
+        incarnation = uuid.uuid4().hex
+        identity = RuntimeIdentity(
+            engine_id=f"bench-{role}",
+            incarnation=incarnation,
+            host=HOST,
+            port=self.server.port,
+            role=role,
+        )
+        transport = NixlTransport(f"bench-{role}-{incarnation[:8]}")
+        self.runtime = PushRuntime(transport, geometry, identity, SideChannelPeerDirectory())
+        self.runtime.start()
+        ranks[0] = self.runtime.local_metadata()
+        return int(self.server.port)
+
+    def _results(self, deadline: float, what: str) -> list[Any]:
+        check_deadline(deadline, what)
+        results = self.runtime.wait(timeout=0.2)
+        for r in results:
+            if not r.ok:
+                raise BenchFailed(
+                    f"kvpush {what}: transfer {r.transfer_id} failed ({r.reason}): {r.detail}"
+                )
+        return list(results)
+
+    def close(self) -> None:
+        if self.runtime is not None:
+            self.runtime.close()
+            self.runtime = None
+        if self.server is not None:
+            self.server.close()
+            self.server = None
 
 
-class KvpushSender:
+class KvpushReceiver(_KvpushSide):
     def __init__(self, workload: Workload) -> None:
-        raise ModeUnavailable("not available: kvpush.runtime is not in this tree yet")
+        super().__init__(workload)
+        self.sender_port = 0
+
+    def setup(self, peer: Connection) -> object:
+        return {"port": self._start("receiver", None)}
+
+    def peer_info(self, info: object) -> None:
+        assert isinstance(info, dict)
+        self.sender_port = int(info["port"])
+
+    def arm(self, transfers: list[tuple[int, tuple[int, ...]]], deadline: float) -> None:
+        from kvpush.runtime import PeerAddress
+
+        if not self.sender_port:
+            raise BenchFailed("kvpush receiver: armed before the sender said where it is")
+        sender = PeerAddress(HOST, self.sender_port, 0)
+        for tag, dst in transfers:
+            self.runtime.receive(_tid(tag), sender, list(dst))
+
+    def wait(self, tags: set[int], deadline: float) -> dict[int, int]:
+        done: dict[int, int] = {}
+        while len(done) < len(tags):
+            results = self._results(deadline, "receiver")
+            now = time.monotonic_ns()
+            for r in results:
+                done[int(r.transfer_id.removeprefix("bench-"))] = now
+        return done
+
+    def idle(self, seconds: float) -> None:
+        # An idle endpoint: the runtime's own threads run; the engine thread sleeps.
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            time.sleep(min(0.1, max(0.0, end - time.monotonic())))
+            check_deadline(end + 1, "kvpush receiver idling")
+
+
+class KvpushSender(_KvpushSide):
+    def setup(self, peer_meta: object, peer: Connection) -> None:
+        port = self._start("sender", SENDER_FILL_SEED)
+        peer.send(("peer-info", {"port": port}))
+
+    def prepare(self, transfers: Sequence[Transfer], deadline: float) -> None:
+        """Untimed: wait until the receiver's registrations for the batch reached us."""
+        while True:
+            stats = self.runtime.statistics()
+            if stats.sending.get("registered", 0) >= len(transfers):
+                return
+            check_deadline(deadline, "kvpush sender waiting for the receiver's registrations")
+            time.sleep(0.001)
+
+    def run_batch(
+        self, transfers: Sequence[Transfer], inflight: int, deadline: float
+    ) -> dict[int, int]:
+        submitted: dict[int, int] = {}
+        pending = list(reversed(transfers))
+        open_: set[str] = set()
+        while pending or open_:
+            while pending and len(open_) < inflight:
+                t = pending.pop()
+                submitted[t.tag] = time.monotonic_ns()
+                self.runtime.send(_tid(t.tag), list(t.src_blocks))
+                open_.add(_tid(t.tag))
+            for r in self._results(deadline, "sender"):
+                open_.discard(r.transfer_id)
+        return submitted

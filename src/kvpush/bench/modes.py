@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from kvpush.bench.workload import CacheBuffers, Transfer, Workload, descriptor_arrays
 from kvpush.errors import KVPushError
@@ -41,6 +41,12 @@ class Receiver(Protocol):
     def setup(self, peer: Connection) -> object:
         """Allocate and register; return what the sender needs (picklable)."""
 
+    def peer_info(self, info: object) -> None:
+        """What the sender sent us after its own setup (its address, for kvpush)."""
+
+    def arm(self, transfers: list[tuple[int, tuple[int, ...]]], deadline: float) -> None:
+        """Get ready for these (tag, destination blocks), before the batch is timed."""
+
     def wait(self, tags: set[int], deadline: float) -> dict[int, int]:
         """Block until every tag's transfer is reported finished; tag -> monotonic ns."""
 
@@ -54,6 +60,9 @@ class Sender(Protocol):
     buffers: CacheBuffers
 
     def setup(self, peer_meta: object, peer: Connection) -> None: ...
+
+    def prepare(self, transfers: Sequence[Transfer], deadline: float) -> None:
+        """Called once the receiver is armed, before the batch is timed."""
 
     def run_batch(
         self, transfers: Sequence[Transfer], inflight: int, deadline: float
@@ -81,7 +90,7 @@ def load_nixl() -> tuple[Any, Any]:
 _next_parent_check = 0.0
 
 
-def _check_deadline(deadline: float, what: str) -> None:
+def check_deadline(deadline: float, what: str) -> None:
     """Fail past the deadline, or once the bench process is gone (checked every 0.2 s),
     so that a polling loop in an orphaned child stops at once."""
     global _next_parent_check
@@ -164,11 +173,17 @@ class NixlRawReceiver:
                 for m in msgs:
                     into[int(m)] = now
 
+    def peer_info(self, info: object) -> None:
+        pass
+
+    def arm(self, transfers: list[tuple[int, tuple[int, ...]]], deadline: float) -> None:
+        pass
+
     def wait(self, tags: set[int], deadline: float) -> dict[int, int]:
         done = {t: ns for t, ns in self.early.items() if t in tags}
         while len(done) < len(tags):
             self._poll(done)
-            _check_deadline(deadline, f"nixl-raw receiver: {len(tags) - len(done)} notifications")
+            check_deadline(deadline, f"nixl-raw receiver: {len(tags) - len(done)} notifications")
         return done
 
     def idle(self, seconds: float) -> None:
@@ -176,7 +191,7 @@ class NixlRawReceiver:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             self._poll(self.early)
-            _check_deadline(end + 1, "nixl-raw receiver idling")
+            check_deadline(end + 1, "nixl-raw receiver idling")
 
     def close(self) -> None:
         if self.agent is not None and self.reg is not None:
@@ -206,6 +221,9 @@ class NixlRawSender:
         self.peer_name = self.agent.add_remote_agent(peer_meta["agent_md"])
         self.peer_bases = list(peer_meta["bases"])
         self.peer_strides = peer_meta.get("strides")
+
+    def prepare(self, transfers: Sequence[Transfer], deadline: float) -> None:
+        pass
 
     def run_batch(
         self,
@@ -246,7 +264,7 @@ class NixlRawSender:
                     del active[tag]
                 elif state == "ERR":
                     raise BenchFailed(f"nixl-raw: transfer {tag} failed")
-            _check_deadline(deadline, "nixl-raw sender batch")
+            check_deadline(deadline, "nixl-raw sender batch")
         return submitted
 
     def read_back(self, blocks: tuple[int, ...], into: CacheBuffers, deadline: float) -> None:
@@ -265,7 +283,7 @@ class NixlRawSender:
         )
         state = agent.transfer(handle)
         while state == "PROC":
-            _check_deadline(deadline, "nixl-raw read-back")
+            check_deadline(deadline, "nixl-raw read-back")
             state = agent.check_xfer_state(handle)
         agent.release_xfer_handle(handle)
         if state != "DONE":
@@ -328,6 +346,12 @@ class MooncakeReceiver:
         self.peer = peer
         return {"session": session, "bases": self.buffers.bases()}
 
+    def peer_info(self, info: object) -> None:
+        pass
+
+    def arm(self, transfers: list[tuple[int, tuple[int, ...]]], deadline: float) -> None:
+        pass
+
     def wait(self, tags: set[int], deadline: float) -> dict[int, int]:
         assert self.peer is not None
         done: dict[int, int] = {}
@@ -369,6 +393,9 @@ class MooncakeSender:
         self.session = peer_meta["session"]
         self.peer_bases = list(peer_meta["bases"])
         self.peer = peer
+
+    def prepare(self, transfers: Sequence[Transfer], deadline: float) -> None:
+        pass
 
     def run_batch(
         self, transfers: Sequence[Transfer], inflight: int, deadline: float
@@ -418,7 +445,7 @@ class MooncakeSender:
             if last:
                 transfers_open.discard(tag)
                 self.peer.send(("landed", [tag]))
-            _check_deadline(deadline, "mooncake sender batch")
+            check_deadline(deadline, "mooncake sender batch")
         return submitted
 
     def close(self) -> None:
@@ -440,8 +467,5 @@ def factories(mode: str) -> tuple[ReceiverFactory, SenderFactory]:
     if mode == "kvpush":
         from kvpush.bench import kvpush_mode as kvpush_mode_
 
-        return (
-            cast(ReceiverFactory, kvpush_mode_.KvpushReceiver),
-            cast(SenderFactory, kvpush_mode_.KvpushSender),
-        )
+        return kvpush_mode_.KvpushReceiver, kvpush_mode_.KvpushSender
     raise BenchFailed(f"no two-process implementation for mode {mode!r}")

@@ -138,11 +138,14 @@ def _receiver_main(mode: str, workload: Workload, peer: Connection) -> None:
         peer.send(("meta", meta))
         while True:
             msg = _recv(peer, PIPE_TIMEOUT_S * 5, "receiver waiting for orders")
-            if msg[0] == "arm":
+            if msg[0] == "peer-info":
+                rx.peer_info(msg[1])
+            elif msg[0] == "arm":
                 transfers = msg[1]
                 slots = {dst for _, dst in transfers}
                 for dst in slots:
                     rx.buffers.zero(dst)
+                rx.arm(transfers, time.monotonic() + PIPE_TIMEOUT_S)
                 peer.send(("armed",))
                 cpu0 = cpu_seconds()
                 done = rx.wait({tag for tag, _ in transfers}, time.monotonic() + PIPE_TIMEOUT_S)
@@ -178,6 +181,7 @@ def _sender_main(mode: str, workload: Workload, peer: Connection, parent: Connec
             src_crc = {t.dst_blocks: tx.buffers.checksum(t.src_blocks) for t in slots}
             peer.send(("arm", [(t.tag, t.dst_blocks) for t in plan.transfers]))
             _recv(peer, PIPE_TIMEOUT_S, "receiver arming")
+            tx.prepare(plan.transfers, time.monotonic() + PIPE_TIMEOUT_S)
             cpu0 = cpu_seconds()
             submitted = tx.run_batch(
                 plan.transfers, workload.inflight, time.monotonic() + PIPE_TIMEOUT_S
