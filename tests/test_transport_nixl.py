@@ -6,6 +6,7 @@ import itertools
 import os
 
 import pytest
+import torch
 
 from kvpush.transports.base import WriteDone
 from kvpush.transports.nixl import NixlTransport
@@ -30,6 +31,14 @@ class TestNixlConformance(TransportConformance):
     @pytest.fixture
     def transport_factory(self) -> TransportFactory:
         return NixlTransport
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu-check)")
+class TestNixlConformanceOnGPU(TestNixlConformance):
+    """The same suite with every KV buffer in GPU memory (NIXL VRAM)."""
+
+    device = "cuda"
 
 
 @pytest.mark.parametrize("merge", [True, False])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -40,13 +41,15 @@ class KVBuffers:
     def block(self, region: int, block: int) -> bytes:
         r = self.geometry.regions[region]
         t = self.tensors[region].view(torch.uint8).reshape(r.num_blocks, -1)
-        return bytes(t[block, : r.block_bytes].numpy())
+        return bytes(t[block, : r.block_bytes].cpu().numpy())
 
     def fill_random(self, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
         for t in self.tensors:
             flat = t.view(torch.uint8).reshape(-1)
             flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
+        if self.tensors and self.tensors[0].is_cuda:
+            torch.cuda.synchronize()
 
     def zero(self) -> None:
         for t in self.tensors:
@@ -140,6 +143,12 @@ class Pair:
 class TransportConformance:
     """Subclass and override `transport_factory`."""
 
+    # Where the KV buffers live: "cpu", or "cuda" for the GPU run (scripts/gpu-check).
+    device = "cpu"
+
+    def kv(self, **kwargs: Any) -> KVBuffers:
+        return make_kv(device=self.device, **kwargs)
+
     @pytest.fixture
     def transport_factory(self) -> TransportFactory:
         raise NotImplementedError("override the transport_factory fixture")
@@ -169,8 +178,8 @@ class TransportConformance:
 
     @pytest.fixture
     def pair(self, new_endpoint: Callable[[str, KVBuffers], Transport]) -> Pair:
-        sender_kv = make_kv()
-        receiver_kv = make_kv()
+        sender_kv = self.kv()
+        receiver_kv = self.kv()
         sender_kv.fill_random(1)
         sender = new_endpoint("sender", sender_kv)
         receiver = new_endpoint("receiver", receiver_kv)
@@ -255,13 +264,15 @@ class TransportConformance:
         assert messages(ev[1]) == [MessageReceived(pair.sender.agent_name, b"nothing")]
 
     def test_strided_regions(self, new_endpoint: Callable[[str, KVBuffers], Transport]) -> None:
-        a_kv, b_kv = make_kv(padding=64), make_kv(padding=32)
+        a_kv, b_kv = self.kv(padding=64), self.kv(padding=32)
         a_kv.fill_random(5)
         b_kv.fill_random(6)
         a, b = new_endpoint("a", a_kv), new_endpoint("b", b_kv)
         a.add_peer(b.agent_name, b.metadata(), b_kv.geometry)
         before = [[b_kv.block(r, x) for x in range(8)] for r in range(4)]
-        pads = [bytes(t.view(torch.uint8).reshape(8, -1)[:, 256:].numpy()) for t in b_kv.tensors]
+        pads = [
+            bytes(t.view(torch.uint8).reshape(8, -1)[:, 256:].cpu().numpy()) for t in b_kv.tensors
+        ]
         a.write_blocks(b.agent_name, 1, [0, 1, 2, 5], [3, 4, 5, 1], b"s")
         pump([a, b], lambda ev: WriteDone(1) in ev[0] and bool(messages(ev[1])))
         for r in range(4):
@@ -270,7 +281,7 @@ class TransportConformance:
                 want = a_kv.block(r, src) if src is not None else before[r][x]
                 assert b_kv.block(r, x) == want, (r, x)
             # The padding between blocks is never touched.
-            pad_now = bytes(b_kv.tensors[r].view(torch.uint8).reshape(8, -1)[:, 256:].numpy())
+            pad_now = bytes(b_kv.tensors[r].view(torch.uint8).reshape(8, -1)[:, 256:].cpu().numpy())
             assert pad_now == pads[r], f"padding of region {r} was overwritten"
 
     def test_both_directions(self, pair: Pair) -> None:
@@ -361,17 +372,17 @@ class TransportConformance:
     def test_garbage_metadata_fails_the_handshake(
         self, new_endpoint: Callable[[str, KVBuffers], Transport]
     ) -> None:
-        kv = make_kv()
+        kv = self.kv()
         a = new_endpoint("a", kv)
         with pytest.raises(TransportError) as info:
-            a.add_peer("b", b"\x00not metadata at all", make_kv().geometry)
+            a.add_peer("b", b"\x00not metadata at all", self.kv().geometry)
         assert info.value.reason is FailureReason.HANDSHAKE_FAILED
         assert not a.has_peer("b")
 
     def test_metadata_of_another_agent_fails_the_handshake(
         self, new_endpoint: Callable[[str, KVBuffers], Transport]
     ) -> None:
-        a_kv, b_kv = make_kv(), make_kv()
+        a_kv, b_kv = self.kv(), self.kv()
         a, b = new_endpoint("a", a_kv), new_endpoint("b", b_kv)
         with pytest.raises(TransportError) as info:
             a.add_peer("someone-else", b.metadata(), b_kv.geometry)
@@ -386,7 +397,7 @@ class TransportConformance:
     def test_incompatible_geometry_is_refused(
         self, new_endpoint: Callable[[str, KVBuffers], Transport]
     ) -> None:
-        a_kv, b_kv = make_kv(block_bytes=256), make_kv(block_bytes=128)
+        a_kv, b_kv = self.kv(block_bytes=256), self.kv(block_bytes=128)
         a, b = new_endpoint("a", a_kv), new_endpoint("b", b_kv)
         with pytest.raises(TransportError) as info:
             a.add_peer(b.agent_name, b.metadata(), b_kv.geometry)
@@ -419,7 +430,7 @@ class TransportConformance:
         old = pair.receiver.agent_name
         pair.receiver.close()
         pair.sender.remove_peer(old)
-        fresh_kv = make_kv()
+        fresh_kv = self.kv()
         fresh = new_endpoint("receiver-restarted", fresh_kv)
         pair.sender.add_peer(fresh.agent_name, fresh.metadata(), fresh_kv.geometry)
         fresh.add_peer(pair.sender.agent_name, pair.sender.metadata(), pair.sender_kv.geometry)
@@ -443,6 +454,6 @@ class TransportConformance:
         t = transport_factory(f"unstarted-{time.monotonic_ns()}")
         try:
             with pytest.raises(KVPushError, match="start"):
-                t.register_memory(make_kv().geometry)
+                t.register_memory(self.kv().geometry)
         finally:
             t.close()
