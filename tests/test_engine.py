@@ -126,27 +126,61 @@ def test_prefill_hold_and_remote_decode_continue_the_same_sequence(tiny: LoadedM
     """The two halves of disaggregated serving, in process: copy blocks, then decode."""
     prompt = prompts(tiny)[3]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    expected = Engine(tiny.model, block_size=4, spec=SpecConfig()).generate([prompt], params)[0]
+    spec_alone = Engine(tiny.model, block_size=4, spec=SpecConfig())
+    spec_alone.add_request("alone", prompt, params)
+    while spec_alone.has_work:
+        spec_alone.step()
+    expected = spec_alone.output_token_ids("alone")
 
     prefill = Engine(tiny.model, num_blocks=64, block_size=4)
     prefill.add_request("r", prompt, SamplingParams(max_tokens=1), hold_blocks=True)
     while prefill.has_work:
         prefill.step()
-    first = prefill.output_token_ids("r")
+    assert prefill.output_token_ids("r") == expected[:1]
     src = prefill.held_blocks("r")
 
     decode = Engine(tiny.model, num_blocks=40, block_size=4, spec=SpecConfig())
     decode.add_request("busy", prompts(tiny)[0], params)  # shares the batch
     decode.step()
     dst = decode.add_remote_request("r", prompt, params)
-    assert dst is not None and len(dst) == len(src)
-    decode.kv_cache.write_blocks(dst, prefill.kv_cache.read_blocks(src))
+    assert dst is not None and dst.sender_offset == 0
+    need = decode.transfer_block_count(len(prompt))
+    assert len(dst.blocks) == need <= len(src)
+    decode.kv_cache.write_blocks(dst.blocks, prefill.kv_cache.read_blocks(src[:need]))
     prefill.release("r")
     assert prefill.statistics().num_free_blocks == 64
-    decode.kv_arrived("r", first[0])
+    decode.kv_arrived("r")
     while decode.has_work:
         decode.step()
     assert decode.output_token_ids("r") == expected
+    assert decode.request_stats("r").mean_acceptance_length == (
+        spec_alone.request_stats("alone").mean_acceptance_length
+    )
+
+    # Again, on a decode engine that has the prompt's head in its prefix cache: only the
+    # tail is received, from the sender block where the cached run ends.
+    again = decode.add_remote_request("r2", prompt, params)
+    assert again is not None
+    assert again.sender_offset == (len(prompt) - 1) // 4 > 0
+    assert len(again.blocks) == need - again.sender_offset
+    decode.kv_cache.write_blocks(
+        again.blocks, fresh_prefill_blocks(tiny, prompt, range(again.sender_offset, need))
+    )
+    decode.kv_arrived("r2")
+    while decode.has_work:
+        decode.step()
+    assert decode.output_token_ids("r2") == expected
+
+
+def fresh_prefill_blocks(
+    tiny: LoadedModel, prompt: list[int], which: range
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    engine = Engine(tiny.model, num_blocks=64, block_size=4)
+    engine.add_request("p", prompt, SamplingParams(max_tokens=1), hold_blocks=True)
+    while engine.has_work:
+        engine.step()
+    held = engine.held_blocks("p")
+    return engine.kv_cache.read_blocks([held[i] for i in which])
 
 
 def test_bad_requests_are_rejected_with_reasons(tiny: LoadedModel) -> None:

@@ -94,6 +94,15 @@ class RequestStats:
 
 
 @dataclass(frozen=True, slots=True)
+class RemoteBlocks:
+    """Where a remotely computed prompt's KV goes: `blocks[i]` takes the sender's block
+    `sender_offset + i` (the first `sender_offset` blocks came from the prefix cache)."""
+
+    blocks: tuple[int, ...]
+    sender_offset: int
+
+
+@dataclass(frozen=True, slots=True)
 class StepOutput:
     request_id: str
     new_token_ids: tuple[int, ...]
@@ -258,36 +267,52 @@ class Engine:
 
     def add_remote_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> list[int] | None:
+    ) -> RemoteBlocks | None:
         """Allocate blocks for a prompt whose KV will be written from outside.
 
-        Returns the block ids covering the prompt (in order), or None when there is no
-        room now (the caller retries or rejects). The request waits for `kv_arrived`.
+        The sender computes the whole prompt; this engine takes the K/V of all but the
+        last prompt token (the blocks covering positions `0 .. len-2`) and recomputes the
+        last one itself, which gives it the logits for the first output token. Full
+        blocks found in the local prefix cache are not received again: the result says
+        which blocks to fill and from which of the sender's blocks (`sender_offset`).
+        Returns None when there is no room now. The request waits for `kv_arrived`.
         """
         prompt = [int(t) for t in prompt_token_ids]
         self._check_new(request_id, prompt, params)
         need = self._blocks_for(len(prompt) + params.max_tokens)
-        if need > self.allocator.num_free:
+        hashes = self._prefix_hashes(prompt)
+        cached = self.allocator.lookup_prefix(hashes)
+        if need - len(cached) > self.allocator.num_free:
+            self.allocator.free(cached)
             return None
         seq = _Seq(request_id, len(prompt), prompt, params, hold_blocks=False)
-        seq.blocks = self.allocator.allocate(need)
+        seq.blocks = cached + self.allocator.allocate(need - len(cached))
+        seq.hashes = hashes[: len(cached)]
+        seq.num_cached = len(cached) * self.block_size
         seq.state = _State.WAITING_FOR_KV
         self._seqs[request_id] = seq
-        return seq.blocks[: self._blocks_for(len(prompt))]
+        return RemoteBlocks(
+            blocks=tuple(seq.blocks[len(cached) : self.transfer_block_count(len(prompt))]),
+            sender_offset=len(cached),
+        )
 
-    def kv_arrived(self, request_id: str, first_token_id: int) -> None:
+    def transfer_block_count(self, prompt_len: int) -> int:
+        """Blocks a receiver needs from the sender for a prompt: those of all but its last
+        token (which the receiver recomputes)."""
+        return self._blocks_for(prompt_len - 1)
+
+    def kv_arrived(self, request_id: str) -> None:
         """The prompt's KV is in this request's blocks; decoding starts at the next step."""
         seq = self._get(request_id)
         if seq.state is not _State.WAITING_FOR_KV:
             raise RequestRejected(f"request {request_id!r} is not waiting for KV")
-        if not 0 <= first_token_id < self.model.config.vocab_size:
-            raise RequestRejected(f"first token id {first_token_id} out of range")
-        seq.num_computed = seq.prompt_len
-        seq.tokens.append(first_token_id)
-        self._generated += 1
+        seq.num_computed = seq.prompt_len - 1
         self._register_full_blocks(seq)
-        # A request that is already complete (max_tokens 1) finishes at the next step.
         seq.state = _State.RUNNING
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        """The blocks a request holds now, in token order (empty before admission)."""
+        return list(self._get(request_id).blocks)
 
     def held_blocks(self, request_id: str) -> list[int]:
         """Blocks holding a held request's prompt KV, in order."""
@@ -336,12 +361,7 @@ class Engine:
             seq = self._seqs[self._waiting[0]]
             prompt = seq.tokens
             # Keep at least one prompt token to compute: its logits give the first output.
-            full = (len(prompt) - 1) // self.block_size
-            hashes: list[bytes] = []
-            parent: bytes | None = None
-            for b in range(full if self.enable_prefix_caching else 0):
-                parent = block_hash(parent, prompt[b * self.block_size : (b + 1) * self.block_size])
-                hashes.append(parent)
+            hashes = self._prefix_hashes(prompt)
             need_total = self._blocks_for(len(prompt) + seq.params.max_tokens)
             cached = self.allocator.lookup_prefix(hashes)
             new_tokens = len(prompt) - len(cached) * self.block_size
@@ -357,6 +377,17 @@ class Engine:
             seq.state = _State.RUNNING
             used += new_tokens
         return used
+
+    def _prefix_hashes(self, prompt: Sequence[int]) -> list[bytes]:
+        """Hashes of the prompt's full blocks, leaving at least its last token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        hashes: list[bytes] = []
+        parent: bytes | None = None
+        for b in range((len(prompt) - 1) // self.block_size):
+            parent = block_hash(parent, prompt[b * self.block_size : (b + 1) * self.block_size])
+            hashes.append(parent)
+        return hashes
 
     def _register_full_blocks(self, seq: _Seq) -> None:
         if not self.enable_prefix_caching:

@@ -2,9 +2,9 @@
 
 The model is the reference against which disaggregated serving is checked token for
 token, so it favours being obviously right over being fast: RMSNorm, rotary embeddings
-(Hugging Face's rotate-half convention), grouped-query attention and a SwiGLU MLP, on CPU
-in float32. Weights use Hugging Face's parameter names, so a `model.safetensors` written
-by `transformers` loads unchanged.
+(Hugging Face's rotate-half convention), grouped-query attention and a SwiGLU MLP, on
+CPU. Weights use Hugging Face's parameter names, so a `model.safetensors` written by
+`transformers` loads unchanged.
 
 `forward` runs a flattened batch: the new tokens of several sequences concatenated into
 one `[T]` tensor, each sequence described by a `SeqSlice` (its block table, how many of
@@ -12,6 +12,14 @@ its tokens are already in the cache, and how many new ones it brings). Every lay
 writes the new tokens' K and V into their cache slots, then attends over the cache, so
 what is in the cache is exactly what a later step (or a decode server that received the
 blocks) reads back. `forward_dense` is the same network without any cache, for tests.
+
+Weights and the KV cache are float32, but the arithmetic runs in float64. CPU matmul
+kernels give slightly different float32 results for one row depending on how many rows
+are multiplied together, so a token's logits would depend on the batch it happened to be
+in; a near-tie could then flip a greedy choice, and a disaggregated run (the decode side
+recomputing the last prompt token alone) could differ from a single instance. In float64
+those differences vanish when K/V are rounded to float32 for the cache and they cannot
+decide an argmax, so the tokens are the same whatever the batching.
 """
 
 from __future__ import annotations
@@ -197,9 +205,8 @@ class LlamaModel:
                 raise ConfigError(f"weight {name} has shape {actual}: expected {shape}")
         self.config = config
         self.weights = {name: weights[name].to(torch.float32).contiguous() for name in expected}
-        self._lm_head = self.weights.get(
-            "lm_head.weight", self.weights["model.embed_tokens.weight"]
-        )
+        self._w = {name: w.to(torch.float64) for name, w in self.weights.items()}
+        self._lm_head = self._w.get("lm_head.weight", self._w["model.embed_tokens.weight"])
         half = config.head_dim // 2
         exponent = torch.arange(0, half, dtype=torch.float64) * 2 / config.head_dim
         self._inv_freq = (1.0 / (config.rope_theta**exponent)).to(torch.float64)
@@ -213,7 +220,7 @@ class LlamaModel:
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float64)[:, None] * self._inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(torch.float32), emb.sin().to(torch.float32)
+        return emb.cos(), emb.sin()
 
     @staticmethod
     def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -239,7 +246,7 @@ class LlamaModel:
         return torch.einsum("hqk,khd->qhd", probs, v)
 
     def _mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
-        w = self.weights
+        w = self._w
         gate = F.linear(x, w[p + "mlp.gate_proj.weight"])
         up = F.linear(x, w[p + "mlp.up_proj.weight"])
         return F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
@@ -247,7 +254,7 @@ class LlamaModel:
     def _qkv(
         self, x: torch.Tensor, p: str, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        cfg, w = self.config, self.weights
+        cfg, w = self.config, self._w
         t = x.shape[0]
         q = F.linear(x, w[p + "self_attn.q_proj.weight"]).view(t, cfg.num_attention_heads, -1)
         k = F.linear(x, w[p + "self_attn.k_proj.weight"]).view(t, cfg.num_key_value_heads, -1)
@@ -272,7 +279,7 @@ class LlamaModel:
         `on_layer_done(layer)` is called once that layer's K/V for every new token is in
         the cache (the hook for layer-wise push).
         """
-        cfg, w = self.config, self.weights
+        cfg, w = self.config, self._w
         if token_ids.dim() != 1 or token_ids.shape[0] != sum(s.num_new for s in seqs):
             raise ValueError("token_ids must be 1-D with one entry per new token of every sequence")
         block_size = kv_caches[0][0].shape[1]
@@ -292,15 +299,15 @@ class LlamaModel:
             k_cache, v_cache = kv_caches[layer]
             h = self._rms_norm(x, w[p + "input_layernorm.weight"])
             q, k, v = self._qkv(h, p, positions)
-            k_cache[blocks, offsets] = k
-            v_cache[blocks, offsets] = v
+            k_cache[blocks, offsets] = k.to(k_cache.dtype)
+            v_cache[blocks, offsets] = v.to(v_cache.dtype)
             outs = []
             row = 0
             for s in seqs:
                 end = s.num_cached + s.num_new
                 table = torch.tensor(list(s.block_table[: (end + block_size - 1) // block_size]))
-                keys = k_cache[table].flatten(0, 1)[:end]
-                values = v_cache[table].flatten(0, 1)[:end]
+                keys = k_cache[table].flatten(0, 1)[:end].to(torch.float64)
+                values = v_cache[table].flatten(0, 1)[:end].to(torch.float64)
                 outs.append(self._attend(q[row : row + s.num_new], keys, values, s.num_cached))
                 row += s.num_new
             attn = torch.cat(outs).reshape(x.shape[0], -1)
@@ -308,12 +315,12 @@ class LlamaModel:
             x = x + self._mlp(self._rms_norm(x, w[p + "post_attention_layernorm.weight"]), p)
             if on_layer_done is not None:
                 on_layer_done(layer)
-        return F.linear(self._rms_norm(x, w["model.norm.weight"]), self._lm_head)
+        return F.linear(self._rms_norm(x, w["model.norm.weight"]), self._lm_head).float()
 
     @torch.inference_mode()
     def forward_dense(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Logits `[T, vocab]` of one whole sequence, with no cache at all."""
-        cfg, w = self.config, self.weights
+        cfg, w = self.config, self._w
         positions = torch.arange(token_ids.shape[0])
         x = w["model.embed_tokens.weight"][token_ids]
         for layer in range(cfg.num_hidden_layers):
@@ -322,4 +329,4 @@ class LlamaModel:
             attn = self._attend(q, k, v, 0).reshape(x.shape[0], -1)
             x = x + F.linear(attn, w[p + "self_attn.o_proj.weight"])
             x = x + self._mlp(self._rms_norm(x, w[p + "post_attention_layernorm.weight"]), p)
-        return F.linear(self._rms_norm(x, w["model.norm.weight"]), self._lm_head)
+        return F.linear(self._rms_norm(x, w["model.norm.weight"]), self._lm_head).float()

@@ -159,6 +159,10 @@ class PagedKVCache:
             out[f"model.layers.{i}.v"] = v
         return out
 
+    def by_layer(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """`{"model.layers.N": (k, v)}` in layer order: what `register_kv_cache` takes."""
+        return {f"model.layers.{i}": kv for i, kv in enumerate(self.layers)}
+
     @property
     def bytes_per_block(self) -> int:
         k = self.layers[0][0]
