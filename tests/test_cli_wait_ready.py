@@ -74,17 +74,15 @@ def test_cli_reports_status_3_of_a_server_it_inherited() -> None:
     port = free_port()
     script = (
         f"(sleep 0.5; exit 3) & exec {shlex.join(KVPUSH)} wait-ready --pid $! "
-        f"--side-channel 127.0.0.1:{port} --timeout 50 --poll-interval 0.1"
+        f"--side-channel 127.0.0.1:{port} --timeout 3600 --poll-interval 0.1"
     )
-    started = time.monotonic()
+    # Waiting for the deadline instead of noticing the exit would outlive this timeout.
     result = subprocess.run(
-        ["sh", "-c", script], capture_output=True, text=True, timeout=55, check=False
+        ["sh", "-c", script], capture_output=True, text=True, timeout=45, check=False
     )
-    elapsed = time.monotonic() - started
     assert result.returncode == 1
     assert "ServerExited: process: process" in result.stderr
     assert "exited with status 3" in result.stderr
-    assert elapsed < 25  # it did not wait for the 50 s deadline
 
 
 def test_cli_says_a_process_that_is_not_its_child_is_gone() -> None:
