@@ -151,8 +151,11 @@ def make_workload(
     natural = block_size_tokens * model.kv_heads * model.head_dim * model.dtype_bytes
     if block_bytes is None:
         block_bytes = natural
-    if block_bytes <= 0 or block_bytes % 2:
-        raise ConfigError(f"--block-bytes {block_bytes}: expected a positive even byte count")
+    if block_bytes <= 0 or block_bytes % (2 * block_size_tokens):
+        raise ConfigError(
+            f"--block-bytes {block_bytes}: expected a positive multiple of "
+            f"{2 * block_size_tokens} ({block_size_tokens} tokens of 2-byte values)"
+        )
     if inflight <= 0 or inflight > 256:
         raise ConfigError(f"--inflight {inflight}: expected 1..256")
     per_block = 2 * layers * block_bytes
@@ -190,10 +193,10 @@ def make_workload(
         num_blocks=num_blocks,
         sizes_blocks=tuple(blocks_list),
         inflight=inflight,
-        target_bytes_per_size=(192 * MIB) if quick else (3 * GIB),
-        min_iters=3 if quick else 5,
-        max_iters=30 if quick else 400,
-        rate_transfers=300 if quick else 3000,
+        target_bytes_per_size=(192 * MIB) if quick else (2 * GIB),
+        min_iters=3,
+        max_iters=30 if quick else 200,
+        rate_transfers=300 if quick else 1000,
         idle_s=1.0 if quick else 3.0,
         kv_heads=model.kv_heads,
         head_dim=model.head_dim,
