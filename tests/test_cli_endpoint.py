@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 
 import pytest
@@ -44,3 +45,14 @@ def test_demo_runs_end_to_end() -> None:
     assert "demo: probe tcp://127.0.0.1:" in out
     assert "2 layers, 4 regions x 4 blocks" in out
     assert out.rstrip().endswith("demo: endpoint stopped cleanly (exit 0); demo OK")
+
+
+@pytest.mark.nixl
+def test_endpoint_with_nixl_publishes_its_agent_and_stops_cleanly() -> None:
+    ep = start_endpoint("--preset", "tiny", "--blocks", "4", "--transport", "nixl")
+    probe = run_kvpush("probe", "--port", str(ep.port), "--json")
+    assert probe.returncode == 0, probe.stderr
+    found = json.loads(probe.stdout)
+    assert found["agent_name"].startswith(found["engine_id"] + "-r0-")
+    assert found["agent_metadata_bytes"] > 0
+    assert ep.stop() == 0
