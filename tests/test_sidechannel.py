@@ -14,6 +14,7 @@ from kvpush.config import SideChannelConfig
 from kvpush.errors import (
     AuthenticationRefused,
     ClosedError,
+    ConfigError,
     IncompatiblePeer,
     MalformedReply,
     PeerUnreachable,
@@ -124,6 +125,15 @@ def test_closed_port_fails_at_once(host: str) -> None:
     with pytest.raises(PeerUnreachable, match="connection refused"):
         # A long timeout: a refused connection must not wait for it.
         fetch_metadata(host, port, timeout_ms=60_000)
+
+
+def test_a_name_that_does_not_resolve_is_named() -> None:
+    with pytest.raises(PeerUnreachable, match=r"cannot resolve host 'no-such-host\.invalid'"):
+        fetch_metadata("no-such-host.invalid", 5600, timeout_ms=60_000)
+    server = MetadataServer("no-such-host.invalid", 0, SideChannelConfig(), {})
+    with pytest.raises(ConfigError, match="cannot resolve side-channel host"):
+        server.start()
+    server.close()
 
 
 def test_a_server_that_never_answers_times_out(host: str) -> None:

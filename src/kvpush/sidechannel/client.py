@@ -7,6 +7,7 @@ in the background, and a server that drops us (a frame over its size cap) is not
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from kvpush.errors import (
     UnknownRank,
 )
 from kvpush.geometry import PROTOCOL_VERSION, CacheGeometry
-from kvpush.net import zmq_address
+from kvpush.net import is_ipv6_literal, unbracket_host, zmq_address
 from kvpush.sidechannel.wire import (
     ROLES,
     PeerMetadata,
@@ -106,7 +107,14 @@ def fetch_metadata_timed(
         except zmq.ZMQError as exc:
             raise PeerUnreachable(f"{where}: cannot connect: {exc.strerror}") from None
         sock.send(encode_request(rank, token))
-        frames = _await_reply(sock, monitor, deadline, where, timeout_ms)
+        frames = _await_reply(
+            sock,
+            host=unbracket_host(host),
+            monitor=monitor,
+            deadline=deadline,
+            where=where,
+            timeout_ms=timeout_ms,
+        )
         round_trip = time.perf_counter() - started
     finally:
         if monitor is not None:
@@ -123,8 +131,23 @@ def fetch_metadata_timed(
     )
 
 
+def _why_not_connected(host: str) -> str:
+    """ZeroMQ reports a name it cannot resolve like a refused connection: tell them apart."""
+    if not is_ipv6_literal(host):
+        try:
+            socket.inet_aton(host)
+        except OSError:
+            try:
+                socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            except socket.gaierror as exc:
+                return f"cannot resolve host {host!r}: {exc.strerror}"
+    return "connection refused (is the endpoint running?)"
+
+
 def _await_reply(
     sock: zmq.Socket[bytes],
+    *,
+    host: str,
     monitor: zmq.Socket[bytes],
     deadline: float,
     where: str,
@@ -147,7 +170,7 @@ def _await_reply(
             if event == zmq.EVENT_CONNECTED:
                 connected = True
             elif event == zmq.EVENT_CONNECT_RETRIED and not connected:
-                raise PeerUnreachable(f"{where}: connection refused (is the endpoint running?)")
+                raise PeerUnreachable(f"{where}: {_why_not_connected(host)}")
             elif event == zmq.EVENT_DISCONNECTED:
                 if connected:
                     raise PeerUnreachable(
