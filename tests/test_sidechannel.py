@@ -272,15 +272,15 @@ def test_close_releases_the_port_and_joins_the_thread() -> None:
     server = MetadataServer("127.0.0.1", 0, SideChannelConfig(), {0: _meta()})
     with pytest.raises(SideChannelError, match="not started"):
         _ = server.port
-    before = threading.active_count()
     server.start()
     port = server.port
-    assert threading.active_count() == before + 1
+    ours = [t for t in threading.enumerate() if t.name == f"kvpush-sidechannel-{port}"]
+    assert len(ours) == 1
     with pytest.raises(SideChannelError, match="called twice"):
         server.start()
     server.close()
     server.close()  # idempotent
-    assert threading.active_count() == before
+    assert not ours[0].is_alive()
     with pytest.raises(ClosedError):
         server.start()
     with pytest.raises(PeerUnreachable, match="connection refused"):
