@@ -23,6 +23,7 @@ _COMMANDS: tuple[str, ...] = (
     "bench",
     "make_model",
     "serve",
+    "proxy",
 )
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2

@@ -36,7 +36,6 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--prompt-lookup-max", type=int, default=3)
     p.add_argument("--prompt-lookup-min", type=int, default=1)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--transport", choices=("nixl", "loopback"), default="nixl")
     p.add_argument("--layerwise", action="store_true", help="push each layer as it is computed")
     p.set_defaults(run=run)
 
@@ -59,7 +58,6 @@ def run(args: argparse.Namespace) -> int:
             prompt_lookup_max=args.prompt_lookup_max,
             prompt_lookup_min=args.prompt_lookup_min,
             prefix_caching=not args.no_prefix_caching,
-            transport=args.transport,
             layerwise=args.layerwise,
             log_level=args.verbose,
         )

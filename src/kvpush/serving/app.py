@@ -34,7 +34,6 @@ class ServeOptions:
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
     prefix_caching: bool = True
-    transport: str = "nixl"
     layerwise: bool = False
     log_level: int = 0
 
@@ -77,12 +76,16 @@ def serve(options: ServeOptions) -> int:
     )
     name = options.served_model_name or Path(options.model).resolve().name
     registry = serving_registry()
+    bridge = None
+    prepare = None
+    health_extra = None
+    worker: EngineWorker
     if options.role != "both":
         from kvpush.serving.disagg import build_role
 
-        worker, prepare, health_extra = build_role(options, engine, registry)
+        worker, bridge, prepare, health_extra = build_role(options, engine, registry)
     else:
-        worker, prepare, health_extra = EngineWorker(engine), None, None
+        worker = EngineWorker(engine)
     app = create_app(
         worker,
         loaded.tokenizer,
@@ -112,4 +115,6 @@ def serve(options: ServeOptions) -> int:
         pass
     finally:
         worker.close()
+        if bridge is not None:
+            bridge.close()
     return 0 if server.started else 1

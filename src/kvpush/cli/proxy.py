@@ -1,0 +1,33 @@
+"""`kvpush proxy`: split each completion into a prefill leg and a decode leg, at once."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "proxy",
+        help="OpenAI-compatible proxy in front of prefill and decode servers",
+        description=(
+            "Send each /v1/completions request to a prefill server and a decode server "
+            "concurrently (push mode) and relay the decode server's answer."
+        ),
+    )
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill servers")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode servers")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpush.errors import ConfigError
+    from kvpush.net import check_port
+    from kvpush.serving.proxy import run_proxy
+
+    for url in [*args.prefill, *args.decode]:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"bad server URL {url!r}: expected http://HOST:PORT")
+    return run_proxy(args.prefill, args.decode, args.host, check_port(args.port))
