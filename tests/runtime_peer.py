@@ -1,0 +1,160 @@
+"""A whole kvpush rank in its own process: PushRuntime + NixlTransport + side channel.
+
+Driven by JSON lines on stdin; replies `@reply {...}` and, whenever a transfer ends,
+`@result {...}` (from a thread that waits on the runtime). Tests kill it with SIGKILL.
+
+    python tests/runtime_peer.py ENGINE_ID ROLE PORT SEED [LIVENESS_S LEASE_S]
+        -> first line: @reply {"port", "agent_name", "incarnation"}
+    {"op": "send", "transfer_id", "blocks", "ready_layers": null | [..]}
+    {"op": "receive", "transfer_id", "sender_port", "blocks"}
+    {"op": "checksums", "blocks"}   -> {"sums": [[per region] per block]}
+    {"op": "stats"}                  -> a few RuntimeStatistics fields
+    {"op": "exit"}
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import sys
+import threading
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import numpy as np
+
+from kvpush.config import SideChannelConfig, TimingConfig
+from kvpush.kvcache import synthetic_kv_cache
+from kvpush.runtime import PeerAddress, PushRuntime, RuntimeIdentity, SideChannelPeerDirectory
+from kvpush.sidechannel.server import MetadataServer
+from kvpush.sidechannel.wire import PeerMetadata
+from kvpush.transports.nixl import NixlTransport
+
+HOST = "127.0.0.1"
+NUM_BLOCKS = 32
+_print_lock = threading.Lock()
+
+
+def emit(kind: str, body: dict[str, Any]) -> None:
+    with _print_lock:
+        print(f"@{kind} {json.dumps(body)}", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    engine_id, role, port, seed = argv[0], argv[1], int(argv[2]), int(argv[3])
+    liveness = float(argv[4]) if len(argv) > 4 else 1.0
+    lease = float(argv[5]) if len(argv) > 5 else 2.0
+    timing = TimingConfig(
+        heartbeat_interval_s=liveness / 5,
+        liveness_timeout_s=liveness,
+        lease_s=lease,
+        transfer_deadline_s=30.0,
+    )
+    cache = synthetic_kv_cache(preset="tiny", num_blocks=NUM_BLOCKS, fill=0)
+    geometry = cache.geometry
+    rng = np.random.default_rng(seed)
+    for r in geometry.regions:
+        span = (r.num_blocks - 1) * r.block_stride + r.block_bytes
+        data = rng.integers(0, 256, size=span, dtype=np.uint8)
+        ctypes.memmove(r.base_addr, data.ctypes.data, span)
+
+    ranks: dict[int, PeerMetadata] = {}
+    server = MetadataServer(HOST, port, SideChannelConfig(), ranks)
+    server.start()
+    incarnation = uuid.uuid4().hex
+    identity = RuntimeIdentity(engine_id, incarnation, HOST, server.port, 0, role)
+    transport = NixlTransport(f"{engine_id}-{incarnation[:12]}")
+    runtime = PushRuntime(
+        transport, geometry, identity, SideChannelPeerDirectory(timeout_ms=1000), timing=timing
+    )
+    runtime.start()
+    ranks[0] = runtime.local_metadata()
+    stop = threading.Event()
+
+    def report() -> None:
+        while not stop.is_set():
+            for r in runtime.wait(timeout=0.1):
+                emit(
+                    "result",
+                    {
+                        "transfer_id": r.transfer_id,
+                        "side": str(r.side),
+                        "reason": None if r.reason is None else r.reason.value,
+                        "detail": r.detail,
+                    },
+                )
+
+    reporter = threading.Thread(target=report, name="runtime-peer-results")
+    reporter.start()
+    emit(
+        "reply",
+        {"port": server.port, "agent_name": transport.agent_name, "incarnation": incarnation},
+    )
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["op"] == "exit":
+                break
+            try:
+                emit("reply", handle(cmd, runtime, geometry))
+            except Exception as exc:
+                emit(
+                    "reply",
+                    {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()},
+                )
+    finally:
+        stop.set()
+        reporter.join(5)
+        runtime.close()
+        server.close()
+    return 0
+
+
+def handle(cmd: dict[str, Any], runtime: PushRuntime, geometry: Any) -> dict[str, Any]:
+    op = cmd["op"]
+    if op == "send":
+        runtime.send(cmd["transfer_id"], cmd["blocks"], ready_layers=cmd.get("ready_layers"))
+        return {"ok": True}
+    if op == "layers_ready":
+        runtime.layers_ready(cmd["transfer_id"], cmd["layers"])
+        return {"ok": True}
+    if op == "receive":
+        sender = PeerAddress(HOST, cmd["sender_port"], 0)
+        runtime.receive(cmd["transfer_id"], sender, cmd["blocks"])
+        return {"ok": True}
+    if op == "checksums":
+        return {
+            "sums": [
+                [
+                    hashlib.sha256(
+                        ctypes.string_at(r.base_addr + b * r.block_stride, r.block_bytes)
+                    ).hexdigest()[:16]
+                    for r in geometry.regions
+                ]
+                for b in cmd["blocks"]
+            ]
+        }
+    if op == "stats":
+        s = runtime.statistics()
+        return {
+            "in_flight": s.in_flight,
+            "finished": s.finished,
+            "failed": s.failed,
+            "failures": s.failures,
+            "blocks_held_sending": s.blocks_held_sending,
+            "blocks_held_receiving": s.blocks_held_receiving,
+            "duplicate_reports": s.duplicate_reports,
+            "peers": s.peers,
+        }
+    raise ValueError(f"unknown op {op!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
