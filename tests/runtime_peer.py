@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import numpy as np
 
 from kvpush.config import SideChannelConfig, TimingConfig
-from kvpush.kvcache import synthetic_kv_cache
+from kvpush.geometry import CacheGeometry, Region
 from kvpush.runtime import PeerAddress, PushRuntime, RuntimeIdentity, SideChannelPeerDirectory
 from kvpush.sidechannel.server import MetadataServer
 from kvpush.sidechannel.wire import PeerMetadata
@@ -38,6 +38,8 @@ from kvpush.transports.nixl import NixlTransport
 
 HOST = "127.0.0.1"
 NUM_BLOCKS = 32
+NUM_LAYERS = 2
+BLOCK_BYTES = 2048  # one layer's K (or V) of a 16-token block: 2 heads x 32 dims x bf16
 _print_lock = threading.Lock()
 
 
@@ -57,13 +59,28 @@ def main(argv: list[str]) -> int:
         lease_s=lease,
         transfer_deadline_s=30.0,
     )
-    cache = synthetic_kv_cache(preset="tiny", num_blocks=NUM_BLOCKS, fill=0)
-    geometry = cache.geometry
+    # numpy buffers, not torch: importing torch costs seconds per process on a busy machine.
     rng = np.random.default_rng(seed)
-    for r in geometry.regions:
-        span = (r.num_blocks - 1) * r.block_stride + r.block_bytes
-        data = rng.integers(0, 256, size=span, dtype=np.uint8)
-        ctypes.memmove(r.base_addr, data.ctypes.data, span)
+    buffers = [
+        rng.integers(0, 256, size=(NUM_BLOCKS, BLOCK_BYTES), dtype=np.uint8)
+        for _ in range(2 * NUM_LAYERS)
+    ]
+    geometry = CacheGeometry(
+        layout="kv_separate/NHD",
+        block_size_tokens=16,
+        dtype="bfloat16",
+        regions=tuple(
+            Region(
+                name=f"model.layers.{i // 2}.attn.{'kv'[i % 2]}",
+                layer=i // 2,
+                base_addr=b.ctypes.data,
+                block_bytes=BLOCK_BYTES,
+                block_stride=BLOCK_BYTES,
+                num_blocks=NUM_BLOCKS,
+            )
+            for i, b in enumerate(buffers)
+        ),
+    )
 
     ranks: dict[int, PeerMetadata] = {}
     server = MetadataServer(HOST, port, SideChannelConfig(), ranks)
@@ -98,23 +115,28 @@ def main(argv: list[str]) -> int:
         {"port": server.port, "agent_name": transport.agent_name, "incarnation": incarnation},
     )
     try:
-        for line in sys.stdin:
-            cmd = json.loads(line)
-            if cmd["op"] == "exit":
-                break
-            try:
-                emit("reply", handle(cmd, runtime, geometry))
-            except Exception as exc:
-                emit(
-                    "reply",
-                    {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()},
-                )
+        _serve(runtime, geometry, buffers)
     finally:
         stop.set()
         reporter.join(5)
         runtime.close()
         server.close()
     return 0
+
+
+def _serve(runtime: PushRuntime, geometry: CacheGeometry, buffers: list[Any]) -> None:
+    """Answer commands until stdin closes or says exit (`buffers` keeps the memory alive)."""
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "exit":
+            break
+        try:
+            emit("reply", handle(cmd, runtime, geometry))
+        except Exception as exc:
+            emit(
+                "reply",
+                {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()},
+            )
 
 
 def handle(cmd: dict[str, Any], runtime: PushRuntime, geometry: Any) -> dict[str, Any]:

@@ -88,9 +88,16 @@ class RankProcess:
         self._cv = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        hello = self._reply(timeout=60)
-        self.port: int = hello["port"]
-        self.incarnation: str = hello["incarnation"]
+        self.port = 0
+        self.incarnation = ""
+
+    def ready(self) -> RankProcess:
+        """Wait for the process to be up (start several first: they come up in parallel)."""
+        if not self.port:
+            hello = self._reply(timeout=60)
+            self.port = hello["port"]
+            self.incarnation = hello["incarnation"]
+        return self
 
     def _read(self) -> None:
         assert self.process.stdout is not None
@@ -148,6 +155,7 @@ class RankProcess:
 
 @pytest.fixture
 def ranks() -> Iterator[Callable[..., RankProcess]]:
+    """Start a rank process; call `.ready()` before using it."""
     made: list[RankProcess] = []
 
     def start(engine_id: str, role: str, port: int = 0, seed: int = 0) -> RankProcess:
@@ -190,6 +198,9 @@ def test_sender_killed_mid_write_fails_receiver_once_and_it_keeps_serving(
 ) -> None:
     receiver = ranks("decode", "receiver", seed=1)
     sender = ranks("prefill", "sender", seed=2)
+    fresh = ranks("prefill-b", "sender", seed=3)  # comes up now, used after the kill
+    receiver.ready()
+    sender.ready()
     receiver.call(op="receive", transfer_id="t1", sender_port=sender.port, blocks=[0, 1, 2, 3])
     receiver.call(op="receive", transfer_id="t2", sender_port=sender.port, blocks=[8, 9])
     # Only layer 0 is computed: the sender writes it and waits for the rest (mid-write).
@@ -212,7 +223,7 @@ def test_sender_killed_mid_write_fails_receiver_once_and_it_keeps_serving(
     assert receiver.call(op="checksums", blocks=[0, 1, 2, 3])["sums"] == before
 
     # The receiver keeps serving: a new sender, a new transfer, bytes checked.
-    fresh = ranks("prefill-b", "sender", seed=3)
+    fresh.ready()
     receiver.call(op="receive", transfer_id="t3", sender_port=fresh.port, blocks=[20, 21, 22])
     fresh.call(op="send", transfer_id="t3", blocks=[1, 2, 3])
     [done] = [r for r in receiver.wait_results(ended("t3"), 20) if r["transfer_id"] == "t3"]
@@ -229,6 +240,8 @@ def test_receiver_killed_frees_the_senders_blocks_within_the_lease(
 ) -> None:
     receiver = ranks("decode", "receiver", seed=1)
     sender = ranks("prefill", "sender", seed=2)
+    receiver.ready()
+    sender.ready()
     receiver.call(op="receive", transfer_id="t1", sender_port=sender.port, blocks=[0, 1, 2])
     sender.call(op="send", transfer_id="t1", blocks=[3, 4, 5], ready_layers=[0])
     wait_until(layer0_landed(receiver, sender, [3, 4, 5], [0, 1, 2]), 20, "layer 0")
@@ -247,6 +260,8 @@ def test_sender_restarted_under_the_same_engine_id_is_handshaked_afresh(
 ) -> None:
     receiver = ranks("decode", "receiver", seed=1)
     sender = ranks("prefill", "sender", seed=2)
+    receiver.ready()
+    sender.ready()
     receiver.call(op="receive", transfer_id="t1", sender_port=sender.port, blocks=[0, 1])
     sender.call(op="send", transfer_id="t1", blocks=[2, 3])
     [first] = [r for r in receiver.wait_results(ended("t1"), 20) if r["transfer_id"] == "t1"]
@@ -254,7 +269,7 @@ def test_sender_restarted_under_the_same_engine_id_is_handshaked_afresh(
     port = sender.port
     sender.kill9()
     # Same engine id, same side-channel port, new process (new incarnation and agent).
-    restarted = RankProcess(sender.engine_id, "sender", port, seed=5)
+    restarted = RankProcess(sender.engine_id, "sender", port, seed=5).ready()
     try:
         assert restarted.incarnation != sender.incarnation
         receiver.call(op="receive", transfer_id="t2", sender_port=port, blocks=[4, 5])
