@@ -1,0 +1,499 @@
+"""The end-to-end demo: prefill, decode and proxy processes, checked against one instance.
+
+`run_demo(options, say)`:
+
+1. builds the tiny model if the directory has none (`make_model`);
+2. starts four processes: a prefill server, a decode server, the proxy, and a
+   single-instance server (`--role both`) as the reference, and waits for each with the
+   wait-ready logic (a process that dies at start-up fails the demo at once, with its
+   log tail);
+3. sends a concurrent, streamed workload of prompts of varied lengths through the proxy,
+   and the same prompts to the single instance;
+4. checks every completion token for token and the mean acceptance length of
+   speculative decoding request by request, and reads the transfer counters;
+5. optionally (`inject="kill-prefill"`) kills the prefill server in the middle of a second
+   workload, checks that every affected request ends promptly with a reason and nothing
+   hangs, restarts it and checks that new requests succeed;
+6. stops everything and returns a `DemoReport` (`ok` says whether every check passed).
+
+`say` receives the human-readable lines (the CLI prints them; the library never prints).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvpush.readiness import free_port
+from kvpush.serving.procs import ServerProcess
+
+Say = Callable[[str], None]
+
+_WORDS = (
+    "kv",
+    "cache",
+    "block",
+    "prefill",
+    "decode",
+    "push",
+    "transfer",
+    "nixl",
+    "layer",
+    "token",
+    "prompt",
+    "tensor",
+    "write",
+    "register",
+    "lease",
+    "fence",
+    "handshake",
+    "rank",
+    "engine",
+    "latency",
+    "throughput",
+    "batch",
+    "speculative",
+    "draft",
+    "accept",
+    "the",
+    "a",
+    "of",
+    "to",
+    "and",
+    "in",
+    "is",
+    "that",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    model_dir: Path
+    host: str = "127.0.0.1"
+    num_requests: int = 16
+    concurrency: int = 8
+    max_tokens: int = 32
+    speculative_tokens: int = 4
+    block_size: int = 16
+    layerwise: bool = True
+    inject: str | None = None  # "kill-prefill"
+    log_dir: Path | None = None
+    seed: int = 0
+    ready_timeout_s: float = 120.0
+    request_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestResult:
+    index: int
+    token_ids: tuple[int, ...]
+    ttft_s: float | None
+    itl_s: float | None  # mean inter-token latency
+    latency_s: float
+    acceptance: float | None  # mean acceptance length of this request
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class DemoReport:
+    host: str
+    requests: int = 0
+    matched: int = 0
+    acceptance_pd: float = 0.0
+    acceptance_single: float = 0.0
+    acceptance_matched: int = 0
+    ttft_p50_s: float = 0.0
+    ttft_p99_s: float = 0.0
+    itl_mean_s: float = 0.0
+    kv_bytes: float = 0.0
+    kv_transfer_s: float = 0.0
+    transfers_finished: float = 0.0
+    transfers_failed: float = 0.0
+    inject_failed_promptly: int | None = None
+    inject_max_failure_s: float | None = None
+    inject_after_restart_ok: bool | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def kv_gbps(self) -> float:
+        return self.kv_bytes / self.kv_transfer_s / 1e9 if self.kv_transfer_s > 0 else 0.0
+
+    def summary_lines(self) -> list[str]:
+        lines = [
+            f"host                      {self.host}",
+            f"requests                  {self.requests}",
+            f"tokens match single run   {self.matched}/{self.requests}",
+            f"acceptance length (P/D)   {self.acceptance_pd:.3f}",
+            f"acceptance length (single){self.acceptance_single:>6.3f}  "
+            f"(per request equal: {self.acceptance_matched}/{self.requests})",
+            f"TTFT p50 / p99            {self.ttft_p50_s * 1e3:.1f} ms / "
+            f"{self.ttft_p99_s * 1e3:.1f} ms",
+            f"inter-token latency       {self.itl_mean_s * 1e3:.2f} ms (mean)",
+            f"KV moved                  {self.kv_bytes / 1e6:.2f} MB in "
+            f"{self.transfers_finished:.0f} transfers, {self.kv_gbps:.3f} GB/s "
+            f"(over summed transfer times, which include waiting for prefill)",
+            f"transfers failed          {self.transfers_failed:.0f}",
+        ]
+        if self.inject_failed_promptly is not None:
+            lines.append(
+                f"kill-prefill              {self.inject_failed_promptly} requests failed, "
+                f"slowest after {self.inject_max_failure_s or 0:.2f} s; after restart: "
+                f"{'ok' if self.inject_after_restart_ok else 'FAILED'}"
+            )
+        for p in self.problems:
+            lines.append(f"PROBLEM: {p}")
+        return lines
+
+
+def make_prompts(n: int, seed: int) -> list[str]:
+    """Prompts of varied lengths, some sharing a head (so the prefix cache is exercised)."""
+    rng = random.Random(seed)
+    shared = " ".join(rng.choice(_WORDS) for _ in range(12))
+    out = []
+    for i in range(n):
+        length = rng.choice((1, 3, 8, 20, 40, 80))
+        body = " ".join(rng.choice(_WORDS) for _ in range(length))
+        out.append(f"{shared} {body}" if i % 3 == 0 else body)
+    return out
+
+
+def metric_values(text: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def metric_sum(values: dict[str, float], prefix: str, *must: str) -> float:
+    return sum(v for k, v in values.items() if k.startswith(prefix) and all(m in k for m in must))
+
+
+async def _one(
+    client: httpx.AsyncClient, url: str, index: int, prompt: str, max_tokens: int
+) -> RequestResult:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    start = time.monotonic()
+    ids: list[int] = []
+    first: float | None = None
+    last = start
+    acceptance: float | None = None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(str(chunk["error"].get("message")))
+                new = chunk["choices"][0].get("token_ids") or []
+                if new:
+                    now = time.monotonic()
+                    first = now if first is None else first
+                    last = now
+                    ids.extend(new)
+                stats = chunk.get("kvpush_stats")
+                if stats:
+                    acceptance = float(stats["mean_acceptance_length"])
+    except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+        return RequestResult(
+            index, tuple(ids), None, None, time.monotonic() - start, None, str(exc)
+        )
+    ttft = None if first is None else first - start
+    itl = (last - first) / (len(ids) - 1) if first is not None and len(ids) > 1 else None
+    return RequestResult(index, tuple(ids), ttft, itl, time.monotonic() - start, acceptance)
+
+
+async def _workload(
+    url: str, prompts: Sequence[str], max_tokens: int, concurrency: int, timeout_s: float
+) -> list[RequestResult]:
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+
+        async def run(i: int, p: str) -> RequestResult:
+            async with gate:
+                return await _one(client, url, i, p, max_tokens)
+
+        return list(await asyncio.gather(*(run(i, p) for i, p in enumerate(prompts))))
+
+
+def run_workload(
+    url: str, prompts: Sequence[str], *, max_tokens: int, concurrency: int, timeout_s: float = 120
+) -> list[RequestResult]:
+    """Send `prompts` (streamed, greedy, `ignore_eos`) with at most `concurrency` at once."""
+    return asyncio.run(_workload(url, prompts, max_tokens, concurrency, timeout_s))
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+class Stack:
+    """Prefill, decode, proxy and single-instance servers; `start()` / `close()`."""
+
+    def __init__(self, options: DemoOptions, log_dir: Path) -> None:
+        self.options = options
+        host = options.host
+        model = str(options.model_dir)
+        common = ["--block-size", str(options.block_size)]
+        spec = ["--speculative-tokens", str(options.speculative_tokens)]
+        p_port, p_side = free_port(host), free_port(host)
+        d_port, d_side = free_port(host), free_port(host)
+        x_port, s_port = free_port(host), free_port(host)
+        prefill_args = ["serve", "--role", "prefill", "--model", model, "--host", host]
+        prefill_args += ["--port", str(p_port), "--side-channel-port", str(p_side), *common]
+        if options.layerwise:
+            prefill_args.append("--layerwise")
+        self.prefill = ServerProcess(
+            "prefill",
+            prefill_args,
+            host=host,
+            port=p_port,
+            log_dir=log_dir,
+            side_channel_port=p_side,
+        )
+        self.decode = ServerProcess(
+            "decode",
+            [
+                "serve",
+                "--role",
+                "decode",
+                "--model",
+                model,
+                "--host",
+                host,
+                "--port",
+                str(d_port),
+                "--side-channel-port",
+                str(d_side),
+                *common,
+                *spec,
+            ],
+            host=host,
+            port=d_port,
+            log_dir=log_dir,
+            side_channel_port=d_side,
+        )
+        self.single = ServerProcess(
+            "single",
+            [
+                "serve",
+                "--role",
+                "both",
+                "--model",
+                model,
+                "--host",
+                host,
+                "--port",
+                str(s_port),
+                *common,
+                *spec,
+            ],
+            host=host,
+            port=s_port,
+            log_dir=log_dir,
+        )
+        self.proxy = ServerProcess(
+            "proxy",
+            [
+                "proxy",
+                "--prefill",
+                self.prefill.url,
+                "--decode",
+                self.decode.url,
+                "--host",
+                host,
+                "--port",
+                str(x_port),
+            ],
+            host=host,
+            port=x_port,
+            log_dir=log_dir,
+        )
+        self.servers = [self.prefill, self.decode, self.single, self.proxy]
+
+    def start(self) -> None:
+        try:
+            for s in self.servers:
+                s.start()
+            for s in self.servers:
+                s.wait_ready(self.options.ready_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def restart_prefill(self) -> None:
+        self.prefill.close()
+        self.prefill.start()
+        self.prefill.wait_ready(self.options.ready_timeout_s)
+
+    def close(self) -> None:
+        for s in reversed(self.servers):
+            s.close()
+
+    def metrics(self, server: ServerProcess) -> dict[str, float]:
+        return metric_values(httpx.get(f"{server.url}/metrics", timeout=10).text)
+
+
+def compare(
+    report: DemoReport, pd: Sequence[RequestResult], single: Sequence[RequestResult]
+) -> None:
+    report.requests = len(pd)
+    for a, b in zip(pd, single, strict=True):
+        if a.error or b.error:
+            report.problems.append(f"request {a.index} failed: {a.error or b.error}")
+            continue
+        if a.token_ids == b.token_ids:
+            report.matched += 1
+        else:
+            report.problems.append(f"request {a.index}: tokens differ from the single run")
+        if a.acceptance == b.acceptance:
+            report.acceptance_matched += 1
+        else:
+            report.problems.append(
+                f"request {a.index}: acceptance {a.acceptance} != single {b.acceptance}"
+            )
+
+
+def run_demo(options: DemoOptions, say: Say) -> DemoReport:
+    from kvpush.serving.checkpoint import make_model
+
+    model_dir = options.model_dir
+    if not (model_dir / "config.json").exists():
+        say(f"building the tiny model in {model_dir}")
+        make_model(model_dir, seed=options.seed)
+    with tempfile.TemporaryDirectory(prefix="kvpush-demo-") as tmp:
+        log_dir = options.log_dir or Path(tmp)
+        stack = Stack(options, log_dir)
+        say(
+            f"starting prefill, decode, proxy and a single instance on {options.host} "
+            f"(logs in {log_dir})"
+        )
+        stack.start()
+        try:
+            return _exercise(options, stack, say)
+        finally:
+            stack.close()
+
+
+def _exercise(options: DemoOptions, stack: Stack, say: Say) -> DemoReport:
+    report = DemoReport(options.host)
+    prompts = make_prompts(options.num_requests, options.seed)
+    say(f"sending {len(prompts)} requests, {options.concurrency} at a time, through the proxy")
+    pd = run_workload(
+        stack.proxy.url,
+        prompts,
+        max_tokens=options.max_tokens,
+        concurrency=options.concurrency,
+        timeout_s=options.request_timeout_s,
+    )
+    say("sending the same requests to the single instance")
+    single = run_workload(
+        stack.single.url,
+        prompts,
+        max_tokens=options.max_tokens,
+        concurrency=options.concurrency,
+        timeout_s=options.request_timeout_s,
+    )
+    compare(report, pd, single)
+    d_metrics, s_metrics = stack.metrics(stack.decode), stack.metrics(stack.single)
+    report.acceptance_pd = d_metrics.get("kvpush_spec_decode_mean_acceptance_length", 0.0)
+    report.acceptance_single = s_metrics.get("kvpush_spec_decode_mean_acceptance_length", 0.0)
+    if report.acceptance_pd != report.acceptance_single:
+        report.problems.append(
+            f"mean acceptance length {report.acceptance_pd} (P/D) != "
+            f"{report.acceptance_single} (single)"
+        )
+    ttfts = [r.ttft_s for r in pd if r.ttft_s is not None]
+    itls = [r.itl_s for r in pd if r.itl_s is not None]
+    report.ttft_p50_s, report.ttft_p99_s = _pct(ttfts, 0.5), _pct(ttfts, 0.99)
+    report.itl_mean_s = statistics.fmean(itls) if itls else 0.0
+    report.kv_bytes = metric_sum(d_metrics, "kvpush_transfer_bytes_total", "receiver")
+    report.kv_transfer_s = metric_sum(d_metrics, "kvpush_transfer_latency_seconds_sum", "receiver")
+    report.transfers_finished = metric_sum(d_metrics, "kvpush_transfers_total", "finished")
+    report.transfers_failed = metric_sum(d_metrics, "kvpush_transfers_total", '"failed"')
+    if report.transfers_failed:
+        report.problems.append(f"{report.transfers_failed:.0f} transfers failed")
+    if options.inject == "kill-prefill":
+        _kill_prefill(options, stack=stack, say=say, report=report, prompts=prompts, single=single)
+    return report
+
+
+def _kill_prefill(
+    options: DemoOptions,
+    *,
+    stack: Stack,
+    say: Say,
+    report: DemoReport,
+    prompts: Sequence[str],
+    single: Sequence[RequestResult],
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    say("inject kill-prefill: killing the prefill server while requests are in flight")
+    bound_s = 10.0  # liveness timeout (3 s) plus generous slack on a loaded machine
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(
+            run_workload,
+            stack.proxy.url,
+            prompts,
+            max_tokens=options.max_tokens,
+            concurrency=options.concurrency,
+            timeout_s=options.request_timeout_s,
+        )
+        time.sleep(0.2)
+        stack.prefill.kill()
+        results = fut.result()
+    failed = [r for r in results if r.error]
+    report.inject_failed_promptly = sum(1 for r in failed if r.latency_s <= bound_s)
+    report.inject_max_failure_s = max((r.latency_s for r in failed), default=0.0)
+    for r in failed:
+        say(f"  request {r.index} failed after {r.latency_s:.2f} s: {r.error}")
+        if r.latency_s > bound_s:
+            report.problems.append(f"request {r.index} took {r.latency_s:.1f} s to fail")
+    for r in results:
+        if not r.error and r.token_ids != single[r.index].token_ids:
+            report.problems.append(f"request {r.index} succeeded with wrong tokens")
+    say("restarting the prefill server")
+    stack.restart_prefill()
+    again = run_workload(
+        stack.proxy.url,
+        prompts[:4],
+        max_tokens=options.max_tokens,
+        concurrency=options.concurrency,
+        timeout_s=options.request_timeout_s,
+    )
+    report.inject_after_restart_ok = all(
+        not r.error and r.token_ids == single[r.index].token_ids for r in again
+    )
+    if not report.inject_after_restart_ok:
+        report.problems.append(
+            "after restarting prefill: " + "; ".join(str(r.error) for r in again if r.error)
+        )
