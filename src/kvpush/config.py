@@ -28,7 +28,8 @@ class TimingConfig:
     transfer_deadline_s: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("heartbeat_interval_s", "liveness_timeout_s", "lease_s", "transfer_deadline_s"):
+        names = ("heartbeat_interval_s", "liveness_timeout_s", "lease_s", "transfer_deadline_s")
+        for name in names:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.heartbeat_interval_s >= self.liveness_timeout_s:

@@ -56,7 +56,9 @@ def parse_host_port(text: str) -> tuple[str, int]:
         if not sep or not host:
             raise AddressError(f"bad address {text!r}: expected HOST:PORT")
         if ":" in host:
-            raise AddressError(f"bad address {text!r}: an IPv6 host must be bracketed, as [{host}]:PORT")
+            raise AddressError(
+                f"bad address {text!r}: an IPv6 host must be bracketed, as [{host}]:PORT"
+            )
     try:
         port = int(port_text)
     except ValueError:
