@@ -68,6 +68,11 @@ class Wire:
         self.dead: set[str] = set()
         self.auto_handshake = True
         self.write_log: list[tuple[str, str, str, tuple[int, ...]]] = []  # src, dst, tid, blocks
+        # Checks every test gets for free: which live transfer owns each receiver block,
+        # what each side was asked to do, and which transfers each side has ended.
+        self.owner: dict[str, dict[int, str]] = {}
+        self.expected: dict[tuple[str, str], tuple[str, int]] = {}  # (d, tid) -> (p, offset)
+        self.submitted: dict[tuple[str, str], tuple[int, ...]] = {}  # (p, tid) -> blocks
 
     # ----- endpoints
 
@@ -83,6 +88,7 @@ class Wire:
         ]
         self.results[agent] = []
         self.dropped_peers[agent] = []
+        self.owner[agent] = {}
         return proto
 
     def kill(self, agent: str) -> None:
@@ -98,6 +104,10 @@ class Wire:
                 case SendMessage(peer=peer, message=msg):
                     self.queue.append((src, peer, encode(msg)))
                 case WriteBlocks():
+                    ended = [r for r in self.results[src] if r.side == "sender"]
+                    assert eff.transfer_id not in {r.transfer_id for r in ended}, (
+                        f"write issued after the sender ended: {eff}"
+                    )
                     self.writes.append(InFlightWrite(src, eff, self.now))
                 case Handshake():
                     self.handshakes.append((src, eff))
@@ -109,18 +119,29 @@ class Wire:
                     seen = [r for r in self.results[src] if r.transfer_id == eff.transfer_id]
                     assert not [r for r in seen if r.side == eff.side], f"reported twice: {eff}"
                     self.results[src].append(eff)
+                    if eff.side == "receiver":
+                        if eff.ok:
+                            self.check_content(src, eff.transfer_id, eff.blocks)
+                        for b in eff.blocks:
+                            assert self.owner[src].pop(b, None) == eff.transfer_id
 
     # ----- engine calls, as effects applied at once
 
     def expect(self, d: str, tid: str, p: str, blocks: Sequence[int], offset: int = 0) -> None:
+        for b in blocks:
+            assert b not in self.owner[d], f"test bug: block {b} of {d} is in use"
         effects = self.ends[d].receiver.expect(
             self.now, tid, p, self.engine_of[p], blocks, sender_offset=offset
         )
+        self.expected[(d, tid)] = (p, offset)
+        for b in blocks:
+            self.owner[d][b] = tid
         self.apply(d, effects)
 
     def submit(
         self, p: str, tid: str, blocks: Sequence[int], layers: Sequence[int] | None = None
     ) -> None:
+        self.submitted[(p, tid)] = tuple(blocks)
         self.apply(p, self.ends[p].sender.submit(self.now, tid, blocks, layers))
 
     # ----- the network
@@ -134,7 +155,15 @@ class Wire:
     def complete_write(self, index: int = 0, ok: bool = True) -> None:
         w = self.writes.pop(index)
         wb = w.write
+        if wb.peer in self.dead:
+            ok = False  # the receiving process is gone: the data plane reports an error
         if ok:
+            for b in wb.their_blocks:
+                owner = self.owner.get(wb.peer, {}).get(b)
+                assert owner == wb.transfer_id, (
+                    f"write for {wb.transfer_id} landed in block {b} of {wb.peer}, "
+                    f"which is now {'owned by ' + owner if owner else 'released'}"
+                )
             layers = range(self.num_layers) if wb.layers is None else wb.layers
             for layer in layers:
                 for ours, theirs in zip(wb.our_blocks, wb.their_blocks, strict=True):
@@ -170,6 +199,15 @@ class Wire:
         end = self.now + seconds
         while self.now < end:
             self.advance(step)
+
+    def check_content(self, d: str, tid: str, blocks: tuple[int, ...]) -> None:
+        """A receiver that finished holds exactly the sender's blocks, layer by layer."""
+        p, offset = self.expected[(d, tid)]
+        sent = self.submitted[(p, tid)]
+        for layer in range(self.num_layers):
+            for i, b in enumerate(blocks):
+                want = f"{p}:L{layer}:B{sent[offset + i]}".encode()
+                assert self.memory[d][layer][b] == want, f"{tid}: block {b} layer {layer}"
 
     def ended(self, agent: str, tid: str) -> TransferEnded:
         [r] = [r for r in self.results[agent] if r.transfer_id == tid]
