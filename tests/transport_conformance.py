@@ -20,6 +20,7 @@ from kvpush.errors import ClosedError, FailureReason, KVPushError, TransportErro
 from kvpush.geometry import CacheGeometry, Region
 from kvpush.transports.base import (
     MessageReceived,
+    PeerLost,
     Transport,
     TransportEvent,
     WriteDone,
@@ -29,6 +30,19 @@ from kvpush.transports.base import (
 TransportFactory = Callable[[str], Transport]
 
 POLL_TIMEOUT_S = 10.0
+
+
+class _AnyDetail(str):
+    """Equal to any detail text: tests compare events, not their wording."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, str)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+ANY_DETAIL = _AnyDetail("<any detail>")
 
 
 @dataclass
@@ -336,25 +350,25 @@ class TransportConformance:
         assert info.value.reason is FailureReason.UNKNOWN_PEER
 
     @pytest.mark.parametrize(
-        ("ours", "theirs", "regions", "words"),
+        "case",
         [
-            ([0, 1], [0], None, "destination"),
-            ([8], [0], None, "out of range"),
-            ([0], [-1], None, "out of range"),
-            ([0], [0], [4], "region index"),
-            ([0], [0], [1, 1], "repeat"),
+            ([0, 1], [0], None, b"x", "destination"),
+            ([8], [0], None, b"x", "out of range"),
+            ([0], [-1], None, b"x", "out of range"),
+            ([0], [0], [4], b"x", "region index"),
+            ([0], [0], [1, 1], b"x", "repeat"),
+            ([0], [0], None, b"", "notification is empty"),
         ],
+        ids=["lengths", "our-range", "their-range", "region", "repeat", "empty-notification"],
     )
     def test_bad_write_arguments_are_refused(
-        self,
-        pair: Pair,
-        ours: list[int],
-        theirs: list[int],
-        regions: list[int] | None,
-        words: str,
+        self, pair: Pair, case: tuple[list[int], list[int], list[int] | None, bytes, str]
     ) -> None:
+        ours, theirs, regions, notification, words = case
         with pytest.raises(TransportError) as info:
-            pair.sender.write_blocks(pair.receiver.agent_name, 1, ours, theirs, b"x", regions)
+            pair.sender.write_blocks(
+                pair.receiver.agent_name, 1, ours, theirs, notification, regions
+            )
         assert info.value.reason is FailureReason.LOCAL_ERROR
         assert words in str(info.value)
         # Nothing was started: the same write id is free, and the transport still works.
@@ -441,6 +455,21 @@ class TransportConformance:
         )
         assert messages(ev[1]) == [MessageReceived(pair.sender.agent_name, b"hello again")]
         assert fresh_kv.block(1, 4) == pair.sender_kv.block(1, 3)
+
+    def test_a_peer_that_went_away(self, pair: Pair) -> None:
+        gone = pair.receiver.agent_name
+        pair.receiver.close()
+        pair.sender.write_blocks(gone, 1, [0], [0], b"late")
+        ev = pump([pair.sender], lambda ev: bool(write_results(ev[0])))
+        assert write_results(ev[0]) == [WriteFailed(1, FailureReason.PEER_GONE, ANY_DETAIL)]
+        # A message is fire and forget: no exception; at most a PeerLost says it was lost.
+        pair.sender.send_message(gone, b"anyone there?")
+        later = settle([pair.sender], 0.1)[0] + ev[0]
+        assert all(
+            isinstance(e, PeerLost) and e.peer == gone and e.reason is FailureReason.PEER_GONE
+            for e in later
+            if not isinstance(e, WriteFailed)
+        ), later
 
     def test_close_is_idempotent_and_final(self, pair: Pair) -> None:
         pair.sender.close()

@@ -25,15 +25,22 @@ def check_region_fits(ours: CacheGeometry, theirs: CacheGeometry, peer: str) -> 
             )
 
 
-def validate_write(  # noqa: PLR0917 (mirrors Transport.write_blocks)
+def validate_write(
     ours: CacheGeometry,
     theirs: CacheGeometry,
     peer: str,
     our_blocks: Sequence[int],
     their_blocks: Sequence[int],
     regions: Sequence[int] | None,
+    notification: bytes | None = None,
 ) -> tuple[int, ...]:
     """Check a write's arguments; return the region indices it covers."""
+    if notification is not None and not notification:
+        raise TransportError(
+            FailureReason.LOCAL_ERROR,
+            f"write to {peer}: the notification is empty; NIXL cannot send an empty "
+            "notification, so pass None for no notification or at least one byte",
+        )
     if len(our_blocks) != len(their_blocks):
         raise TransportError(
             FailureReason.LOCAL_ERROR,

@@ -601,7 +601,7 @@ class LoopbackTransport(Transport):
     def has_peer(self, peer: str) -> bool:
         return peer in self._peers
 
-    def write_blocks(  # noqa: PLR0917 (the port's signature)
+    def write_blocks(
         self,
         peer: str,
         write_id: int,
@@ -622,7 +622,7 @@ class LoopbackTransport(Transport):
                 FailureReason.LOCAL_ERROR, f"write id {write_id} is already in flight"
             )
         region_ids = validate_write(
-            self._geometry, target.geometry, peer, our_blocks, their_blocks, regions
+            self._geometry, target.geometry, peer, our_blocks, their_blocks, regions, notification
         )
         self._write_ids.add(write_id)
         self._pending.append(

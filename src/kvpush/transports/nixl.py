@@ -329,7 +329,7 @@ class NixlTransport(Transport):
         return peer in self._peers
 
     # --------------------------------------------------------------------- writes
-    def write_blocks(  # noqa: PLR0917 (the port's signature)
+    def write_blocks(
         self,
         peer: str,
         write_id: int,
@@ -349,7 +349,7 @@ class NixlTransport(Transport):
                 FailureReason.LOCAL_ERROR, f"write id {write_id} is already in flight"
             )
         region_ids = validate_write(
-            self._geometry, target.geometry, peer, our_blocks, their_blocks, regions
+            self._geometry, target.geometry, peer, our_blocks, their_blocks, regions, notification
         )
         notif = b"" if notification is None else bytes(notification)
         if not our_blocks or not region_ids:
@@ -383,7 +383,15 @@ class NixlTransport(Transport):
                 skip_desc_merge=not self._merge,
             )
         except Exception as exc:
-            raise self._translate(exc, peer, "prepare a write") from exc
+            # The arguments were checked above: what fails here is the data plane.
+            self._writes_posted += 1
+            self._writes_failed += 1
+            self._events.append(
+                WriteFailed(
+                    write_id, self._reason(exc), f"NIXL could not prepare the write: {exc!r}"
+                )
+            )
+            return
         try:
             state = (
                 agent.transfer(handle, notif)
