@@ -6,7 +6,7 @@ Sections belong to the parts that use them; add fields with defaults, at the end
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,3 +64,22 @@ def load_token(token_file: str | Path | None, env: Mapping[str, str] | None = No
         return token
     env = os.environ if env is None else env
     return env.get(TOKEN_ENV) or None
+
+
+RDMA_DEVICES = Path("/sys/class/infiniband")
+
+
+def prepare_ucx_environment(
+    env: MutableMapping[str, str] | None = None, rdma_devices: Path = RDMA_DEVICES
+) -> None:
+    """Set UCX defaults that must be in the environment before NIXL loads UCX.
+
+    On a host with no RDMA device, UCX's InfiniBand modules have nothing to do, and the
+    libnl bundled with them crashes the process in its exit handler (SIGSEGV after Python
+    has finished, so every NIXL user exits 139: seen with nixl-cu12 1.5.1). Unless the
+    user chose `UCX_MODULES` themselves, leave those modules out on such a host.
+    """
+    env = os.environ if env is None else env
+    has_rdma = rdma_devices.is_dir() and any(rdma_devices.iterdir())
+    if "UCX_MODULES" not in env and not has_rdma:
+        env["UCX_MODULES"] = "^ib,rdmacm"

@@ -7,6 +7,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+from kvpush.config import prepare_ucx_environment
 from kvpush.errors import FailureReason, TransportError
 
 _CANDIDATES = ("nixl", "nixl_cu13", "nixl_cu12")
@@ -30,6 +31,7 @@ def load_nixl() -> NixlModule:
     global _found
     if _found is not None:
         return _found
+    prepare_ucx_environment()
     errors: list[str] = []
     for package in _CANDIDATES:
         try:
