@@ -146,19 +146,23 @@ def create_proxy_app(
         p_inst.in_flight += 1
         d_inst.in_flight += 1
 
-        async def prefill_leg() -> str | None:
-            """None when the prefill server did its part; else what went wrong."""
+        async def prefill_leg() -> tuple[int, str] | None:
+            """None when the prefill server did its part; else (status, what went wrong).
+
+            A 4xx from the prefill server is the client's mistake and keeps its status
+            and message; anything else is a 502 naming the server."""
             try:
                 resp = await client.post(f"{p_inst.url}/v1/completions", json=p_body)
             except httpx.HTTPError as exc:
                 p_inst.info = None
-                return f"prefill server {p_inst.url} failed: {type(exc).__name__}: {exc}"
+                return 502, f"prefill server {p_inst.url} failed: {type(exc).__name__}: {exc}"
             finally:
                 p_inst.in_flight -= 1
+            if 400 <= resp.status_code < 500:
+                return resp.status_code, _error_text(resp)
             if resp.status_code != 200:
-                return (
-                    f"prefill server {p_inst.url} answered {resp.status_code}: {_error_text(resp)}"
-                )
+                text = _error_text(resp)
+                return 502, f"prefill server {p_inst.url} answered {resp.status_code}: {text}"
             return None
 
         p_task = asyncio.create_task(prefill_leg())
@@ -169,7 +173,7 @@ def create_proxy_app(
             d_inst.in_flight -= 1
 
         # Wait for the decode server to answer (headers), or for the prefill leg to fail.
-        p_error: str | None = None
+        p_error: tuple[int, str] | None = None
         p_checked = False
         while not d_task.done():
             done, _ = await asyncio.wait(
@@ -185,7 +189,9 @@ def create_proxy_app(
                         resp = await d_task
                         await resp.aclose()
                     finish()
-                    return _error(502, p_error, "server_error")
+                    status, message = p_error
+                    kind = "server_error" if status >= 500 else "invalid_request_error"
+                    return _error(status, message, kind)
         try:
             d_resp = d_task.result()
         except httpx.HTTPError as exc:
@@ -219,7 +225,7 @@ def create_proxy_app(
                         err = p_task.result()
                         if err is not None:
                             nxt.cancel()
-                            raise _LegFailed(err)
+                            raise _LegFailed(*err)
                     if nxt in done:
                         try:
                             chunk = nxt.result()
@@ -240,7 +246,13 @@ def create_proxy_app(
                     async for chunk in relay():
                         yield chunk
                 except _LegFailed as exc:
-                    err = {"error": {"message": str(exc), "type": "server_error", "code": 502}}
+                    err = {
+                        "error": {
+                            "message": exc.message,
+                            "type": "server_error",
+                            "code": exc.status,
+                        }
+                    }
                     yield f"data: {json.dumps(err)}\n\n".encode()
                     yield b"data: [DONE]\n\n"
 
@@ -251,14 +263,17 @@ def create_proxy_app(
             async for chunk in relay():
                 parts.append(chunk)
         except _LegFailed as exc:
-            return _error(502, str(exc), "server_error")
+            return _error(exc.status, exc.message, "server_error")
         return Response(b"".join(parts), status_code=200, media_type="application/json")
 
     return app
 
 
 class _LegFailed(Exception):
-    pass
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
 
 
 def run_proxy(prefill_urls: Sequence[str], decode_urls: Sequence[str], host: str, port: int) -> int:

@@ -1,0 +1,131 @@
+"""Disaggregated serving end to end: prefill, decode and proxy processes over NIXL.
+
+The acceptance test of issue 6: with speculative decoding on, every request through
+prefill/decode gives exactly the single instance's tokens and the same mean acceptance
+length, on 127.0.0.1 and on ::1 (one with layer-wise push, one without).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvpush.serving.checkpoint import make_model
+from kvpush.serving.demo import DemoOptions, Stack, make_prompts, metric_sum, run_workload
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("pd-model")
+    make_model(path, seed=11)
+    return path
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("127.0.0.1", True), ("::1", False)],
+    ids=["ipv4-layerwise", "ipv6-whole"],
+)
+def stack(
+    request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    host, layerwise = request.param
+    options = DemoOptions(
+        model_dir=model_dir, host=host, block_size=8, layerwise=layerwise, ready_timeout_s=90
+    )
+    s = Stack(options, tmp_path_factory.mktemp("pd-logs"))
+    s.start()
+    yield s
+    s.close()
+
+
+def test_pd_matches_single_instance_token_for_token_with_equal_acceptance(stack: Stack) -> None:
+    prompts = make_prompts(10, seed=5)
+    pd = run_workload(stack.proxy.url, prompts, max_tokens=24, concurrency=5)
+    single = run_workload(stack.single.url, prompts, max_tokens=24, concurrency=5)
+    assert [r.error for r in pd] == [None] * len(prompts)
+    assert [r.error for r in single] == [None] * len(prompts)
+    for a, b in zip(pd, single, strict=True):
+        assert len(a.token_ids) == 24
+        assert a.token_ids == b.token_ids, a.index
+        assert a.acceptance == b.acceptance, a.index
+    decode, single_m = stack.metrics(stack.decode), stack.metrics(stack.single)
+    acceptance = decode["kvpush_spec_decode_mean_acceptance_length"]
+    assert acceptance > 1.0
+    assert acceptance == single_m["kvpush_spec_decode_mean_acceptance_length"]
+    assert metric_sum(decode, "kvpush_transfers_total", "finished", "receiver") == len(prompts)
+    assert metric_sum(decode, "kvpush_transfers_total", '"failed"') == 0
+    assert metric_sum(decode, "kvpush_transfer_bytes_total", "receiver") > 0
+    prefill = stack.metrics(stack.prefill)
+    assert metric_sum(prefill, "kvpush_transfers_total", "finished", "sender") == len(prompts)
+    # Every block is back: nothing held after the transfers ended.
+    assert prefill["kvpush_kv_blocks_held"] == 0
+    assert decode["kvpush_kv_blocks_held"] == 0
+
+
+def test_pd_non_streamed_completion_and_bad_requests(stack: Stack) -> None:
+    body = {"prompt": "push mode", "max_tokens": 8, "ignore_eos": True, "return_token_ids": True}
+    via_proxy = httpx.post(f"{stack.proxy.url}/v1/completions", json=body, timeout=60)
+    alone = httpx.post(f"{stack.single.url}/v1/completions", json=body, timeout=60)
+    assert via_proxy.status_code == 200, via_proxy.text
+    assert via_proxy.json()["choices"][0]["token_ids"] == alone.json()["choices"][0]["token_ids"]
+
+    bad = httpx.post(
+        f"{stack.proxy.url}/v1/completions", json={**body, "temperature": 1.0}, timeout=60
+    )
+    assert bad.status_code == 400
+    assert "temperature" in bad.json()["error"]["message"]
+    own = httpx.post(
+        f"{stack.proxy.url}/v1/completions",
+        json={**body, "kv_transfer_params": {"transfer_id": "x"}},
+        timeout=60,
+    )
+    assert own.status_code == 400
+    assert "set by the proxy" in own.json()["error"]["message"]
+    missing = httpx.post(
+        f"{stack.decode.url}/v1/completions",
+        json={
+            **body,
+            "kv_transfer_params": {
+                "do_remote_prefill": True,
+                "transfer_id": "t1",
+                "remote_host": "127.0.0.1",
+            },
+        },
+        timeout=60,
+    )
+    assert missing.status_code == 400
+    assert "remote_port" in missing.json()["error"]["message"]
+    wrong_role = httpx.post(
+        f"{stack.prefill.url}/v1/completions",
+        json={**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "t2"}},
+        timeout=60,
+    )
+    assert wrong_role.status_code == 400
+    assert "prefill server" in wrong_role.json()["error"]["message"]
+
+
+def test_a_dead_prefill_server_fails_requests_promptly_and_a_restart_recovers(
+    stack: Stack,
+) -> None:
+    if stack.options.host != "127.0.0.1":
+        pytest.skip("restarting a server is exercised once, on IPv4")
+    prompts = make_prompts(3, seed=9)
+    stack.prefill.kill()
+    failed = run_workload(stack.proxy.url, prompts, max_tokens=8, concurrency=3, timeout_s=30)
+    for r in failed:
+        assert r.error is not None
+        assert "prefill server" in r.error
+        assert r.latency_s < 10
+    decode = stack.metrics(stack.decode)
+    assert decode["kvpush_kv_blocks_held"] == 0
+    assert decode["kvpush_requests_running"] == 0
+
+    stack.restart_prefill()
+    again = run_workload(stack.proxy.url, prompts, max_tokens=8, concurrency=3)
+    single = run_workload(stack.single.url, prompts, max_tokens=8, concurrency=3)
+    assert [r.error for r in again] == [None] * 3
+    assert [r.token_ids for r in again] == [r.token_ids for r in single]
