@@ -1,0 +1,463 @@
+"""PushRuntime over the loopback transport: real threads, real byte copies, a fake clock.
+
+The clock is injected; the runtime's own thread still waits in real time, so tests wait
+for results with `wait()` (bounded) and move protocol time with `FakeClock.advance`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvpush.config import TimingConfig
+from kvpush.errors import (
+    ClosedError,
+    FailureReason,
+    LocalProtocolError,
+    PeerUnreachable,
+    TransferFailed,
+)
+from kvpush.runtime import (
+    InMemoryPeerDirectory,
+    PeerAddress,
+    PeerDirectory,
+    PushRuntime,
+    RuntimeIdentity,
+    RuntimeStopped,
+    TransferResult,
+)
+from kvpush.sidechannel import PeerMetadata
+from kvpush.transports.base import TransportEvent
+from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
+from transport_conformance import KVBuffers, make_kv
+
+pytestmark = pytest.mark.timeout(60)
+
+TIMING = TimingConfig(
+    heartbeat_interval_s=0.5, liveness_timeout_s=3.0, lease_s=5.0, transfer_deadline_s=60.0
+)
+HOST = "127.0.0.1"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self._now = 1000.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance(self, dt: float) -> None:
+        with self._lock:
+            self._now += dt
+
+
+class Cluster:
+    """Runtimes on one loopback fabric, published in one in-memory directory."""
+
+    def __init__(self, directory: PeerDirectory | None = None) -> None:
+        self.clock = FakeClock()
+        self.fabric = LoopbackFabric(clock=self.clock)
+        self.published = InMemoryPeerDirectory()
+        self.directory = directory or self.published
+        self.runtimes: list[PushRuntime] = []
+        self.kv: dict[str, KVBuffers] = {}
+        self.ports = iter(range(7000, 8000))
+
+    def add(
+        self,
+        agent: str,
+        engine_id: str,
+        port: int | None = None,
+        transport: LoopbackTransport | None = None,
+        **kwargs: object,
+    ) -> tuple[PushRuntime, PeerAddress]:
+        port = port or next(self.ports)
+        kv = make_kv(num_layers=2, num_blocks=16, block_bytes=64)
+        kv.fill_random(hash(agent) % 1000)
+        rt = PushRuntime(
+            transport or LoopbackTransport(self.fabric, agent),
+            kv.geometry,
+            RuntimeIdentity(engine_id, agent, HOST, port),
+            self.directory,
+            timing=TIMING,
+            clock=self.clock,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        rt.start()
+        address = PeerAddress(HOST, port)
+        self.published.publish(address, rt.local_metadata())
+        self.runtimes.append(rt)
+        self.kv[agent] = kv
+        return rt, address
+
+    def close(self) -> None:
+        for rt in self.runtimes:
+            rt.close()
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    c = Cluster()
+    yield c
+    c.close()
+
+
+def wait_results(rt: PushRuntime, n: int = 1, timeout: float = 10.0) -> list[TransferResult]:
+    out: list[TransferResult] = []
+    end = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < end:
+        out += rt.wait(timeout=max(0.0, end - time.monotonic()))
+    assert len(out) == n, f"expected {n} results, got {out}"
+    return out
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.005)
+
+
+def advance_until(
+    cluster: Cluster, rt: PushRuntime, step: float, limit: float
+) -> list[TransferResult]:
+    """Move protocol time in steps, letting the runtime tick, until `rt` reports."""
+    moved = 0.0
+    while moved <= limit:
+        got = rt.wait(timeout=0.02)
+        if got:
+            return got
+        cluster.clock.advance(step)
+        moved += step
+    raise AssertionError(f"no result within {limit}s of protocol time")
+
+
+def same_block(a: KVBuffers, a_block: int, b: KVBuffers, b_block: int) -> bool:
+    return all(a.block(r, a_block) == b.block(r, b_block) for r in range(len(a.geometry.regions)))
+
+
+# --------------------------------------------------------------------------- happy paths
+
+
+def test_whole_request_push_copies_the_bytes(cluster: Cluster) -> None:
+    p, p_addr = cluster.add("p-1", "engine-p")
+    d, _ = cluster.add("d-1", "engine-d")
+    p.send("t1", [1, 2, 3])
+    d.receive("t1", p_addr, [9, 4, 5])
+    [rd] = wait_results(d)
+    [rp] = wait_results(p)
+    assert rd.ok and rp.ok and rd.blocks == (9, 4, 5) and rp.blocks == (1, 2, 3)
+    a, b = cluster.kv["p-1"], cluster.kv["d-1"]
+    assert same_block(a, 1, b, 9) and same_block(a, 2, b, 4) and same_block(a, 3, b, 5)
+    stats = p.statistics()
+    assert stats.finished == 1 and stats.bytes_written == 3 * a.geometry.bytes_per_block
+    assert stats.blocks_held_sending == 0 and stats.in_flight == 0
+
+
+def test_partial_prefix_hit_and_layer_by_layer(cluster: Cluster) -> None:
+    p, p_addr = cluster.add("p-1", "engine-p")
+    d, _ = cluster.add("d-1", "engine-d")
+    d.receive("t1", p_addr, [7, 8], sender_offset=2)  # registered before the sender is ready
+    p.send("t1", [10, 11, 12, 13], ready_layers=[])
+    p.layers_ready("t1", [1])
+    wait_until(lambda: p.statistics().bytes_written > 0)
+    assert d.poll() == []
+    p.layers_ready("t1", [0])
+    [rd] = wait_results(d)
+    assert rd.ok
+    a, b = cluster.kv["p-1"], cluster.kv["d-1"]
+    assert same_block(a, 12, b, 7) and same_block(a, 13, b, 8)
+    assert not same_block(a, 10, b, 7)
+
+
+def test_full_prefix_hit_frees_the_sender_without_a_write(cluster: Cluster) -> None:
+    p, p_addr = cluster.add("p-1", "engine-p")
+    d, _ = cluster.add("d-1", "engine-d")
+    p.send("t1", [1, 2])
+    d.receive("t1", p_addr, [], sender_offset=2)
+    assert wait_results(p)[0].ok and wait_results(d)[0].ok
+    assert p.statistics().bytes_written == 0
+
+
+def test_reject_frees_the_sender_at_once(cluster: Cluster) -> None:
+    p, p_addr = cluster.add("p-1", "engine-p")
+    d, _ = cluster.add("d-1", "engine-d")
+    p.send("t1", [1])
+    d.reject("t1", p_addr, "no room")
+    [r] = wait_results(p)
+    assert r.reason is FailureReason.REJECTED and "no room" in r.detail
+    assert d.poll() == []
+
+
+# --------------------------------------------------------------------------- the failure queue
+
+
+class GatedDirectory(PeerDirectory):
+    """A directory whose lookups block until the test opens the gate (a slow network)."""
+
+    def __init__(self, inner: PeerDirectory) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+        self.calls = 0
+
+    def lookup(self, host: str, port: int, rank: int) -> PeerMetadata:
+        self.calls += 1
+        self.gate.wait(10)
+        return self.inner.lookup(host, port, rank)
+
+
+def test_peer_not_handshaked_yet_queues_the_failure_once() -> None:
+    c = Cluster()
+    gated = GatedDirectory(c.published)
+    c.directory = gated
+    try:
+        d, _ = c.add("d-1", "engine-d")
+        nowhere = PeerAddress(HOST, 1)  # nobody published there
+        d.receive("t1", nowhere, [3, 4])  # returns at once although the lookup blocks
+        d.receive("t2", nowhere, [5])  # joins the same handshake
+        wait_until(lambda: gated.calls == 1)
+        assert d.statistics().receiving == {"handshaking": 2}
+        assert d.poll() == []
+        gated.gate.set()
+        wait_until(lambda: d.statistics().results_queued == 2)
+        # Queued, not handled: nothing was reported anywhere until the engine asks.
+        results = d.poll()
+        assert sorted(r.transfer_id for r in results) == ["t1", "t2"]
+        assert {r.reason for r in results} == {FailureReason.HANDSHAKE_FAILED}
+        assert "no peer published" in results[0].detail
+        assert d.poll() == [] and d.wait(0.05) == []
+        stats = d.statistics()
+        assert stats.failures == {"handshake_failed": 2} and stats.duplicate_reports == 0
+        assert gated.calls == 1
+        with pytest.raises(TransferFailed, match="handshake_failed"):
+            results[0].raise_for_failure()
+    finally:
+        c.close()
+
+
+def test_abort_during_handshake_reports_cancelled_once() -> None:
+    c = Cluster()
+    gated = GatedDirectory(c.published)
+    c.directory = gated
+    try:
+        p, p_addr = c.add("p-1", "engine-p")
+        d, _ = c.add("d-1", "engine-d")
+        d.receive("t1", p_addr, [3])
+        wait_until(lambda: gated.calls == 1)
+        d.abort("t1")
+        [r] = wait_results(d)
+        assert r.reason is FailureReason.CANCELLED
+        gated.gate.set()
+        assert d.wait(0.1) == []
+        assert p.statistics().sending == {}
+    finally:
+        c.close()
+
+
+def test_write_error_fails_both_sides_and_frees_the_receiver_at_once(cluster: Cluster) -> None:
+    p, p_addr = cluster.add("p-1", "engine-p")
+    d, _ = cluster.add("d-1", "engine-d")
+    cluster.fabric.fail_writes("p-1", "d-1")
+    p.send("t1", [1])
+    d.receive("t1", p_addr, [2])
+    [rp] = wait_results(p)
+    [rd] = wait_results(d)
+    assert rp.reason is FailureReason.WRITE_ERROR
+    assert rd.reason is FailureReason.WRITE_ERROR and "injected" in rd.detail
+    assert d.statistics().blocks_held_receiving == 0
+
+
+def test_sender_dies_receiver_fails_after_liveness_and_fence(cluster: Cluster) -> None:
+    _p, p_addr = cluster.add("p-1", "engine-p")
+    d, _ = cluster.add("d-1", "engine-d")
+    d.receive("t1", p_addr, [2])
+    wait_until(lambda: d.statistics().receiving == {"waiting": 1})
+    cluster.fabric.kill("p-1")
+    [r] = advance_until(cluster, d, step=0.5, limit=TIMING.transfer_deadline_s)
+    assert r.reason is FailureReason.PEER_TIMEOUT and r.blocks == (2,)
+
+
+def test_announced_peer_loss_fails_at_once(cluster: Cluster) -> None:
+    _p, p_addr = cluster.add("p-1", "engine-p")
+    d, _ = cluster.add("d-1", "engine-d")
+    d.receive("t1", p_addr, [2])
+    wait_until(lambda: d.statistics().receiving == {"waiting": 1})
+    cluster.fabric.kill("p-1", announce=True)
+    [r] = wait_results(d)
+    assert r.reason is FailureReason.PEER_GONE
+
+
+def test_receiver_dies_sender_frees_its_blocks(cluster: Cluster) -> None:
+    p, p_addr = cluster.add("p-1", "engine-p")
+    d, _ = cluster.add("d-1", "engine-d")
+    p.send("t1", [1], ready_layers=[])
+    d.receive("t1", p_addr, [2])
+    wait_until(lambda: p.statistics().sending == {"writing": 1})
+    cluster.fabric.kill("d-1")
+    [r] = advance_until(cluster, p, step=0.5, limit=TIMING.transfer_deadline_s)
+    assert r.reason is FailureReason.PEER_TIMEOUT
+    assert p.statistics().blocks_held_sending == 0
+
+
+def test_restarted_receiver_fails_old_transfers_and_is_handshaked_afresh(
+    cluster: Cluster,
+) -> None:
+    p, p_addr = cluster.add("p-1", "engine-p")
+    d1, d_addr = cluster.add("d-1", "engine-d")
+    p.send("t1", [1], ready_layers=[])
+    d1.receive("t1", p_addr, [2])
+    wait_until(lambda: p.statistics().sending == {"writing": 1})
+    cluster.fabric.kill("d-1")
+    d2, _ = cluster.add("d-2", "engine-d", port=d_addr.port)  # same engine, same address
+    p.send("t2", [3])
+    d2.receive("t2", p_addr, [4])
+    assert wait_results(d2)[0].ok
+    results = {r.transfer_id: r for r in wait_results(p, 2)}
+    assert results["t1"].reason is FailureReason.PEER_RESTARTED
+    assert results["t2"].ok
+    assert same_block(cluster.kv["p-1"], 3, cluster.kv["d-2"], 4)
+
+
+def test_restarted_sender_is_handshaked_afresh_after_the_old_one_times_out(
+    cluster: Cluster,
+) -> None:
+    p1, p_addr = cluster.add("p-1", "engine-p")
+    d, _ = cluster.add("d-1", "engine-d")
+    p1.send("t1", [1])
+    d.receive("t1", p_addr, [2])
+    assert wait_results(d)[0].ok
+    cluster.fabric.kill("p-1")
+    p2, _ = cluster.add("p-2", "engine-p", port=p_addr.port)
+    p2.send("t2", [1])
+    d.receive("t2", p_addr, [3])  # the cached agent is the dead one
+    [r] = advance_until(cluster, d, step=0.5, limit=TIMING.transfer_deadline_s)
+    assert r.reason is FailureReason.PEER_TIMEOUT
+    p2.abort("t2")
+    wait_results(p2)
+    p2.send("t3", [5])
+    d.receive("t3", p_addr, [6])
+    assert wait_results(d)[0].ok
+    assert same_block(cluster.kv["p-2"], 5, cluster.kv["d-1"], 6)
+
+
+def test_receiver_abort_mid_transfer_fences_until_the_sender_acks(cluster: Cluster) -> None:
+    p, p_addr = cluster.add("p-1", "engine-p")
+    d, _ = cluster.add("d-1", "engine-d")
+    p.send("t1", [1], ready_layers=[0])
+    d.receive("t1", p_addr, [2])
+    wait_until(lambda: p.statistics().bytes_written > 0)
+    d.abort("t1")
+    [rd] = wait_results(d)
+    [rp] = wait_results(p)
+    assert rd.reason is FailureReason.CANCELLED and rp.reason is FailureReason.CANCELLED
+    p.layers_ready("t1", [1])  # too late: nothing more is written
+    time.sleep(0.05)
+    assert p.statistics().bytes_written == cluster.kv["p-1"].geometry.bytes_per_block // 2
+
+
+def test_garbage_from_a_peer_is_counted_and_does_not_stop_the_runtime(
+    cluster: Cluster,
+) -> None:
+    p, p_addr = cluster.add("p-1", "engine-p")
+    d, _ = cluster.add("d-1", "engine-d")
+    rogue = LoopbackTransport(cluster.fabric, "rogue")
+    rogue.start()
+    rogue.register_memory(make_kv(num_layers=2, num_blocks=16, block_bytes=64).geometry)
+    meta = d.local_metadata()
+    rogue.add_peer(meta.agent_name, meta.agent_metadata, meta.geometry)
+    rogue.send_message(meta.agent_name, b"\xc1 not msgpack")
+    wait_until(lambda: d.statistics().malformed_messages == 1)
+    p.send("t1", [1])
+    d.receive("t1", p_addr, [2])
+    assert wait_results(d)[0].ok
+    rogue.close()
+
+
+# --------------------------------------------------------------------------- lifecycle, misuse
+
+
+class CrashingTransport(LoopbackTransport):
+    """A loopback endpoint whose poll() raises once the test says so."""
+
+    def __init__(self, fabric: LoopbackFabric, name: str) -> None:
+        super().__init__(fabric, name)
+        self.crash = threading.Event()
+
+    def poll(self) -> list[TransportEvent]:
+        if self.crash.is_set():
+            raise RuntimeError("boom in the data plane")
+        return super().poll()
+
+
+def test_exception_on_the_background_thread_fails_transfers_and_stops_the_runtime(
+    cluster: Cluster,
+) -> None:
+    crashing = CrashingTransport(cluster.fabric, "p-1")
+    p, _ = cluster.add("p-1", "engine-p", transport=crashing)
+    p.send("t1", [1])
+    crashing.crash.set()
+    [r] = wait_results(p)
+    assert r.reason is FailureReason.LOCAL_ERROR and "boom in the data plane" in r.detail
+    with pytest.raises(RuntimeStopped, match="boom") as info:
+        p.send("t2", [2])
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_close_ends_in_flight_transfers_as_shutdown_and_joins_threads(
+    cluster: Cluster,
+) -> None:
+    p, _ = cluster.add("p-1", "engine-p")
+    p.send("t1", [1])
+    p.close()
+    [r] = p.poll()
+    assert r.reason is FailureReason.SHUTDOWN
+    names = {t.name for t in threading.enumerate()}
+    assert not {n for n in names if n.endswith("p-1")}
+    with pytest.raises(ClosedError):
+        p.send("t2", [1])
+
+
+def test_idle_runtime_does_not_poll(cluster: Cluster) -> None:
+    p, _ = cluster.add("p-1", "engine-p", idle_poll_s=30.0)
+    before = p.statistics().transport_polls
+    time.sleep(0.2)
+    assert p.statistics().transport_polls - before <= 2  # the statistics requests only
+
+
+def test_engine_misuse_raises_at_the_call(cluster: Cluster) -> None:
+    p, p_addr = cluster.add("p-1", "engine-p")
+    p.send("t1", [1], ready_layers=[])
+    with pytest.raises(LocalProtocolError, match="already in flight"):
+        p.send("t1", [2])
+    with pytest.raises(LocalProtocolError, match=r"outside the cache: expected integers in 0..15"):
+        p.send("t2", [16])
+    with pytest.raises(LocalProtocolError, match="repeat"):
+        p.send("t2", [1, 1])
+    with pytest.raises(LocalProtocolError, match="layers"):
+        p.layers_ready("t1", [5])
+    with pytest.raises(LocalProtocolError, match="sender_offset"):
+        p.receive("t3", p_addr, [1], sender_offset=-1)
+    with pytest.raises(LocalProtocolError, match="non-empty"):
+        p.abort("")
+    fresh = PushRuntime(
+        LoopbackTransport(cluster.fabric, "x"),
+        cluster.kv["p-1"].geometry,
+        RuntimeIdentity("e", "1", HOST, 1),
+        cluster.directory,
+    )
+    with pytest.raises(LocalProtocolError, match="start"):
+        fresh.send("t", [1])
+    with pytest.raises(LocalProtocolError, match="start"):
+        fresh.local_metadata()
+    fresh.close()
+
+
+def test_in_memory_directory_says_what_is_missing() -> None:
+    directory = InMemoryPeerDirectory()
+    with pytest.raises(PeerUnreachable, match="no peer published at h:1"):
+        directory.lookup("h", 1, 0)
