@@ -306,8 +306,9 @@ MOONCAKE_MAX_OUTSTANDING = 1024
 
 
 def load_mooncake() -> Any:
-    # Its glog INFO lines (one per batch) would drown the bench's own output.
-    os.environ.setdefault("GLOG_minloglevel", "2")
+    # Its INFO lines (one per batch) would drown the bench's own output. This runs in a
+    # bench child process only, before Mooncake's library is loaded.
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:

@@ -25,7 +25,15 @@ from kvpush.bench.modes import (
     NixlRawSender,
     nixl_register,
 )
-from kvpush.bench.runner import ProgressFn, batch_result, cpu_seconds, plans, ratios, stop_children
+from kvpush.bench.runner import (
+    ProgressFn,
+    batch_result,
+    cpu_seconds,
+    plans,
+    quiet_foreign_loggers,
+    ratios,
+    stop_children,
+)
 from kvpush.bench.workload import CacheBuffers, Workload, make_workload
 from kvpush.errors import ConfigError, KVPushError
 from kvpush.net import parse_host_port
@@ -88,6 +96,7 @@ def _remote_main(
     parent: Connection,
 ) -> None:
     tx: NixlRawSender | None = None
+    quiet_foreign_loggers()
     try:
         tx = NixlRawSender(workload)
         tx.setup(peer_meta, parent)

@@ -18,6 +18,7 @@ batch. The parent only relays progress and kills children that outlive their dea
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import resource
 import time
@@ -33,6 +34,7 @@ from kvpush.bench.modes import (
     Receiver,
     Sender,
     factories,
+    load_nixl,
 )
 from kvpush.bench.workload import Plan, Workload, make_plan
 from kvpush.errors import KVPushError
@@ -130,8 +132,19 @@ def batch_result(
 # ----------------------------------------------------------------- child processes
 
 
+def quiet_foreign_loggers() -> None:
+    """NIXL logs INFO lines through its own handler; in a bench child they would land in
+    the middle of the table. Runs in the children only (the CLI owns the parent's logging)."""
+    if logging.getLogger().getEffectiveLevel() > logging.INFO:
+        # NIXL configures its logger when first imported; import it first, then quiet it.
+        with contextlib.suppress(ModeUnavailable):
+            load_nixl()
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+
+
 def _receiver_main(mode: str, workload: Workload, peer: Connection) -> None:
     rx: Receiver | None = None
+    quiet_foreign_loggers()
     try:
         rx = factories(mode)[0](workload)
         meta = rx.setup(peer)
@@ -171,6 +184,7 @@ def _receiver_main(mode: str, workload: Workload, peer: Connection) -> None:
 
 def _sender_main(mode: str, workload: Workload, peer: Connection, parent: Connection) -> None:
     tx: Sender | None = None
+    quiet_foreign_loggers()
     try:
         tx = factories(mode)[1](workload)
         _, meta = _recv(peer, PIPE_TIMEOUT_S, "receiver metadata")
