@@ -108,6 +108,38 @@ def test_pd_non_streamed_completion_and_bad_requests(stack: Stack) -> None:
     assert "prefill server" in wrong_role.json()["error"]["message"]
 
 
+def test_decode_request_naming_an_unreachable_prefill_side_channel_fails_with_the_reason(
+    stack: Stack,
+) -> None:
+    from kvpush.readiness import free_port
+
+    host = stack.options.host
+    body = {
+        "prompt": "nobody will send this",
+        "max_tokens": 4,
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "transfer_id": "to-nowhere",
+            "remote_host": host,
+            "remote_port": free_port(host),
+        },
+    }
+    r = httpx.post(f"{stack.decode.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 502, r.text
+    message = r.json()["error"]["message"]
+    assert "to-nowhere" in message
+    assert "handshake_failed" in message
+    decode = stack.metrics(stack.decode)
+    assert decode["kvpush_kv_blocks_held"] == 0
+    assert metric_sum(decode, "kvpush_transfers_total", "handshake_failed") >= 1
+    ok = httpx.post(
+        f"{stack.proxy.url}/v1/completions",
+        json={"prompt": "still fine", "max_tokens": 2},
+        timeout=60,
+    )
+    assert ok.status_code == 200, ok.text
+
+
 def test_a_dead_prefill_server_fails_requests_promptly_and_a_restart_recovers(
     stack: Stack,
 ) -> None:

@@ -86,6 +86,7 @@ class DemoOptions:
     block_size: int = 16
     layerwise: bool = True
     inject: str | None = None  # "kill-prefill"
+    compare_layerwise: bool = False  # rerun with layer-wise push switched, compare TTFT
     log_dir: Path | None = None
     seed: int = 0
     ready_timeout_s: float = 120.0
@@ -118,6 +119,9 @@ class DemoReport:
     kv_transfer_s: float = 0.0
     transfers_finished: float = 0.0
     transfers_failed: float = 0.0
+    ttft_other_p50_s: float | None = None  # with layer-wise push switched
+    ttft_other_p99_s: float | None = None
+    layerwise: bool = True
     inject_failed_promptly: int | None = None
     inject_max_failure_s: float | None = None
     inject_after_restart_ok: bool | None = None
@@ -142,6 +146,7 @@ class DemoReport:
             f"TTFT p50 / p99            {self.ttft_p50_s * 1e3:.1f} ms / "
             f"{self.ttft_p99_s * 1e3:.1f} ms",
             f"inter-token latency       {self.itl_mean_s * 1e3:.2f} ms (mean)",
+            f"layer-wise push           {'on' if self.layerwise else 'off'}",
             f"KV moved                  {self.kv_bytes / 1e6:.2f} MB in "
             f"{self.transfers_finished:.0f} transfers, {self.kv_gbps:.3f} GB/s "
             f"(over summed transfer times, which include waiting for prefill)",
@@ -152,6 +157,11 @@ class DemoReport:
                 f"kill-prefill              {self.inject_failed_promptly} requests failed, "
                 f"slowest after {self.inject_max_failure_s or 0:.2f} s; after restart: "
                 f"{'ok' if self.inject_after_restart_ok else 'FAILED'}"
+            )
+        if self.ttft_other_p50_s is not None and self.ttft_other_p99_s is not None:
+            lines.append(
+                f"TTFT p50 / p99, layer-wise {'off' if self.layerwise else 'on'}: "
+                f"{self.ttft_other_p50_s * 1e3:.1f} ms / {self.ttft_other_p99_s * 1e3:.1f} ms"
             )
         for p in self.problems:
             lines.append(f"PROBLEM: {p}")
@@ -269,6 +279,7 @@ class Stack:
         x_port, s_port = free_port(host), free_port(host)
         prefill_args = ["serve", "--role", "prefill", "--model", model, "--host", host]
         prefill_args += ["--port", str(p_port), "--side-channel-port", str(p_side), *common]
+        self.layerwise = options.layerwise
         if options.layerwise:
             prefill_args.append("--layerwise")
         self.prefill = ServerProcess(
@@ -349,8 +360,14 @@ class Stack:
             self.close()
             raise
 
-    def restart_prefill(self) -> None:
+    def restart_prefill(self, *, layerwise: bool | None = None) -> None:
+        """Restart the prefill server on the same ports, optionally switching layer-wise
+        push on or off."""
         self.prefill.close()
+        if layerwise is not None and layerwise != self.layerwise:
+            args = [a for a in self.prefill.args if a != "--layerwise"]
+            self.prefill.args = [*args, "--layerwise"] if layerwise else args
+            self.layerwise = layerwise
         self.prefill.start()
         self.prefill.wait_ready(self.options.ready_timeout_s)
 
@@ -441,6 +458,24 @@ def _exercise(options: DemoOptions, stack: Stack, say: Say) -> DemoReport:
     report.transfers_failed = metric_sum(d_metrics, "kvpush_transfers_total", '"failed"')
     if report.transfers_failed:
         report.problems.append(f"{report.transfers_failed:.0f} transfers failed")
+    report.layerwise = options.layerwise
+    if options.compare_layerwise:
+        say(f"restarting prefill with layer-wise push {'off' if options.layerwise else 'on'}")
+        stack.restart_prefill(layerwise=not options.layerwise)
+        other = run_workload(
+            stack.proxy.url,
+            prompts,
+            max_tokens=options.max_tokens,
+            concurrency=options.concurrency,
+            timeout_s=options.request_timeout_s,
+        )
+        for a, b in zip(other, single, strict=True):
+            if a.error or a.token_ids != b.token_ids:
+                report.problems.append(f"request {a.index} (layer-wise switched) wrong or failed")
+        other_ttfts = [r.ttft_s for r in other if r.ttft_s is not None]
+        report.ttft_other_p50_s = _pct(other_ttfts, 0.5)
+        report.ttft_other_p99_s = _pct(other_ttfts, 0.99)
+        stack.restart_prefill(layerwise=options.layerwise)
     if options.inject == "kill-prefill":
         _kill_prefill(options, stack=stack, say=say, report=report, prompts=prompts, single=single)
     return report
