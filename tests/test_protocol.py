@@ -379,6 +379,29 @@ def test_cancel_that_overtakes_its_register_keeps_the_sender_from_writing(wire: 
     assert wire.ended("d-1", "t1").reason is FailureReason.CANCELLED
 
 
+def test_sender_abort_before_the_register_arrives_tells_the_receiver_why(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1])
+    wire.apply("p-1", wire.ends["p-1"].sender.abort(wire.now, "t1"))
+    assert wire.ended("p-1", "t1").reason is FailureReason.CANCELLED
+    wire.expect("d-1", "t1", "p-1", [2])
+    wire.settle()
+    assert wire.ended("d-1", "t1").reason is FailureReason.CANCELLED
+    assert wire.write_log == []
+
+
+def test_cancel_after_a_lost_register_ends_the_sender_side_at_once(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1])
+    wire.expect("d-1", "t1", "p-1", [2])
+    wire.queue.clear()  # the Register is lost
+    wire.apply("d-1", wire.ends["d-1"].receiver.abort(wire.now, "t1"))
+    wire.deliver()  # the Cancel
+    assert wire.ended("p-1", "t1").reason is FailureReason.CANCELLED
+    wire.settle()
+    wire.run_for(wire.ends["d-1"].receiver.fence_s + 0.5)
+    assert wire.ended("d-1", "t1").reason is FailureReason.CANCELLED
+    assert wire.write_log == []
+
+
 def test_late_done_after_the_receiver_ended_is_ignored(wire: Wire) -> None:
     wire.submit("p-1", "t1", [1])
     wire.expect("d-1", "t1", "p-1", [2])

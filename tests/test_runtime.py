@@ -252,9 +252,11 @@ def test_abort_during_handshake_reports_cancelled_once() -> None:
         d.abort("t1")
         [r] = wait_results(d)
         assert r.reason is FailureReason.CANCELLED
+        p.send("t1", [1])
         gated.gate.set()
-        assert d.wait(0.1) == []
-        assert p.statistics().sending == {}
+        [rp] = wait_results(p)  # told by a Reject once the handshake finished
+        assert rp.reason is FailureReason.REJECTED and "before the handshake" in rp.detail
+        assert d.wait(0.05) == []
     finally:
         c.close()
 

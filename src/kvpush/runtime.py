@@ -790,8 +790,9 @@ class PushRuntime:
         for waiters in self._handshaking.values():
             for w in waiters:
                 if isinstance(w, _Receive) and w.transfer_id == tid:
-                    waiters.remove(w)
                     detail = "aborted by the receiving engine before the handshake finished"
+                    # Once the handshake is done, tell the sender, so it frees at once.
+                    waiters[waiters.index(w)] = _Reject(tid, w.sender, detail)
                     self._report(
                         TransferResult(tid, "receiver", FailureReason.CANCELLED, detail, w.blocks)
                     )

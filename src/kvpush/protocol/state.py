@@ -418,6 +418,8 @@ class SenderProtocol:
         out = self._note_peer(now, peer, msg)
         tomb = self._tombstones.get(tid)
         if tomb is not None:
+            if tomb.peer is None:  # it ended before any receiver registered: this one is it
+                tomb.peer = peer
             if tomb.peer == peer:
                 if tomb.reply is not None:
                     out += self._send(peer, tomb.reply)
@@ -470,6 +472,10 @@ class SenderProtocol:
     ) -> list[Effect]:
         rec = self._transfers.get(tid)
         why = f"receiver cancelled ({reason.value}): {detail}"
+        if rec is not None and rec.peer is None:
+            # Submitted, but its Register never arrived (lost): nothing was written.
+            rec.peer = peer
+            return self._fail(now, rec, FailureReason.CANCELLED, why, CancelAck(tid))
         if rec is not None and rec.peer == peer:
             if rec.blocks is None:  # registered, never submitted: nothing to drain
                 del self._transfers[tid]
