@@ -93,7 +93,11 @@ def write_plot(report: dict[str, Any], path: str) -> None:
         ys = [s["gbps"] for s in m["sizes"]]
         ax.plot(xs, ys, marker="o", label=m["mode"])
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("transfer size (bytes)")
+    sizes = sorted({s["bytes"] for m in report["modes"] for s in m["sizes"]})
+    if sizes:
+        ax.set_xticks(sizes, [human_bytes(b) for b in sizes])
+        ax.minorticks_off()
+    ax.set_xlabel("transfer size")
     ax.set_ylabel("aggregate GB/s (bytes / wall time of the batch)")
     w = report["workload"]
     ax.set_title(
