@@ -53,8 +53,11 @@ engine decides host, port and token there. The runtime owns the transport it is 
 
 Handshakes: a receiver handshakes with the sender's address from the request before it
 registers; the `Register` carries the receiver's own address (`identity`) so the sender
-handshakes back before its first write. Metadata is cached per address until the peer is
-found dead or restarted; then the next transfer handshakes afresh.
+handshakes back before its first write. Metadata is cached per address while the peer is
+heard from (heartbeats flow while transfers do); an address not heard from for two
+heartbeat intervals is looked up again before its next transfer, so a peer restarted
+there (new incarnation, new agent) is handshaked afresh and everything still in flight
+with its old incarnation fails with PEER_RESTARTED. A peer found dead is forgotten.
 """
 
 from __future__ import annotations
@@ -321,6 +324,7 @@ _Command = (
 class _PeerEntry:
     agent: str
     engine_id: str
+    handshaken_at: float
 
 
 # --------------------------------------------------------------------------- runtime
@@ -388,6 +392,7 @@ class PushRuntime:
         # Owned by the background thread.
         self._peers_by_address: dict[PeerAddress, _PeerEntry] = {}
         self._handshaking: dict[PeerAddress, list[_Receive | _Reject | Handshake]] = {}
+        self._last_heard: dict[str, float] = {}  # agent -> when it last sent us anything
         self._write_bytes: dict[int, int] = {}
         self._bytes_written = 0
         self._malformed = 0
@@ -610,6 +615,7 @@ class PushRuntime:
             for ev in events:
                 match ev:
                     case MessageReceived(peer=peer, payload=payload):
+                        self._last_heard[peer] = now
                         try:
                             effects = self._protocol.receive_message(now, peer, payload)
                         except RemoteProtocolError as exc:
@@ -642,6 +648,12 @@ class PushRuntime:
             pass
         return out
 
+    def _stale(self, now: float, entry: _PeerEntry) -> bool:
+        """A peer not heard from lately may have restarted at the same address: look
+        it up again (a new incarnation there ends what was in flight with the old one)."""
+        heard = self._last_heard.get(entry.agent, entry.handshaken_at)
+        return now - max(heard, entry.handshaken_at) > 2 * self._timing.heartbeat_interval_s
+
     def _in_flight(self) -> bool:
         return bool(self._handshaking or self._write_bytes) or self._protocol.in_flight()
 
@@ -662,7 +674,7 @@ class PushRuntime:
                 )
             case _Receive() | _Reject():
                 entry = self._peers_by_address.get(cmd.sender)
-                if entry is None:
+                if entry is None or self._stale(now, entry):
                     self._handshake(cmd.sender, cmd)
                 else:
                     self._on_handshaken(now, entry, cmd)
@@ -753,7 +765,7 @@ class PushRuntime:
                     case _Reject():
                         pass  # nobody to tell; the sender's own deadline frees it
             return
-        entry = _PeerEntry(meta.agent_name, meta.engine_id)
+        entry = _PeerEntry(meta.agent_name, meta.engine_id, now)
         self._peers_by_address[result.address] = entry
         for w in waiters:
             self._on_handshaken(now, entry, w)
@@ -818,6 +830,7 @@ class PushRuntime:
                         self._handshake(PeerAddress(eff.host, eff.port, eff.rank), eff)
                 case DropPeer(peer=agent):
                     self._transport.remove_peer(agent)
+                    self._last_heard.pop(agent, None)
                     for addr, entry in list(self._peers_by_address.items()):
                         if entry.agent == agent:
                             del self._peers_by_address[addr]
