@@ -49,7 +49,8 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.nixl
 def test_every_mode_has_a_figure_or_a_reason(quick_run: dict[str, Any]) -> None:
     report = quick_run["report"]
-    assert {"workload", "modes", "ratios", "host", "elapsed_s"} <= set(report)
+    assert {"workload", "modes", "ratios", "host", "elapsed_s", "versions", "argv"} <= set(report)
+    assert report["argv"][:2] == ["kvpush", "bench"]
     assert [m["mode"] for m in report["modes"]] == list(MODES)
     for m in report["modes"]:
         assert m["status"] in ("ok", "skipped", "failed"), m
@@ -108,6 +109,20 @@ def test_table_and_plot_are_written(quick_run: dict[str, Any]) -> None:
     assert quick_run["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_presets_span_one_block_to_a_gibibyte() -> None:
+    from kvpush.bench.workload import GIB, KIB, make_workload
+
+    for preset, per_token in (("llama-3.1-8b", 128 * KIB), ("llama-3-70b", 320 * KIB)):
+        w = make_workload(preset=preset)
+        assert w.bytes_per_token == per_token
+        assert w.sizes_blocks[0] == 1
+        assert w.sizes_blocks[-1] * w.bytes_per_block >= GIB
+        assert w.num_blocks >= w.sizes_blocks[-1]
+    scaled = make_workload(preset="llama-3-70b", layers=20, context_tokens=8192)
+    assert scaled.bytes_per_token == 80 * KIB
+    assert scaled.sizes_blocks[-1] == 8192 // 16
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
@@ -115,6 +130,8 @@ def test_table_and_plot_are_written(quick_run: dict[str, Any]) -> None:
         (["--layers", "0"], "--layers 0 out of range"),
         (["--max-size", "lots"], "bad size 'lots'"),
         (["--inflight", "0"], "--inflight 0: expected 1..256"),
+        (["--block-bytes", "100"], "--block-bytes 100: expected a positive multiple of 32"),
+        (["--context", "4"], "--context 4 tokens is less than one block"),
         (["--sizes", "8G"], "exceeds 4 GiB per side"),
         (["--target", "::1:5000"], "an IPv6 host must be bracketed"),
         (["--json", "/nonexistent-dir/x.json"], "its directory does not exist"),

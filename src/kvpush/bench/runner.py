@@ -364,6 +364,7 @@ def run_bench(
     report: dict[str, Any] = {
         "kvpush_bench": 1,
         "host": {"machine": platform.machine(), "node": platform.node(), "cpus": _cpus()},
+        "versions": versions(),
         "started_unix": time.time(),
         "workload": workload.describe(),
         "modes": [],
@@ -383,6 +384,19 @@ def run_bench(
     report["elapsed_s"] = time.time() - report["started_unix"]
     report["ratios"] = ratios(report)
     return report
+
+
+def versions() -> dict[str, str | None]:
+    """Installed versions of what the modes use, so a report says what it measured."""
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for dist in ("kvpush", "nixl", "nixl-cu12", "nixl-cu13", "mooncake-transfer-engine-non-cuda"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
 
 
 def _cpus() -> int:

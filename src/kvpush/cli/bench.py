@@ -123,6 +123,7 @@ def _run_remote(args: argparse.Namespace) -> int:
 
 
 def _emit(report: dict[str, Any], args: argparse.Namespace) -> int:
+    report["argv"] = ["kvpush", *sys.argv[1:]]
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
