@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -28,7 +29,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvpush.errors import FailureReason
+from kvpush.errors import FailureReason, RemoteProtocolError
 from test_protocol import NUM_BLOCKS, TIMING, Wire
 
 EXAMPLES = int(os.environ.get("KVPUSH_HYPOTHESIS_EXAMPLES", "200"))
@@ -219,14 +220,30 @@ class PushProtocolMachine(RuleBasedStateMachine):
         for m in self.wire.queue:
             self.seen.setdefault(m, self.wire.now)
 
+    @rule(to_sender=st.booleans())
+    def garbage(self, to_sender: bool) -> None:
+        src, dst = (self.d, self.p) if to_sender else (self.p, self.d)
+        if dst in self.wire.dead:
+            return
+        proto = self.wire.ends[dst]
+        with pytest.raises(RemoteProtocolError):
+            proto.receive_message(self.wire.now, src, b"\x93garbage")
+        self.wire.apply(dst, proto.peer_misbehaved(self.wire.now, src, "garbage"))
+
     # ----- deaths and restarts
 
     @precondition(lambda self: self.restarts < 2)
-    @rule(sender=st.booleans())
-    def restart(self, sender: bool) -> None:
+    @rule(sender=st.booleans(), announce=st.booleans())
+    def restart(self, sender: bool, announce: bool) -> None:
         self.restarts += 1
         old = self.p if sender else self.d
         self.wire.kill(old)
+        if announce:  # the data plane saw it go (else: only silence tells)
+            survivor = self.d if sender else self.p
+            effects = self.wire.ends[survivor].peer_lost(
+                self.wire.now, old, FailureReason.PEER_GONE, "killed"
+            )
+            self.wire.apply(survivor, effects)
         new = f"{old[0]}-{int(old[2:]) + 1}"
         self.wire.add(new, "engine-p" if sender else "engine-d", incarnation=new)
         if sender:
