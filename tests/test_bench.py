@@ -6,7 +6,6 @@ Mooncake where installed) is shared by the tests of its report.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -63,11 +62,11 @@ def test_every_mode_has_a_figure_or_a_reason(quick_run: dict[str, Any]) -> None:
     # The two baselines must always run: without them no ratio means anything.
     assert by_mode["memcpy"]["status"] == "ok", by_mode["memcpy"]
     assert by_mode["nixl-raw"]["status"] == "ok", by_mode["nixl-raw"]
-    assert by_mode["mooncake"]["status"] != "failed", by_mode["mooncake"]
-    if importlib.util.find_spec("mooncake") is not None:
-        assert by_mode["mooncake"]["status"] == "ok", by_mode["mooncake"]
-    if importlib.util.find_spec("kvpush.runtime") is not None:
-        assert by_mode["kvpush"]["status"] == "ok", by_mode["kvpush"]
+    # Mooncake may be skipped only because its library cannot be loaded on this host.
+    if by_mode["mooncake"]["status"] != "ok":
+        assert by_mode["mooncake"]["status"] == "skipped", by_mode["mooncake"]
+        assert "Mooncake is not importable" in by_mode["mooncake"]["reason"]
+    assert by_mode["kvpush"]["status"] == "ok", by_mode["kvpush"]
 
 
 @pytest.mark.nixl
