@@ -116,3 +116,11 @@ class ServerExited(NotReady):
         super().__init__("process", detail)
         self.pid = pid
         self.returncode = returncode
+
+
+class RuntimeStopped(ClosedError):
+    """The push runtime's background thread stopped on an unexpected error.
+
+    Every transfer it had in flight was reported as failed (LOCAL_ERROR); the error that
+    stopped it is chained as `__cause__`.
+    """

@@ -81,6 +81,7 @@ from kvpush.errors import (
     KVPushError,
     LocalProtocolError,
     RemoteProtocolError,
+    RuntimeStopped,
     TransferFailed,
     TransportError,
 )
@@ -115,10 +116,6 @@ __all__ = [
 ]
 
 _JOIN_TIMEOUT_S = 5.0
-
-
-class RuntimeStopped(ClosedError):
-    """The runtime's background thread stopped on an unexpected error (see __cause__)."""
 
 
 # --------------------------------------------------------------------------- values
