@@ -30,7 +30,14 @@ thread (handshake not done, peer unknown or unreachable, write error, peer gone 
 restarted, deadline, malformed message, cancel, an exception on the background thread)
 is queued as a result, never handled where it was found. When a result arrives, kvpush
 no longer touches its blocks: the engine may free or reuse them (on the receiving side,
-a finished transfer's blocks hold the KV data).
+a finished transfer's blocks hold the KV data). That is why a receiver that gives up
+(abort, deadline, silent sender) reports the failure only once the sender has
+acknowledged its cancel, or, if the sender never answers, `lease_s + 2 *
+liveness_timeout_s` later: no late write can land in blocks the engine got back.
+
+Bounds (TimingConfig): a silent peer is declared dead after `liveness_timeout_s`; a
+peer the data plane reports gone, or one that came back with a new incarnation, ends
+its transfers at once; nothing lives past `transfer_deadline_s` plus the fence.
 
 Engine misuse that can be seen at the call (a transfer id already in flight, a block id
 outside the cache, a layer out of range) raises `LocalProtocolError` at once. After the
