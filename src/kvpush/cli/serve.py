@@ -37,6 +37,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--prompt-lookup-min", type=int, default=1)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--layerwise", action="store_true", help="push each layer as it is computed")
+    p.add_argument(
+        "--idle-poll-ms",
+        type=float,
+        default=5.0,
+        help="how often an idle kvpush runtime looks for new registrations (default 5 ms)",
+    )
     p.set_defaults(run=run)
 
 
@@ -59,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
             prompt_lookup_min=args.prompt_lookup_min,
             prefix_caching=not args.no_prefix_caching,
             layerwise=args.layerwise,
+            idle_poll_ms=args.idle_poll_ms,
             log_level=args.verbose,
         )
     )

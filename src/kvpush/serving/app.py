@@ -35,6 +35,7 @@ class ServeOptions:
     prompt_lookup_min: int = 1
     prefix_caching: bool = True
     layerwise: bool = False
+    idle_poll_ms: float = 5.0
     log_level: int = 0
 
     def __post_init__(self) -> None:
@@ -46,6 +47,8 @@ class ServeOptions:
         for name in ("block_size", "num_blocks", "max_batch_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.idle_poll_ms <= 0:
+            raise ConfigError(f"idle_poll_ms must be positive, got {self.idle_poll_ms}")
         if self.speculative_tokens < 0:
             raise ConfigError("speculative_tokens must be 0 (off) or positive")
         if self.speculative_tokens and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

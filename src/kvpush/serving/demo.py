@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -119,6 +120,8 @@ class DemoReport:
     kv_transfer_s: float = 0.0
     transfers_finished: float = 0.0
     transfers_failed: float = 0.0
+    ttft_single_p50_s: float = 0.0
+    ttft_single_p99_s: float = 0.0
     ttft_other_p50_s: float | None = None  # with layer-wise push switched
     ttft_other_p99_s: float | None = None
     layerwise: bool = True
@@ -145,6 +148,8 @@ class DemoReport:
             f"(per request equal: {self.acceptance_matched}/{self.requests})",
             f"TTFT p50 / p99            {self.ttft_p50_s * 1e3:.1f} ms / "
             f"{self.ttft_p99_s * 1e3:.1f} ms",
+            f"TTFT single instance      {self.ttft_single_p50_s * 1e3:.1f} ms / "
+            f"{self.ttft_single_p99_s * 1e3:.1f} ms",
             f"inter-token latency       {self.itl_mean_s * 1e3:.2f} ms (mean)",
             f"layer-wise push           {'on' if self.layerwise else 'off'}",
             f"KV moved                  {self.kv_bytes / 1e6:.2f} MB in "
@@ -266,89 +271,66 @@ def _pct(values: Sequence[float], q: float) -> float:
 
 
 class Stack:
-    """Prefill, decode, proxy and single-instance servers; `start()` / `close()`."""
+    """Prefill, decode, proxy and single-instance servers; `start()` / `close()`.
+
+    With `options.compare_layerwise`, a second prefill server (layer-wise push switched
+    the other way) and a second proxy in front of it and the same decode server.
+    """
 
     def __init__(self, options: DemoOptions, log_dir: Path) -> None:
         self.options = options
+        self.log_dir = log_dir
         host = options.host
         model = str(options.model_dir)
-        common = ["--block-size", str(options.block_size)]
+        self._common = ["--model", model, "--host", host, "--block-size", str(options.block_size)]
         spec = ["--speculative-tokens", str(options.speculative_tokens)]
-        p_port, p_side = free_port(host), free_port(host)
-        d_port, d_side = free_port(host), free_port(host)
-        x_port, s_port = free_port(host), free_port(host)
-        prefill_args = ["serve", "--role", "prefill", "--model", model, "--host", host]
-        prefill_args += ["--port", str(p_port), "--side-channel-port", str(p_side), *common]
         self.layerwise = options.layerwise
-        if options.layerwise:
-            prefill_args.append("--layerwise")
-        self.prefill = ServerProcess(
-            "prefill",
-            prefill_args,
-            host=host,
-            port=p_port,
-            log_dir=log_dir,
-            side_channel_port=p_side,
-        )
+        self.prefill = self._prefill("prefill", layerwise=options.layerwise)
+        d_port, d_side = free_port(host), free_port(host)
+        decode_args = ["serve", "--role", "decode", "--port", str(d_port)]
+        decode_args += ["--side-channel-port", str(d_side), *self._common, *spec]
         self.decode = ServerProcess(
             "decode",
-            [
-                "serve",
-                "--role",
-                "decode",
-                "--model",
-                model,
-                "--host",
-                host,
-                "--port",
-                str(d_port),
-                "--side-channel-port",
-                str(d_side),
-                *common,
-                *spec,
-            ],
+            decode_args,
             host=host,
             port=d_port,
             log_dir=log_dir,
             side_channel_port=d_side,
         )
+        s_port = free_port(host)
         self.single = ServerProcess(
             "single",
-            [
-                "serve",
-                "--role",
-                "both",
-                "--model",
-                model,
-                "--host",
-                host,
-                "--port",
-                str(s_port),
-                *common,
-                *spec,
-            ],
+            ["serve", "--role", "both", "--port", str(s_port), *self._common, *spec],
             host=host,
             port=s_port,
             log_dir=log_dir,
         )
-        self.proxy = ServerProcess(
-            "proxy",
-            [
-                "proxy",
-                "--prefill",
-                self.prefill.url,
-                "--decode",
-                self.decode.url,
-                "--host",
-                host,
-                "--port",
-                str(x_port),
-            ],
-            host=host,
-            port=x_port,
-            log_dir=log_dir,
-        )
+        self.proxy = self._proxy("proxy", self.prefill)
         self.servers = [self.prefill, self.decode, self.single, self.proxy]
+        self.other_prefill: ServerProcess | None = None
+        self.other_proxy: ServerProcess | None = None
+        if options.compare_layerwise:
+            self.other_prefill = self._prefill("prefill-other", layerwise=not options.layerwise)
+            self.other_proxy = self._proxy("proxy-other", self.other_prefill)
+            self.servers += [self.other_prefill, self.other_proxy]
+
+    def _prefill(self, name: str, *, layerwise: bool) -> ServerProcess:
+        host = self.options.host
+        port, side = free_port(host), free_port(host)
+        args = ["serve", "--role", "prefill", "--port", str(port)]
+        args += ["--side-channel-port", str(side), *self._common]
+        if layerwise:
+            args.append("--layerwise")
+        return ServerProcess(
+            name, args, host=host, port=port, log_dir=self.log_dir, side_channel_port=side
+        )
+
+    def _proxy(self, name: str, prefill: ServerProcess) -> ServerProcess:
+        host = self.options.host
+        port = free_port(host)
+        args = ["proxy", "--prefill", prefill.url, "--decode", self.decode.url]
+        args += ["--host", host, "--port", str(port)]
+        return ServerProcess(name, args, host=host, port=port, log_dir=self.log_dir)
 
     def start(self) -> None:
         try:
@@ -360,14 +342,9 @@ class Stack:
             self.close()
             raise
 
-    def restart_prefill(self, *, layerwise: bool | None = None) -> None:
-        """Restart the prefill server on the same ports, optionally switching layer-wise
-        push on or off."""
+    def restart_prefill(self) -> None:
+        """Start the prefill server again on the same ports (after `kill()`)."""
         self.prefill.close()
-        if layerwise is not None and layerwise != self.layerwise:
-            args = [a for a in self.prefill.args if a != "--layerwise"]
-            self.prefill.args = [*args, "--layerwise"] if layerwise else args
-            self.layerwise = layerwise
         self.prefill.start()
         self.prefill.wait_ready(self.options.ready_timeout_s)
 
@@ -452,6 +429,9 @@ def _exercise(options: DemoOptions, stack: Stack, say: Say) -> DemoReport:
     itls = [r.itl_s for r in pd if r.itl_s is not None]
     report.ttft_p50_s, report.ttft_p99_s = _pct(ttfts, 0.5), _pct(ttfts, 0.99)
     report.itl_mean_s = statistics.fmean(itls) if itls else 0.0
+    single_ttfts = [r.ttft_s for r in single if r.ttft_s is not None]
+    report.ttft_single_p50_s = _pct(single_ttfts, 0.5)
+    report.ttft_single_p99_s = _pct(single_ttfts, 0.99)
     report.kv_bytes = metric_sum(d_metrics, "kvpush_transfer_bytes_total", "receiver")
     report.kv_transfer_s = metric_sum(d_metrics, "kvpush_transfer_latency_seconds_sum", "receiver")
     report.transfers_finished = metric_sum(d_metrics, "kvpush_transfers_total", "finished")
@@ -459,11 +439,10 @@ def _exercise(options: DemoOptions, stack: Stack, say: Say) -> DemoReport:
     if report.transfers_failed:
         report.problems.append(f"{report.transfers_failed:.0f} transfers failed")
     report.layerwise = options.layerwise
-    if options.compare_layerwise:
-        say(f"restarting prefill with layer-wise push {'off' if options.layerwise else 'on'}")
-        stack.restart_prefill(layerwise=not options.layerwise)
+    if stack.other_proxy is not None:
+        say(f"the same requests with layer-wise push {'off' if options.layerwise else 'on'}")
         other = run_workload(
-            stack.proxy.url,
+            stack.other_proxy.url,
             prompts,
             max_tokens=options.max_tokens,
             concurrency=options.concurrency,
@@ -471,11 +450,12 @@ def _exercise(options: DemoOptions, stack: Stack, say: Say) -> DemoReport:
         )
         for a, b in zip(other, single, strict=True):
             if a.error or a.token_ids != b.token_ids:
-                report.problems.append(f"request {a.index} (layer-wise switched) wrong or failed")
+                report.problems.append(
+                    f"request {a.index} (layer-wise switched): {a.error or 'tokens differ'}"
+                )
         other_ttfts = [r.ttft_s for r in other if r.ttft_s is not None]
         report.ttft_other_p50_s = _pct(other_ttfts, 0.5)
         report.ttft_other_p99_s = _pct(other_ttfts, 0.99)
-        stack.restart_prefill(layerwise=options.layerwise)
     if options.inject == "kill-prefill":
         _kill_prefill(options, stack=stack, say=say, report=report, prompts=prompts, single=single)
     return report
@@ -532,3 +512,38 @@ def _kill_prefill(
         report.problems.append(
             "after restarting prefill: " + "; ".join(str(r.error) for r in again if r.error)
         )
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    """The serving demo's options, for whichever command runs it (`kvpush demo`)."""
+    p.add_argument(
+        "--model", default=".kvpush/tiny-llama", help="checkpoint dir (built if missing)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address for every server (::1 works)")
+    p.add_argument("--requests", type=int, default=16, help="requests in the workload")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per completion")
+    p.add_argument("--speculative-tokens", type=int, default=4, help="0 disables speculation")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--no-layerwise", action="store_true", help="push whole requests only")
+    p.add_argument(
+        "--compare-layerwise", action="store_true", help="also measure TTFT the other way"
+    )
+    p.add_argument("--inject", choices=("kill-prefill",), default=None, help="fault to show")
+    p.add_argument("--log-dir", default=None, help="keep server logs here")
+
+
+def options_from_args(args: argparse.Namespace) -> DemoOptions:
+    return DemoOptions(
+        model_dir=Path(args.model),
+        host=args.host,
+        num_requests=args.requests,
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        speculative_tokens=args.speculative_tokens,
+        block_size=args.block_size,
+        layerwise=not args.no_layerwise,
+        compare_layerwise=args.compare_layerwise,
+        inject=args.inject,
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+    )

@@ -367,6 +367,9 @@ class KVBridge:
             identity,
             SideChannelPeerDirectory(expect_compat_hash=geometry.compat_hash()),
             timing=TimingConfig(),
+            # NIXL cannot wake the runtime when a registration arrives: an idle runtime
+            # finds it at its next poll, so this bounds the delay a request sees.
+            idle_poll_s=opts.idle_poll_ms / 1000,
         )
         self.runtime.start()
         meta = self.runtime.local_metadata()
