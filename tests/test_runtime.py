@@ -429,6 +429,19 @@ def test_idle_runtime_does_not_poll(cluster: Cluster) -> None:
     assert p.statistics().transport_polls - before <= 2  # the statistics requests only
 
 
+def test_in_flight_runtime_polls_with_backoff_not_in_a_busy_loop(cluster: Cluster) -> None:
+    p, _ = cluster.add("p-1", "engine-p", max_backoff_s=0.002)
+    p.send("t1", [1])  # waits for a receiver that never comes: in flight, nothing to do
+    wait_until(lambda: p.statistics().sending == {"awaiting_register": 1})
+    before = p.statistics().transport_polls
+    start = time.perf_counter()
+    time.sleep(0.2)
+    polls = p.statistics().transport_polls - before
+    elapsed = time.perf_counter() - start
+    # An upper bound only: a slow machine polls less, never more.
+    assert polls <= elapsed / 0.002 + 20, f"{polls} polls in {elapsed:.3f}s"
+
+
 def test_engine_misuse_raises_at_the_call(cluster: Cluster) -> None:
     p, p_addr = cluster.add("p-1", "engine-p")
     p.send("t1", [1], ready_layers=[])

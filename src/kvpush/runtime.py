@@ -79,10 +79,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvpush import __version__
 from kvpush.config import TimingConfig
 from kvpush.errors import (
     AuthenticationRefused,
     ClosedError,
+    ConfigError,
     FailureReason,
     IncompatiblePeer,
     KVPushError,
@@ -105,7 +107,7 @@ from kvpush.protocol import (
     WriteBlocks,
     encode,
 )
-from kvpush.sidechannel import PeerMetadata, fetch_metadata
+from kvpush.sidechannel import ROLES, PeerMetadata, fetch_metadata
 from kvpush.transports.base import MessageReceived, PeerLost, Transport, WriteDone, WriteFailed
 
 log = logging.getLogger(__name__)
@@ -348,8 +350,12 @@ class PushRuntime:
         clock: Callable[[], float] = time.monotonic,
         idle_poll_s: float | None = None,
         max_backoff_s: float = 0.002,
-        kvpush_version: str = "0.1.0",
+        kvpush_version: str = __version__,
     ) -> None:
+        if identity.role not in ROLES:
+            raise ConfigError(f"role {identity.role!r} is not one of {', '.join(ROLES)}")
+        if max_backoff_s <= 0 or (idle_poll_s is not None and idle_poll_s <= 0):
+            raise ConfigError("idle_poll_s and max_backoff_s must be positive")
         self._transport = transport
         self._geometry = geometry
         self._identity = identity
