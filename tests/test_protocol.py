@@ -73,6 +73,7 @@ class Wire:
         self.owner: dict[str, dict[int, str]] = {}
         self.expected: dict[tuple[str, str], tuple[str, int]] = {}  # (d, tid) -> (p, offset)
         self.submitted: dict[tuple[str, str], tuple[int, ...]] = {}  # (p, tid) -> blocks
+        self.renewed: dict[tuple[str, str], float] = {}  # (p, tid) -> last lease renewal
 
     # ----- endpoints
 
@@ -150,6 +151,14 @@ class Wire:
         src, dst, payload = self.queue.pop(index)
         if dst in self.dead:
             return
+        match decode(payload):  # what renews a sender's lease, for the lease invariant
+            case Register(transfer_id=tid):
+                self.renewed[(dst, tid)] = self.now
+            case Heartbeat(role="receiver", transfer_ids=ids):
+                for tid in ids:
+                    self.renewed[(dst, tid)] = self.now
+            case _:
+                pass
         self.apply(dst, self.ends[dst].receive_message(self.now, src, payload))
 
     def complete_write(self, index: int = 0, ok: bool = True) -> None:
@@ -633,6 +642,23 @@ def test_heartbeats_renew_the_lease_so_a_long_transfer_survives(wire: Wire) -> N
     wire.apply("p-1", wire.ends["p-1"].sender.layers_ready(wire.now, "t1", [0, 1]))
     wire.settle()
     assert wire.ended("d-1", "t1").ok
+
+
+def test_lease_runs_out_when_the_receiver_stops_renewing_it(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1], layers=[])  # nothing computed: it just holds blocks
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.settle()
+    wire.apply("d-1", wire.ends["d-1"].receiver.abort(wire.now, "t1"))
+    held_since = wire.now
+    # Every Cancel is lost; heartbeats still flow, but no longer name t1.
+    while not wire.results["p-1"]:
+        wire.advance(0.25, settle=False)
+        wire.queue = [m for m in wire.queue if not isinstance(decode(m[2]), Cancel)]
+        wire.settle()
+        assert wire.now - held_since <= TIMING.lease_s + 0.5
+    r = wire.ended("p-1", "t1")
+    assert r.reason is FailureReason.PEER_TIMEOUT and "lease" in r.detail
+    assert wire.write_log == []
 
 
 def test_heartbeat_message_round_trips() -> None:

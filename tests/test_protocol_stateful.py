@@ -30,6 +30,7 @@ from hypothesis.stateful import (
 )
 
 from kvpush.errors import FailureReason, RemoteProtocolError
+from kvpush.protocol import SenderState
 from test_protocol import NUM_BLOCKS, TIMING, Wire
 
 EXAMPLES = int(os.environ.get("KVPUSH_HYPOTHESIS_EXAMPLES", "200"))
@@ -272,6 +273,22 @@ class PushProtocolMachine(RuleBasedStateMachine):
                 fence = w.ends[plan.d].receiver.fence_s
                 bound = plan.expected_at + t.transfer_deadline_s + fence
                 assert w.now <= bound + slack, f"receiver holds {plan.tid} past its bound"
+
+    @invariant()
+    def nothing_held_past_its_lease(self) -> None:
+        """A sender writing for a receiver stops within its lease (plus the drain)."""
+        if not hasattr(self, "wire"):
+            return
+        w, t = self.wire, TIMING
+        for agent, proto in w.ends.items():
+            if agent in w.dead:
+                continue
+            for tid, state in proto.sender.states().items():
+                if state in (SenderState.WRITING, SenderState.ENDING):
+                    held_for = w.now - w.renewed[(agent, tid)]
+                    assert held_for <= t.lease_s + t.liveness_timeout_s + WRITE_BOUND_S, (
+                        f"{agent} holds {tid} {held_for:.1f}s after its last lease renewal"
+                    )
 
     @invariant()
     def held_blocks_belong_to_unreported_transfers(self) -> None:
