@@ -16,6 +16,8 @@ import pytest
 from kvpush.serving.checkpoint import make_model
 from kvpush.serving.demo import DemoOptions, Stack, make_prompts, metric_sum, run_workload
 
+pytestmark = pytest.mark.nixl  # prefill and decode servers move KV through real NIXL
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -43,6 +43,11 @@ def add_parser(subparsers: Any) -> None:
         default=5.0,
         help="how often an idle kvpush runtime looks for new registrations (default 5 ms)",
     )
+    p.add_argument(
+        "--token-file",
+        default=None,
+        help="shared secret for the side channel (default: $KVPUSH_TOKEN, else none)",
+    )
     p.set_defaults(run=run)
 
 
@@ -66,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
             prefix_caching=not args.no_prefix_caching,
             layerwise=args.layerwise,
             idle_poll_ms=args.idle_poll_ms,
+            token_file=args.token_file,
             log_level=args.verbose,
         )
     )

@@ -1,0 +1,15 @@
+"""The reference serving stack: a small engine, OpenAI-compatible servers and a proxy.
+
+- `model`: a Llama decoder in torch over a paged KV cache (`LlamaModel`, `ModelConfig`).
+- `paged`: the KV cache tensors (`PagedKVCache`, layout `kv_separate/NHD`) and the block
+  allocator with prefix caching (`BlockAllocator`).
+- `engine`: continuous batching, greedy decoding and prompt-lookup speculation
+  (`Engine`, `SamplingParams`, `SpecConfig`), plus the hooks disaggregation needs.
+- `checkpoint`: Hugging Face checkpoints (`load_model`) and a tiny seeded one (`make_model`).
+- `worker`, `server`, `app`: the engine thread, the HTTP API and `kvpush serve`.
+- `disagg`: the prefill and decode roles over `kvpush.runtime.PushRuntime` on NIXL.
+- `proxy`: `kvpush proxy`, both legs at once.
+- `procs`, `demo`: server processes and the end-to-end demo.
+
+Needs the `serve` extra (fastapi, uvicorn, httpx, tokenizers, safetensors).
+"""

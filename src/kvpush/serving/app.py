@@ -36,6 +36,7 @@ class ServeOptions:
     prefix_caching: bool = True
     layerwise: bool = False
     idle_poll_ms: float = 5.0
+    token_file: str | None = None  # side-channel secret; else $KVPUSH_TOKEN, else none
     log_level: int = 0
 
     def __post_init__(self) -> None:

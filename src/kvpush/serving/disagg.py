@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpush.config import SideChannelConfig, TimingConfig
+from kvpush.config import SideChannelConfig, TimingConfig, load_token
 from kvpush.errors import FailureReason, KVPushError
 from kvpush.kvcache import KVLayout, register_kv_cache
 from kvpush.serving.engine import Engine, FinishReason, RequestRejected, SamplingParams
@@ -360,12 +360,13 @@ class KVBridge:
             port=opts.side_channel_port,
             role="sender" if opts.role == "prefill" else "receiver",
         )
+        token = load_token(opts.token_file)
         transport = NixlTransport(f"{self.engine_id}-{incarnation[:8]}")
         self.runtime = PushRuntime(
             transport,
             geometry,
             identity,
-            SideChannelPeerDirectory(expect_compat_hash=geometry.compat_hash()),
+            SideChannelPeerDirectory(token=token, expect_compat_hash=geometry.compat_hash()),
             timing=TimingConfig(),
             # NIXL cannot wake the runtime when a registration arrives: an idle runtime
             # finds it at its next poll, so this bounds the delay a request sees.
@@ -374,7 +375,7 @@ class KVBridge:
         self.runtime.start()
         meta = self.runtime.local_metadata()
         self.side_channel = MetadataServer(
-            opts.host, opts.side_channel_port, SideChannelConfig(), {0: meta}
+            opts.host, opts.side_channel_port, SideChannelConfig(token=token), {0: meta}
         )
         self.side_channel.start()
         return self.runtime
