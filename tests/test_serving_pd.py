@@ -7,6 +7,7 @@ length, on 127.0.0.1 and on ::1 (one with layer-wise push, one without).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,6 +139,91 @@ def test_decode_request_naming_an_unreachable_prefill_side_channel_fails_with_th
         f"{stack.proxy.url}/v1/completions",
         json={"prompt": "still fine", "max_tokens": 2},
         timeout=60,
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_full_decode_server_refuses_at_once_instead_of_waiting(
+    stack: Stack, tmp_path: Path
+) -> None:
+    if stack.options.host != "127.0.0.1":
+        pytest.skip("exercised once, on IPv4")
+    from kvpush.readiness import free_port
+    from kvpush.serving.procs import ServerProcess
+
+    host = stack.options.host
+    port, side = free_port(host), free_port(host)
+    small = ServerProcess(
+        "small-decode",
+        [
+            "serve",
+            "--role",
+            "decode",
+            "--model",
+            str(stack.options.model_dir),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--side-channel-port",
+            str(side),
+            "--block-size",
+            "8",
+            "--num-blocks",
+            "256",
+        ],
+        host=host,
+        port=port,
+        log_dir=tmp_path,
+        side_channel_port=side,
+    )
+    small.start()
+    try:
+        small.wait_ready(90)
+        # A local request takes 255 of the 256 blocks (2039 tokens) and runs for a while.
+        with httpx.stream(
+            "POST",
+            f"{small.url}/v1/completions",
+            timeout=60,
+            json={
+                "prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9],
+                "max_tokens": 2030,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as busy:
+            lines = busy.iter_lines()  # kept referenced: dropping it would close the stream
+            while not next(lines).startswith("data: {"):
+                pass
+            p_side = stack.prefill.side_channel_port
+            r = httpx.post(
+                f"{small.url}/v1/completions",
+                timeout=30,
+                json={
+                    "prompt": "x" * 10,
+                    "max_tokens": 8,
+                    "kv_transfer_params": {
+                        "do_remote_prefill": True,
+                        "transfer_id": "no-room",
+                        "remote_host": host,
+                        "remote_port": p_side,
+                    },
+                },
+            )
+            assert r.status_code == 503, r.text
+            assert "no free KV blocks" in r.json()["error"]["message"]
+        # Leaving the stream aborts the busy request: every block comes back.
+        for _ in range(100):
+            metrics = httpx.get(f"{small.url}/metrics", timeout=10).text
+            if "kvpush_kv_blocks_held 0\n" in metrics:
+                break
+            threading.Event().wait(0.1)
+        assert "kvpush_kv_blocks_held 0\n" in metrics
+    finally:
+        assert small.close() == 0
+    # The prefill server was told, and serves on.
+    ok = httpx.post(
+        f"{stack.proxy.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60
     )
     assert ok.status_code == 200, ok.text
 

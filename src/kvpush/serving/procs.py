@@ -105,7 +105,7 @@ class ServerProcess:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
 
-    def close(self, grace_s: float = 5.0) -> int | None:
+    def close(self, grace_s: float = 15.0) -> int | None:
         code: int | None = None
         proc, self._proc = self._proc, None
         if proc is not None:
