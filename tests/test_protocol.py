@@ -22,6 +22,7 @@ from kvpush.protocol import (
     Done,
     DropPeer,
     Effect,
+    Failed,
     Handshake,
     Heartbeat,
     LocalIdentity,
@@ -178,6 +179,8 @@ class Wire:
                 for ours, theirs in zip(wb.our_blocks, wb.their_blocks, strict=True):
                     self.memory[wb.peer][layer][theirs] = self.memory[w.src][layer][ours]
             self.write_log.append((w.src, wb.peer, wb.transfer_id, wb.their_blocks))
+            if wb.notification is not None:  # after the data, as the data plane does
+                self.queue.append((w.src, wb.peer, encode(wb.notification)))
             self.apply(w.src, self.ends[w.src].sender.write_done(self.now, wb.write_id))
         else:
             effects = self.ends[w.src].sender.write_failed(
@@ -467,7 +470,8 @@ def test_cancel_ack_is_sent_only_after_the_in_flight_write_finished(wire: Wire) 
 
 
 def test_sender_abort_tells_the_receiver_which_frees_at_once(wire: Wire) -> None:
-    wire.submit("p-1", "t1", [1])
+    # Layer 0 only: the write in flight is not the last one, so it carries no Done.
+    wire.submit("p-1", "t1", [1], layers=[0])
     wire.expect("d-1", "t1", "p-1", [3])
     wire.deliver()
     wire.apply("p-1", wire.ends["p-1"].sender.abort(wire.now, "t1"))
@@ -475,6 +479,70 @@ def test_sender_abort_tells_the_receiver_which_frees_at_once(wire: Wire) -> None
     wire.settle()
     assert wire.ended("p-1", "t1").reason is FailureReason.CANCELLED
     assert wire.ended("d-1", "t1").reason is FailureReason.CANCELLED
+
+
+def test_done_rides_on_the_last_write_and_arrives_after_its_data(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1, 2])
+    wire.expect("d-1", "t1", "p-1", [3, 4])
+    wire.deliver()  # Register: one write for every layer, carrying Done
+    [w] = wire.writes
+    assert w.write.notification == Done("t1", 2)
+    assert wire.queue == []  # nothing else travels: no round trip after the data
+    wire.complete_write()
+    assert wire.ended("p-1", "t1").ok
+    assert wire.sent("p-1", Done) == [Done("t1", 2)]
+    wire.settle()
+    assert wire.ended("d-1", "t1").ok
+
+
+def test_done_waits_for_every_write_when_the_last_one_is_not_alone(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1], layers=[0])
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.deliver()  # layer 0 in flight
+    wire.apply("p-1", wire.ends["p-1"].sender.layers_ready(wire.now, "t1", [1]))
+    assert [w.write.notification for w in wire.writes] == [None, None]
+    wire.complete_write(1)  # the last layer lands first: still no Done
+    assert wire.sent("p-1", Done) == [] and wire.results["p-1"] == []
+    wire.complete_write(0)
+    assert wire.sent("p-1", Done) == [Done("t1", 1)]
+    wire.settle()
+    assert wire.ended("p-1", "t1").ok and wire.ended("d-1", "t1").ok
+
+
+def test_only_the_last_layer_write_carries_done(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1], layers=[0])
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.deliver()
+    wire.complete_write()  # layer 0 landed, alone and without Done
+    assert wire.queue == [] and wire.results["p-1"] == []
+    wire.apply("p-1", wire.ends["p-1"].sender.layers_ready(wire.now, "t1", [1]))
+    [w] = wire.writes
+    assert w.write.notification == Done("t1", 1)
+    wire.settle()
+    assert wire.ended("p-1", "t1").ok and wire.ended("d-1", "t1").ok
+
+
+def test_failed_last_write_delivers_no_done_and_the_sender_says_failed(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1])
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.deliver()
+    wire.complete_write(ok=False)
+    assert wire.sent("p-1", Done) == [] and len(wire.sent("p-1", Failed)) == 1
+    wire.settle()
+    assert wire.ended("d-1", "t1").reason is FailureReason.WRITE_ERROR
+
+
+def test_sender_abort_too_late_to_stop_the_write_carrying_done_finishes_both(
+    wire: Wire,
+) -> None:
+    # The receiver gets Done with the data, so the transfer did finish: both sides say so.
+    wire.submit("p-1", "t1", [1])
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.deliver()
+    wire.apply("p-1", wire.ends["p-1"].sender.abort(wire.now, "t1"))
+    wire.settle()
+    assert wire.ended("p-1", "t1").ok and wire.ended("d-1", "t1").ok
+    assert_block_copied(wire, "p-1", 1, "d-1", 3)
 
 
 def test_failed_write_is_told_to_the_receiver(wire: Wire) -> None:

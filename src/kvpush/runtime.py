@@ -861,7 +861,12 @@ class PushRuntime:
             nbytes = per_block * len(w.our_blocks)
         try:
             self._transport.write_blocks(
-                w.peer, w.write_id, w.our_blocks, w.their_blocks, None, regions
+                w.peer,
+                w.write_id,
+                w.our_blocks,
+                w.their_blocks,
+                None if w.notification is None else encode(w.notification),
+                regions,
             )
         except TransportError as exc:
             self._apply(self._protocol.sender.write_failed(now, w.write_id, exc.reason, exc.detail))

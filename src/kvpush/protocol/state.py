@@ -20,8 +20,14 @@ The happy path::
     expect(T, blocks)  --Register(T)-->      (handshake back if new peer)
                                              submit(T, blocks) / layers_ready(T, ...)
                        <==WRITE blocks===    (one write per batch of ready layers)
-                       <--Done(T)--          sent once every write reported WriteDone
-    TransferEnded(ok)                        TransferEnded(ok), blocks released
+                       <--Done(T)--          the last write's notification
+    TransferEnded(ok)                        TransferEnded(ok) on its WriteDone
+
+`Done` rides on the transfer's last write as its data-plane notification, which arrives
+only after that write's bytes (NIXL's guarantee, and the loopback's): no round trip after
+the data. It rides only when no other write of the transfer is in flight; otherwise, and
+for a full prefix hit (nothing to write), it goes as a message once every write reported
+`WriteDone`. A write that fails delivers no notification, so the sender sends `Failed`.
 
 Registration may come before or after the sender's engine submits: whichever comes
 second starts the writes. `Register.sender_offset = k` says the receiver's blocks stand
@@ -95,7 +101,10 @@ class SendMessage:
 @dataclass(frozen=True, slots=True)
 class WriteBlocks:
     """Copy `our_blocks[i]` to the peer's `their_blocks[i]`, in the regions of `layers`
-    (None: every region). Report the outcome with `write_done`/`write_failed`."""
+    (None: every region). Report the outcome with `write_done`/`write_failed`.
+
+    `notification`, when set, is the transfer's `Done`: the data plane delivers it to the
+    peer only after every byte of this write landed, and never if the write failed."""
 
     peer: str
     transfer_id: str
@@ -103,6 +112,7 @@ class WriteBlocks:
     our_blocks: tuple[int, ...]
     their_blocks: tuple[int, ...]
     layers: tuple[int, ...] | None
+    notification: Message | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +224,7 @@ class _Outgoing:
     detail: str = ""
     reply: Message | None = None
     drain_until: float = float("inf")
+    done_write: int | None = None  # the write that carries our Done as its notification
 
 
 @dataclass(slots=True)
@@ -376,6 +387,8 @@ class SenderProtocol:
         rec = self._pop_write(write_id)
         if rec is None:
             return []
+        if rec.done_write == write_id:
+            return self._done_delivered(now, rec)
         if rec.state is SenderState.ENDING:
             return self._end(now, rec) if not rec.inflight else []
         return self._maybe_done(now, rec)
@@ -620,6 +633,14 @@ class SenderProtocol:
         wid = self._next_write_id
         self._next_write_id += 1
         self._writes[wid] = rec.transfer_id
+        # The last write carries Done, which the data plane delivers after its bytes: no
+        # round trip after the data. Only when no other write of the transfer is in
+        # flight, though (Done promises that nothing more will land): else Done goes
+        # alone once the last WriteDone is in (`_maybe_done`).
+        done: Done | None = None
+        if not rec.inflight and len(rec.issued_layers) == self._num_layers:
+            done = Done(rec.transfer_id, len(rec.register.block_ids))
+            rec.done_write = wid
         rec.inflight.add(wid)
         off = rec.register.sender_offset
         return [
@@ -630,6 +651,7 @@ class SenderProtocol:
                 rec.blocks[off:],
                 rec.register.block_ids,
                 None if all_now else tuple(sorted(new)),
+                done,
             )
         ]
 
@@ -645,6 +667,19 @@ class SenderProtocol:
             *self._send(rec.peer, done),
             TransferEnded(rec.transfer_id, "sender", None, "", rec.blocks),
         ]
+
+    def _done_delivered(self, now: float, rec: _Outgoing) -> list[Effect]:
+        """The write carrying our Done landed, so the receiver has its Done: the transfer
+        finished, even if it was ending (an engine abort or a timeout that came too late
+        to stop the write). Only a receiver that cancelled meanwhile ends it as failed:
+        it is fencing and reports its own reason, so we report that one too."""
+        assert rec.register is not None and rec.peer is not None and rec.blocks is not None
+        done = Done(rec.transfer_id, len(rec.register.block_ids))
+        if rec.state is SenderState.ENDING and isinstance(rec.reply, CancelAck):
+            return self._end(now, rec)
+        del self._transfers[rec.transfer_id]
+        self._bury(now, rec.transfer_id, rec.peer, done)
+        return [TransferEnded(rec.transfer_id, "sender", None, "", rec.blocks)]
 
     def _fail(
         self, now: float, rec: _Outgoing, reason: FailureReason, detail: str, reply: Message
