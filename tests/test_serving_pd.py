@@ -249,3 +249,33 @@ def test_a_dead_prefill_server_fails_requests_promptly_and_a_restart_recovers(
     single = run_workload(stack.single.url, prompts, max_tokens=8, concurrency=3)
     assert [r.error for r in again] == [None] * 3
     assert [r.token_ids for r in again] == [r.token_ids for r in single]
+
+
+def test_run_demo_builds_the_model_checks_every_token_and_survives_a_killed_prefill(
+    tmp_path: Path,
+) -> None:
+    from kvpush.serving.demo import run_demo
+
+    said: list[str] = []
+    options = DemoOptions(
+        model_dir=tmp_path / "model",
+        num_requests=4,
+        concurrency=2,
+        max_tokens=8,
+        block_size=8,
+        inject="kill-prefill",
+        log_dir=tmp_path / "logs",
+        ready_timeout_s=90,
+    )
+    report = run_demo(options, said.append)
+    assert report.problems == []
+    assert report.ok
+    assert (report.requests, report.matched, report.acceptance_matched) == (4, 4, 4)
+    assert report.transfers_failed == 0
+    assert report.transfers_finished >= 4
+    assert report.inject_after_restart_ok is True
+    assert report.inject_max_failure_s is not None and report.inject_max_failure_s < 10
+    assert any("building the tiny model" in line for line in said)
+    assert "tokens match single run   4/4" in report.summary_lines()
+    assert (tmp_path / "model" / "config.json").exists()
+    assert (tmp_path / "logs" / "prefill.log").exists()
