@@ -345,6 +345,28 @@ def test_restarted_sender_is_handshaked_afresh(cluster: Cluster) -> None:
     assert same_block(cluster.kv["p-2"], 5, cluster.kv["d-1"], 6)
 
 
+def test_sender_restarted_while_idle_succeeds_on_the_first_transfer(cluster: Cluster) -> None:
+    # Nothing in flight when the sender restarts, and it comes back at once: the receiver
+    # has heard from its old incarnation moments ago. Its first transfer must still work.
+    p1, p_addr = cluster.add("p-1", "engine-p")
+    d, _ = cluster.add("d-1", "engine-d")
+    p1.send("t1", [1])
+    d.receive("t1", p_addr, [2])
+    assert wait_results(d)[0].ok
+    assert wait_results(p1)[0].ok
+    cluster.fabric.kill("p-1")  # silently, as kill -9: nothing tells the receiver
+    p2, _ = cluster.add("p-2", "engine-p", port=p_addr.port)
+    cluster.clock.advance(0.2)  # well within a heartbeat interval
+    p2.send("t2", [5])
+    d.receive("t2", p_addr, [6])
+    [r] = wait_results(d)
+    assert r.ok, r
+    assert wait_results(p2)[0].ok
+    assert same_block(cluster.kv["p-2"], 5, cluster.kv["d-1"], 6)
+    stats = d.statistics()
+    assert stats.peers == 1 and stats.failed == 0
+
+
 def test_receiver_abort_mid_transfer_fences_until_the_sender_acks(cluster: Cluster) -> None:
     p, p_addr = cluster.add("p-1", "engine-p")
     d, _ = cluster.add("d-1", "engine-d")
