@@ -4,18 +4,26 @@
 the wire format is described in `kvpush.sidechannel.wire`.
 """
 
-from kvpush.sidechannel.client import FetchResult, fetch_metadata, fetch_metadata_timed
-from kvpush.sidechannel.server import MetadataServer, SideChannelStats
-from kvpush.sidechannel.wire import GET_META_MSG, ROLES, PeerMetadata, Refusal
+from kvpush.sidechannel.client import (
+    FetchResult,
+    control_request,
+    fetch_metadata,
+    fetch_metadata_timed,
+)
+from kvpush.sidechannel.server import ControlHandler, MetadataServer, SideChannelStats
+from kvpush.sidechannel.wire import GET_META_MSG, ROLES, PeerMetadata, Refusal, RequestRejected
 
 __all__ = [
     "GET_META_MSG",
     "ROLES",
+    "ControlHandler",
     "FetchResult",
     "MetadataServer",
     "PeerMetadata",
     "Refusal",
+    "RequestRejected",
     "SideChannelStats",
+    "control_request",
     "fetch_metadata",
     "fetch_metadata_timed",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -29,10 +30,13 @@ from kvpush.sidechannel.wire import (
     PeerMetadata,
     Refusal,
     ReplyHeader,
+    RequestRejected,
+    decode_control_reply,
     decode_geometry_leniently,
     decode_header,
     decode_metadata,
     describe_differences,
+    encode_control_request,
     encode_request,
 )
 
@@ -129,6 +133,66 @@ def fetch_metadata_timed(
         expect_compat_hash=expect_compat_hash,
         expect_geometry=expect_geometry,
     )
+
+
+def control_request(
+    host: str,
+    port: int,
+    kind: bytes,
+    body: object,
+    *,
+    timeout_ms: int = 2000,
+    token: str | None = None,
+    context: zmq.Context[zmq.Socket[bytes]] | None = None,
+) -> Any:
+    """Send one control request (see `kvpush.sidechannel.wire`) and return the answer.
+
+    Raises `PeerUnreachable`, `AuthenticationRefused`, `RequestRejected` (the handler
+    refused the body; the message says why), `MalformedReply` or `SideChannelError`.
+    """
+    if timeout_ms <= 0:
+        raise SideChannelError(f"timeout_ms must be positive, got {timeout_ms}")
+    address = zmq_address(host, port)
+    where = f"{address} {kind.decode(errors='replace')}"
+    ctx = context if context is not None else zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    monitor: zmq.Socket[bytes] | None = None
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
+        monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        try:
+            sock.connect(address)
+        except zmq.ZMQError as exc:
+            raise PeerUnreachable(f"{where}: cannot connect: {exc.strerror}") from None
+        sock.send(encode_control_request(kind, body, token))
+        frames = _await_reply(
+            sock,
+            host=unbracket_host(host),
+            monitor=monitor,
+            deadline=time.perf_counter() + timeout_ms / 1000,
+            where=where,
+            timeout_ms=timeout_ms,
+        )
+    finally:
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+        sock.close(linger=0)
+    if len(frames) != 2:
+        raise MalformedReply(f"{where}: expected a reply of 2 frames, got {len(frames)}")
+    try:
+        header = decode_header(frames[0])
+    except MalformedReply as exc:
+        raise MalformedReply(f"{where}: {exc}") from None
+    if header.status == "refused":
+        if header.refusal == Refusal.REJECTED:
+            raise RequestRejected(f"{where}: {header.detail}")
+        _raise_refusal(header, where)
+    try:
+        return decode_control_reply(frames[1])
+    except MalformedReply as exc:
+        raise MalformedReply(f"{where}: {exc}") from None
 
 
 def _why_not_connected(host: str) -> str:

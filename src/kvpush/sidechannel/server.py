@@ -9,6 +9,13 @@ is answered, refused with a reason, or dropped; nothing a client sends can stop 
 A host that is a name is resolved here and every address it names is bound (ZeroMQ binds
 only interfaces and addresses); `::1` and other IPv6 literals need the socket's IPV6
 option, which is always on (an IPv4 address still binds IPv4 only).
+
+Control requests: the server's owner may register handlers for other request kinds
+(`control={b"kind": handler}`, see `kvpush.sidechannel.wire`). They run on the server
+thread, after the token check, and must be quick and thread-safe: a handler answers with
+a msgpack-able value or refuses with `RequestRejected`; any other exception is refused as
+UNAVAILABLE and logged, and the server keeps serving. The server knows nothing of what a
+kind means: `kvpush endpoint` is where the bench's kinds live.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import socket
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -32,7 +40,11 @@ from kvpush.sidechannel.wire import (
     MalformedRequest,
     PeerMetadata,
     Refusal,
+    RequestRejected,
+    control_kind,
+    decode_control_request,
     decode_request,
+    encode_control_reply,
     encode_ok,
     encode_refusal,
 )
@@ -40,6 +52,7 @@ from kvpush.sidechannel.wire import (
 log = logging.getLogger(__name__)
 
 RankSource = Mapping[int, PeerMetadata] | Callable[[], Mapping[int, PeerMetadata]]
+ControlHandler = Callable[[Any], object]
 
 _JOIN_TIMEOUT_S = 5.0
 _server_ids = itertools.count()
@@ -55,6 +68,8 @@ class SideChannelStats:
     malformed: int = 0  # refusals: a request that was not (b"get_meta_msg", rank[, token])
     dropped: int = 0  # not answered at all: wrong framing, over the size cap
     unavailable: int = 0  # refusals: the rank source raised
+    control_served: int = 0  # control requests answered by their handler
+    control_rejected: int = 0  # control requests refused (auth, malformed, handler refused)
 
     @property
     def refused(self) -> int:
@@ -65,10 +80,20 @@ class MetadataServer:
     """Serves `PeerMetadata` by rank on one port. Use `start()`/`close()` or `with`.
 
     `ranks` is a mapping, or a callable returning one, called for every request (so an
-    engine can add ranks as they come up).
+    engine can add ranks as they come up). `control` maps extra request kinds to their
+    handlers (see the module docstring); without it only metadata requests are answered.
     """
 
-    def __init__(self, host: str, port: int, config: SideChannelConfig, ranks: RankSource) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        config: SideChannelConfig,
+        ranks: RankSource,
+        *,
+        control: Mapping[bytes, ControlHandler] | None = None,
+    ) -> None:
+        self._control = dict(control or {})
         self._host = unbracket_host(host)
         self._requested_port = check_port(port)
         self._config = config
@@ -236,23 +261,17 @@ class MetadataServer:
             log.debug("side channel reply not sent: %s", exc)
 
     def _reply_to(self, body: bytes) -> tuple[bytes, bytes]:
+        if self._control and control_kind(body) in self._control:
+            return self._control_reply(body)
         try:
             rank, token = decode_request(body)
         except MalformedRequest as exc:
             self._count("malformed")
             return encode_refusal(Refusal.MALFORMED_REQUEST, str(exc), __version__)
-        expected_token = self._config.token
-        if expected_token is not None and (
-            token is None or not hmac.compare_digest(token.encode(), expected_token.encode())
-        ):
+        refusal = self._auth_refusal(token)
+        if refusal is not None:
             self._count("refused_auth")
-            problem = "no token given" if token is None else "wrong token"
-            return encode_refusal(
-                Refusal.AUTH_REFUSED,
-                f"{problem}: this side channel needs the shared token (--token-file or "
-                "KVPUSH_TOKEN)",
-                __version__,
-            )
+            return refusal
         try:
             ranks = self._ranks() if callable(self._ranks) else self._ranks
             meta = ranks.get(rank)
@@ -276,6 +295,45 @@ class MetadataServer:
             self._cache[rank] = cached
         self._count("served")
         return cached[1]
+
+    def _auth_refusal(self, token: str | None) -> tuple[bytes, bytes] | None:
+        expected_token = self._config.token
+        if expected_token is not None and (
+            token is None or not hmac.compare_digest(token.encode(), expected_token.encode())
+        ):
+            problem = "no token given" if token is None else "wrong token"
+            return encode_refusal(
+                Refusal.AUTH_REFUSED,
+                f"{problem}: this side channel needs the shared token (--token-file or "
+                "KVPUSH_TOKEN)",
+                __version__,
+            )
+        return None
+
+    def _control_reply(self, frame: bytes) -> tuple[bytes, bytes]:
+        try:
+            kind, body, token = decode_control_request(frame)
+        except MalformedRequest as exc:
+            self._count("control_rejected")
+            return encode_refusal(Refusal.MALFORMED_REQUEST, str(exc), __version__)
+        refusal = self._auth_refusal(token)
+        if refusal is not None:
+            self._count("control_rejected")
+            return refusal
+        try:
+            answer = self._control[kind](body)
+            reply = encode_control_reply(answer, __version__)
+        except RequestRejected as exc:
+            self._count("control_rejected")
+            return encode_refusal(Refusal.REJECTED, str(exc), __version__)
+        except Exception as exc:
+            log.exception("side channel control handler for %r failed", kind)
+            self._count("control_rejected")
+            return encode_refusal(
+                Refusal.UNAVAILABLE, f"{kind.decode(errors='replace')} failed: {exc}", __version__
+            )
+        self._count("control_served")
+        return reply
 
 
 def _ranks_text(ranks: list[int]) -> str:

@@ -16,6 +16,18 @@ Reply (two frames):
 
 The client reads frame 1 first and checks the protocol version and the compatibility
 hash before it decodes frame 2. Fields are only ever appended (old peers ignore them).
+
+Control requests (optional; a server answers them only for the kinds its owner
+registered, see `MetadataServer(control=...)`; any other kind stays a malformed request):
+
+    msgpack array  (kind: bytes, body: any msgpack value[, token: str])
+
+    reply  frame 1  the same header, compat_hash "" (a control reply carries no metadata)
+           frame 2  msgpack: the handler's answer (empty when refused)
+
+A handler refuses a body it cannot use by raising `RequestRejected`; the reply is then
+refused with `Refusal.REJECTED` and the handler's message as the detail. The token is
+checked exactly as for metadata, before the handler sees anything.
 """
 
 from __future__ import annotations
@@ -25,7 +37,7 @@ from typing import Any
 
 import msgspec
 
-from kvpush.errors import MalformedReply
+from kvpush.errors import MalformedReply, SideChannelError
 from kvpush.geometry import PROTOCOL_VERSION, CacheGeometry
 
 GET_META_MSG = b"get_meta_msg"
@@ -57,6 +69,7 @@ class Refusal(enum.StrEnum):
     AUTH_REFUSED = "auth_refused"
     MALFORMED_REQUEST = "malformed_request"
     UNAVAILABLE = "unavailable"  # the server could not produce its metadata right now
+    REJECTED = "rejected"  # a control request's handler refused its body (detail says why)
 
 
 class ReplyHeader(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=False):
@@ -187,3 +200,64 @@ def _describe_region_difference(theirs: Any, ours: Any) -> str:
                 f"{tuple(a)}, ours {tuple(b)}"
             )
     return "regions differ"
+
+
+# --------------------------------------------------------------------------- control requests
+
+CONTROL_FORM = "(kind: bytes, body[, token: str])"
+
+
+class RequestRejected(SideChannelError):
+    """A control request's body was refused by its handler; the message says why.
+
+    Raised by handlers on the server (the detail travels back) and by
+    `kvpush.sidechannel.control_request` on the client."""
+
+
+def encode_control_request(kind: bytes, body: object, token: str | None = None) -> bytes:
+    if token is None:
+        return _encoder.encode((kind, body))
+    return _encoder.encode((kind, body, token))
+
+
+def control_kind(frame: bytes) -> bytes | None:
+    """The first element of a request when it is bytes other than `GET_META_MSG`, else None
+    (so the metadata path keeps its own, precise diagnostics)."""
+    try:
+        items = _request_decoder.decode(frame)
+    except msgspec.DecodeError:
+        return None
+    if not items or not isinstance(items[0], bytes) or items[0] == GET_META_MSG:
+        return None
+    return items[0]
+
+
+def decode_control_request(frame: bytes) -> tuple[bytes, Any, str | None]:
+    """(kind, body, token), or `MalformedRequest` saying what is wrong."""
+    try:
+        items = _request_decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise MalformedRequest(f"not a msgpack {CONTROL_FORM}: {exc}") from None
+    if len(items) not in (2, 3) or not isinstance(items[0], bytes):
+        raise MalformedRequest(f"expected {CONTROL_FORM}, got an array of {len(items)}")
+    token = items[2] if len(items) == 3 else None
+    if token is not None and not isinstance(token, str):
+        raise MalformedRequest(f"expected {CONTROL_FORM}, got a token of type bytes")
+    return items[0], items[1], token
+
+
+def encode_control_reply(body: object, kvpush_version: str) -> tuple[bytes, bytes]:
+    header = ReplyHeader(
+        status="ok",
+        protocol_version=PROTOCOL_VERSION,
+        compat_hash="",
+        kvpush_version=kvpush_version,
+    )
+    return _encoder.encode(header), _encoder.encode(body)
+
+
+def decode_control_reply(frame: bytes) -> Any:
+    try:
+        return msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise MalformedReply(f"control reply payload is not msgpack: {exc}") from None
