@@ -1,4 +1,14 @@
-"""`kvpush endpoint`: register a synthetic KV cache and serve its side channel until stopped."""
+"""`kvpush endpoint`: register a synthetic KV cache and serve its side channel until stopped.
+
+With `--transport nixl` every rank runs a real `PushRuntime` over a `NixlTransport`: the
+endpoint is then a live kvpush peer (it polls its agent, answers heartbeats, can receive
+and send transfers) and publishes the runtime's metadata. Rank 0 also answers the remote
+bench's control requests (`kvpush.bench.endpoint_service`), so that `kvpush bench
+--target` can push kvpush transfers into it and have them checked.
+
+Threads: the side channel's server thread and each runtime's threads, all started here
+and joined before exit; the main thread takes the runtimes' results until a signal.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +19,24 @@ import signal
 import socket
 import threading
 import uuid
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 from kvpush import __version__
+from kvpush.bench.endpoint_service import BENCH_KINDS, BenchService
 from kvpush.config import SideChannelConfig, load_token
 from kvpush.errors import ConfigError
+from kvpush.geometry import CacheGeometry
 from kvpush.net import zmq_address
+from kvpush.runtime import PushRuntime, RuntimeIdentity, SideChannelPeerDirectory
+from kvpush.sidechannel import (
+    ControlHandler,
+    MetadataServer,
+    PeerMetadata,
+    RequestRejected,
+    SideChannelStats,
+)
 from kvpush.transports.base import Transport
 
 DEFAULT_PORT = 5600
@@ -48,10 +70,16 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--engine-id", help="engine id to publish (default endpoint-HOSTNAME-PID)")
     p.add_argument("--token-file", help="shared secret file (default: $KVPUSH_TOKEN, if set)")
     p.add_argument(
+        "--advertise-host",
+        help="host peers reach this side channel at, sent to senders so they can handshake "
+        "back (default: --host, or this machine's name when --host is a wildcard)",
+    )
+    p.add_argument(
         "--transport",
         choices=("none", "nixl"),
         default="none",
-        help="register the cache with a NIXL agent and publish its metadata (default none)",
+        help="run a kvpush runtime over NIXL on the cache and publish its metadata "
+        "(default none: side channel only)",
     )
     p.set_defaults(run=run)
 
@@ -59,7 +87,6 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def run(args: argparse.Namespace) -> int:
     # torch is imported here, not at the top: other commands must start fast.
     from kvpush.kvcache import synthetic_kv_cache
-    from kvpush.sidechannel import MetadataServer, PeerMetadata
 
     if args.ranks < 1:
         raise ConfigError(f"--ranks must be at least 1, got {args.ranks}")
@@ -80,71 +107,197 @@ def run(args: argparse.Namespace) -> int:
         )
         for _ in range(args.ranks)
     ]
-    transports: list[Transport] = []
-    ranks: dict[int, PeerMetadata] = {}
+    if args.transport == "nixl":
+        _nixl_transport_class()  # fail before binding anything when NIXL is missing
     stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for rank, cache in enumerate(caches):
-            agent_name, agent_metadata = "", b""
-            if args.transport == "nixl":
-                transport = _nixl_transport(f"{engine_id}-r{rank}-{incarnation[:8]}")
-                transports.append(transport)
-                transport.start()
-                transport.register_memory(cache.geometry)
-                agent_name, agent_metadata = transport.agent_name, transport.metadata()
-            ranks[rank] = PeerMetadata(
-                engine_id=engine_id,
-                incarnation=incarnation,
-                rank=rank,
-                role=args.role,
-                agent_name=agent_name,
-                agent_metadata=agent_metadata,
-                geometry=cache.geometry,
-                kvpush_version=__version__,
-            )
-        config = SideChannelConfig(token=token)
-        server = MetadataServer(args.host, args.port, config, ranks)
-
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            stop.set()
-
-        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            with server:
-                geometry = caches[0].geometry
-                print(
-                    f"{READY_PREFIX} side channel {zmq_address(args.host, server.port)} "
-                    f"port={server.port} engine_id={engine_id} incarnation={incarnation} "
-                    f"ranks={args.ranks} layout={geometry.layout} dtype={geometry.dtype} "
-                    f"regions={len(geometry.regions)} blocks={geometry.num_blocks} "
-                    f"registered_bytes={geometry.total_bytes * args.ranks} "
-                    f"auth={'token' if token else 'none'} transport={args.transport}",
-                    flush=True,
-                )
-                while not stop.wait(3600):
-                    pass
-                stats = server.statistics()
+        with _Endpoint(args, token, engine_id, incarnation, [c.geometry for c in caches]) as ep:
+            geometry = caches[0].geometry
             print(
-                f"kvpush endpoint stopped: served {stats.served}, refused {stats.refused}, "
-                f"dropped {stats.dropped}",
+                f"{READY_PREFIX} side channel {zmq_address(args.host, ep.port)} "
+                f"port={ep.port} engine_id={engine_id} incarnation={incarnation} "
+                f"ranks={args.ranks} layout={geometry.layout} dtype={geometry.dtype} "
+                f"regions={len(geometry.regions)} blocks={geometry.num_blocks} "
+                f"registered_bytes={geometry.total_bytes * args.ranks} "
+                f"auth={'token' if token else 'none'} transport={args.transport}",
                 flush=True,
             )
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            ep.serve_until(stop)
+        stats = ep.server_stats
+        print(
+            f"kvpush endpoint stopped: served {stats.served}, refused {stats.refused}, "
+            f"dropped {stats.dropped}"
+            + (
+                f"; bench requests {stats.control_served} answered, "
+                f"{stats.control_rejected} refused; transfers {ep.finished} finished, "
+                f"{ep.failed} failed"
+                if args.transport == "nixl"
+                else ""
+            ),
+            flush=True,
+        )
     finally:
-        for transport in transports:
-            transport.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        del caches  # registered memory outlives every runtime: they are closed above
     return 0
 
 
-def _nixl_transport(name: str) -> Transport:
-    """The NIXL transport, if this build of kvpush has it."""
+class _Endpoint:
+    """The side channel and, with a transport, one runtime per rank; owns them all.
+
+    `__enter__` starts the side channel first (a runtime's identity needs its port),
+    then the runtimes, then publishes their metadata; `__exit__` stops the side channel
+    first (no control request reaches a closing runtime), then closes every runtime,
+    which joins its threads and closes its transport."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        token: str | None,
+        engine_id: str,
+        incarnation: str,
+        geometries: list[CacheGeometry],
+    ) -> None:
+        self._args = args
+        self._token = token
+        self._engine_id = engine_id
+        self._incarnation = incarnation
+        self._geometries = geometries
+        self._ranks: dict[int, PeerMetadata] = {}
+        self._runtimes: list[PushRuntime] = []
+        self._bench: BenchService | None = None
+        self._server: MetadataServer | None = None
+        self.finished = 0
+        self.failed = 0
+        self.server_stats = SideChannelStats()
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return self._server.port
+
+    def __enter__(self) -> _Endpoint:
+        try:
+            self._start()
+        except BaseException:
+            self._stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop()
+
+    def _start(self) -> None:
+        args = self._args
+        control: dict[bytes, ControlHandler] = {}
+        if args.transport == "nixl":
+            # The handlers are bound now and find the runtime once it exists; until then
+            # (before the ready line) they refuse.
+            control = {kind: self._bench_handler(kind) for kind in BENCH_KINDS}
+        self._server = MetadataServer(
+            args.host, args.port, SideChannelConfig(token=self._token), self._ranks, control=control
+        )
+        self._server.start()
+        for rank, geometry in enumerate(self._geometries):
+            agent_name, agent_metadata = "", b""
+            if args.transport != "nixl":
+                self._ranks[rank] = PeerMetadata(
+                    engine_id=self._engine_id,
+                    incarnation=self._incarnation,
+                    rank=rank,
+                    role=args.role,
+                    agent_name=agent_name,
+                    agent_metadata=agent_metadata,
+                    geometry=geometry,
+                    kvpush_version=__version__,
+                )
+                continue
+            identity = RuntimeIdentity(
+                engine_id=self._engine_id,
+                incarnation=self._incarnation,
+                host=_advertised_host(args),
+                port=self._server.port,
+                rank=rank,
+                role=args.role,
+            )
+            transport = _nixl_transport_class()(
+                f"{self._engine_id}-r{rank}-{self._incarnation[:8]}"
+            )
+            runtime = PushRuntime(
+                transport, geometry, identity, SideChannelPeerDirectory(token=self._token)
+            )
+            self._runtimes.append(runtime)
+            runtime.start()
+            if rank == 0:
+                self._bench = BenchService(runtime, geometry)
+            self._ranks[rank] = runtime.local_metadata()
+
+    def _bench_handler(self, kind: bytes) -> ControlHandler:
+        def handle(body: Any) -> object:
+            bench = self._bench
+            if bench is None:
+                raise RequestRejected("this endpoint is not ready for bench requests yet")
+            return bench.handlers()[kind](body)
+
+        return handle
+
+    def serve_until(self, stop: threading.Event) -> None:
+        if not self._runtimes:
+            while not stop.wait(3600):
+                pass
+            return
+        # Each runtime reports every transfer it ends, once; nobody else takes them.
+        wait_s = 0.2 / len(self._runtimes)
+        while not stop.is_set():
+            for runtime in self._runtimes:
+                results = runtime.wait(timeout=wait_s)
+                for r in results:
+                    if r.ok:
+                        self.finished += 1
+                    else:
+                        self.failed += 1
+                if self._bench is not None and runtime is self._runtimes[0]:
+                    self._bench.record(results)
+
+    def _stop(self) -> None:
+        errors: list[BaseException] = []
+        if self._server is not None:
+            try:
+                self._server.close()
+            except BaseException as exc:
+                errors.append(exc)
+            self.server_stats = self._server.statistics()
+        for runtime in self._runtimes:
+            try:
+                runtime.close()
+            except BaseException as exc:
+                errors.append(exc)
+        self._runtimes = []
+        if errors:
+            raise errors[0]
+
+
+def _advertised_host(args: argparse.Namespace) -> str:
+    if args.advertise_host:
+        return str(args.advertise_host)
+    if args.host in ("*", "0.0.0.0", "::", "[::]"):
+        return socket.gethostname()
+    return str(args.host)
+
+
+def _nixl_transport_class() -> Callable[[str], Transport]:
+    """The NIXL transport's class, if this build of kvpush has it."""
     try:
         module = importlib.import_module("kvpush.transports.nixl")
-        transport = module.NixlTransport(name)
+        cls = module.NixlTransport
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"--transport nixl is not available: {exc}") from None
-    if not isinstance(transport, Transport):
+    if not (isinstance(cls, type) and issubclass(cls, Transport)):
         raise ConfigError("kvpush.transports.nixl.NixlTransport is not a Transport")
-    return transport
+    return cls
