@@ -231,8 +231,12 @@ class NixlRawSender:
         inflight: int,
         deadline: float,
         completed: dict[int, int] | None = None,
+        notify: bool = True,
     ) -> dict[int, int]:
-        """Post every WRITE; `completed`, if given, gets each one's local DONE time."""
+        """Post every WRITE; `completed`, if given, gets each one's local DONE time.
+
+        `notify=False` sends no NIXL notification with the WRITEs: a live kvpush endpoint
+        would take them for (malformed) kvpush messages."""
         agent = self.agent
         bases = self.buffers.bases()
         pending = deque(transfers)
@@ -250,7 +254,7 @@ class NixlRawSender:
                     agent.get_xfer_descs(src, "DRAM"),
                     agent.get_xfer_descs(dst, "DRAM"),
                     self.peer_name,
-                    str(t.tag).encode(),
+                    str(t.tag).encode() if notify else b"",
                 )
                 if agent.transfer(handle) == "ERR":
                     raise BenchFailed(f"nixl-raw: posting transfer {t.tag} failed")

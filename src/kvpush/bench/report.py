@@ -20,6 +20,13 @@ def _num(v: float | None, fmt: str) -> str:
     return format(v, fmt)
 
 
+def _latency_end(report: dict[str, Any]) -> str:
+    end = report.get("latency_end", "receiver reports finished")
+    if isinstance(end, dict):  # remote: each mode's latency ends somewhere else
+        return "; ".join(f"{mode}: {text}" for mode, text in end.items())
+    return str(end)
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The whole report as a fixed-width table, one row per (mode, size)."""
     w = report["workload"]
@@ -30,7 +37,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"({human_bytes(w['bytes_per_block'])} per block id, "
         f"{human_bytes(w['bytes_per_token'])}/token), {w['inflight']} in flight",
         "GB/s = bytes of a batch / wall time of the whole batch (10^9 B/s). "
-        f"Latency: blocks ready -> {report.get('latency_end', 'receiver reports finished')}.",
+        f"Latency: blocks ready -> {_latency_end(report)}.",
         "",
     ]
     head = (

@@ -37,7 +37,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--quick", action="store_true", help="a small run, under a minute")
     p.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot GB/s against transfer size")
-    p.add_argument("--target", metavar="HOST:PORT", help="bench against a `kvpush endpoint`")
+    p.add_argument(
+        "--target",
+        metavar="HOST:PORT",
+        help="bench a `kvpush endpoint --transport nixl` (modes nixl-raw and kvpush; this "
+        "machine sends, the endpoint receives)",
+    )
     p.add_argument("--token-file", help="side-channel secret for --target (default $KVPUSH_TOKEN)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=run)
@@ -74,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not modes:
         raise ConfigError(f"--modes {args.modes!r}: expected a subset of {','.join(ALL_MODES)}")
     if args.target is not None:
-        return _run_remote(args)
+        return _run_remote(args, modes)
     workload = make_workload(
         preset=args.preset,
         layers=args.layers,
@@ -101,7 +106,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise ConfigError(f"cannot write {path}: its directory does not exist")
 
 
-def _run_remote(args: argparse.Namespace) -> int:
+def _run_remote(args: argparse.Namespace, modes: tuple[str, ...]) -> int:
     from kvpush.bench.remote import check_target, run_remote
     from kvpush.config import load_token
 
@@ -115,6 +120,7 @@ def _run_remote(args: argparse.Namespace) -> int:
             max_size_bytes=parse_size(args.max_size) if args.max_size else None,
             inflight=args.inflight,
             quick=args.quick,
+            modes=modes,
             on_progress=bar,
         )
     finally:
