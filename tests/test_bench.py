@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -163,32 +165,70 @@ def test_remote_target_that_is_not_listening_fails_fast() -> None:
     assert proc.stderr.startswith("PeerUnreachable:"), proc.stderr
 
 
+def _zeros_crc(nbytes: int) -> int:
+    return zlib.crc32(bytes(nbytes))
+
+
 @pytest.mark.nixl
-@pytest.mark.skip(
-    reason="`kvpush endpoint --transport nixl` never polls its NIXL agent, so UCX wire-up "
-    "from a writer stalls (NIXL_ERR_REMOTE_DISCONNECT after ~50 s); enable once it does"
-)
-def test_remote_bench_writes_into_a_live_endpoint(tmp_path: Path) -> None:
-    ep = start_endpoint("--preset", "tiny", "--blocks", "64", "--transport", "nixl")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("host", "sig"), [("127.0.0.1", signal.SIGTERM), ("::1", signal.SIGINT)])
+def test_remote_bench_pushes_kvpush_transfers_into_a_live_endpoint(
+    tmp_path: Path, host: str, sig: int
+) -> None:
+    """This machine sends, a real `kvpush endpoint` process receives: both the raw NIXL
+    writes and kvpush's transfers land, the endpoint reports each kvpush transfer finished
+    and its own checksums of what landed match ours; it then exits 0 on a signal."""
+    token = tmp_path / "token"
+    token.write_text("remote-bench-secret\n")
+    ep = start_endpoint(
+        "--preset", "tiny", "--blocks", "64", "--transport", "nixl", "--token-file", str(token),
+        host=host,
+    )  # fmt: skip
     try:
         report_path = tmp_path / "remote.json"
         proc = _kvpush(
-            "bench",
-            "--target",
-            ep.address,
-            "--quick",
-            "--no-progress",
-            "--json",
-            str(report_path),
-            timeout=60,
-        )
+            "bench", "--target", ep.address, "--token-file", str(token), "--quick",
+            "--no-progress", "--json", str(report_path),
+            timeout=40,
+        )  # fmt: skip
         assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
         report = json.loads(report_path.read_text())
-        assert report["target"] == ep.address
-        raw = next(m for m in report["modes"] if m["mode"] == "nixl-raw")
-        assert raw["status"] == "ok" and raw["sizes"], raw
-        for s in raw["sizes"]:
-            assert s["checksums"]["match"] is True
-            assert s["checksums"]["src"] == s["checksums"]["dst"]
     finally:
-        ep.stop()
+        status = ep.stop(sig)
+    assert status == 0, ep.output
+    assert report["target"] == ep.address
+    assert [m["mode"] for m in report["modes"]] == ["nixl-raw", "kvpush"]
+    assert set(report["latency_end"]) == {"nixl-raw", "kvpush"}
+    sizes = report["workload"]["sizes_bytes"]
+    for m in report["modes"]:
+        assert m["status"] == "ok" and m["reason"] is None, m
+        assert [s["bytes"] for s in m["sizes"]] == sizes
+        for s in [*m["sizes"], m["rate"]]:
+            sums = s["checksums"]
+            assert sums["slots"] >= 1 and sums["match"] is True
+            assert sums["src"] == sums["dst"], (m["mode"], s["bytes"])
+            # The endpoint zeroes the blocks before each batch: a sum of zeros here
+            # would mean nothing landed.
+            assert _zeros_crc(s["bytes"]) not in sums["dst"], (m["mode"], s["bytes"])
+            assert math.isclose(s["gbps"], s["total_bytes"] / s["wall_s"] / 1e9, rel_tol=1e-9)
+            assert 0 < s["p50_us"] <= s["p99_us"]
+    kvpush = report["modes"][1]
+    for s in kvpush["sizes"]:
+        # The endpoint's own report of every transfer came after our runtime's.
+        assert s["endpoint_confirmed_s"] * 1e6 >= s["p99_us"] * 0.999
+        assert s["receiver_cpu_s_per_gb"] is not None and s["receiver_cpu_s_per_gb"] >= 0
+    assert kvpush["idle_cpu_percent"] is not None and kvpush["idle_cpu_percent"] >= 0
+    assert report["ratios"]["kvpush"]["vs_nixl-raw"]
+    # Every kvpush transfer (warm-up, sizes, rate) ended finished at the endpoint, too.
+    warmup = max(4, report["workload"]["inflight"])
+    total = warmup + sum(s["transfers"] for s in kvpush["sizes"]) + kvpush["rate"]["transfers"]
+    last = ep.output[-1].strip().splitlines()[-1]
+    assert last.startswith("kvpush endpoint stopped: ")
+    assert f"transfers {total} finished, 0 failed" in last, last
+    assert "0 refused" in last
+
+
+def test_remote_bench_refuses_modes_it_cannot_run_remotely(tiny_endpoint: Endpoint) -> None:
+    proc = _kvpush("bench", "--target", tiny_endpoint.address, "--modes", "memcpy", timeout=30)
+    assert proc.returncode == 1
+    assert "--target runs only nixl-raw and kvpush" in proc.stderr, proc.stderr
