@@ -250,6 +250,13 @@ def test_a_dead_prefill_server_fails_requests_promptly_and_a_restart_recovers(
     assert [r.error for r in again] == [None] * 3
     assert [r.token_ids for r in again] == [r.token_ids for r in single]
 
+    # A graceful restart (the decode side saw no failure and still knows the old agent):
+    # the very first request after it must succeed, not hit the stale agent.
+    stack.restart_prefill()
+    first = run_workload(stack.proxy.url, prompts[:1], max_tokens=8, concurrency=1)
+    assert first[0].error is None
+    assert first[0].token_ids == single[0].token_ids
+
 
 def test_run_demo_builds_the_model_checks_every_token_and_survives_a_killed_prefill(
     tmp_path: Path,
