@@ -150,6 +150,7 @@ class PrefillWorker(_TransferWorker):
         except RequestRejected as exc:
             job.sink(Rejected(400, str(exc)))
             return
+        log.debug("transfer %s: prefill request accepted", tid)
         out = _Outgoing(
             tid,
             job.request_id,
@@ -179,6 +180,7 @@ class PrefillWorker(_TransferWorker):
             super()._finished(job, reason)
             return
         stats = self.engine.request_stats(job.request_id)
+        log.debug("transfer %s: prompt computed", out.transfer_id)
         if not out.sent:
             blocks = self.engine.held_blocks(job.request_id)[: out.num_blocks]
             self.runtime.send(out.transfer_id, blocks)
@@ -219,6 +221,7 @@ class PrefillWorker(_TransferWorker):
         self.engine.release(out.request_id)
 
     def _transfer_ended(self, result: TransferResult) -> None:
+        log.debug("transfer %s ended on the sender side: %s", result.transfer_id, result.reason)
         out = self._by_transfer.get(result.transfer_id)
         if out is None or result.side != "sender":
             return
@@ -280,6 +283,7 @@ class DecodeWorker(_TransferWorker):
             self.engine.release(job.request_id)
             job.sink(Rejected(400, f"cannot receive transfer {tid!r}: {exc}"))
             return
+        log.debug("transfer %s: %d blocks registered", tid, len(where.blocks))
         self._incoming[tid] = _Incoming(tid, job, len(where.blocks), time.monotonic())
         self._transfer_of[job.request_id] = tid
         self._jobs[job.request_id] = job
@@ -309,6 +313,7 @@ class DecodeWorker(_TransferWorker):
         super()._finished(job, reason)
 
     def _transfer_ended(self, result: TransferResult) -> None:
+        log.debug("transfer %s ended on the receiver side: %s", result.transfer_id, result.reason)
         inc = self._incoming.pop(result.transfer_id, None)
         if inc is None or result.side != "receiver":
             return
