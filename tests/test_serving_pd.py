@@ -15,7 +15,14 @@ import httpx
 import pytest
 
 from kvpush.serving.checkpoint import make_model
-from kvpush.serving.demo import DemoOptions, Stack, make_prompts, metric_sum, run_workload
+from kvpush.serving.demo import (
+    DemoOptions,
+    Stack,
+    make_prompts,
+    metric_sum,
+    metric_values,
+    run_workload,
+)
 
 pytestmark = pytest.mark.nixl  # prefill and decode servers move KV through real NIXL
 
@@ -226,6 +233,83 @@ def test_a_full_decode_server_refuses_at_once_instead_of_waiting(
         f"{stack.proxy.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60
     )
     assert ok.status_code == 200, ok.text
+
+
+def test_the_proxy_spreads_requests_over_several_decode_servers(
+    stack: Stack, tmp_path: Path
+) -> None:
+    if stack.options.host != "127.0.0.1":
+        pytest.skip("exercised once, on IPv4")
+    from kvpush.readiness import free_port
+    from kvpush.serving.procs import ServerProcess
+
+    host = stack.options.host
+    port, side, proxy_port = free_port(host), free_port(host), free_port(host)
+    second = ServerProcess(
+        "decode-2",
+        [
+            "serve",
+            "--role",
+            "decode",
+            "--model",
+            str(stack.options.model_dir),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--side-channel-port",
+            str(side),
+            "--block-size",
+            "8",
+            "--speculative-tokens",
+            "4",
+        ],
+        host=host,
+        port=port,
+        log_dir=tmp_path,
+        side_channel_port=side,
+    )
+    proxy = ServerProcess(
+        "proxy-2",
+        [
+            "proxy",
+            "--prefill",
+            stack.prefill.url,
+            "--decode",
+            stack.decode.url,
+            second.url,
+            "--host",
+            host,
+            "--port",
+            str(proxy_port),
+        ],
+        host=host,
+        port=proxy_port,
+        log_dir=tmp_path,
+    )
+    before = metric_sum(stack.metrics(stack.decode), "kvpush_transfers_total", "finished")
+    try:
+        second.start()
+        proxy.start()
+        second.wait_ready(90)
+        proxy.wait_ready(90)
+        prompts = make_prompts(8, seed=21)
+        spread = run_workload(proxy.url, prompts, max_tokens=8, concurrency=8)
+        single = run_workload(stack.single.url, prompts, max_tokens=8, concurrency=8)
+        assert [r.error for r in spread] == [None] * 8
+        assert [r.token_ids for r in spread] == [r.token_ids for r in single]
+        first = metric_sum(stack.metrics(stack.decode), "kvpush_transfers_total", "finished")
+        other = metric_sum(
+            metric_values(httpx.get(f"{second.url}/metrics", timeout=10).text),
+            "kvpush_transfers_total",
+            "finished",
+        )
+        assert first - before > 0
+        assert other > 0
+        assert first - before + other == 8
+    finally:
+        proxy.close()
+        second.close()
 
 
 def test_a_dead_prefill_server_fails_requests_promptly_and_a_restart_recovers(
