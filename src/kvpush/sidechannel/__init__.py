@@ -1,7 +1,9 @@
 """The side channel: each engine serves its transport metadata and cache geometry by rank.
 
 `MetadataServer` (ZeroMQ ROUTER, one port per engine) and `fetch_metadata` (the client);
-the wire format is described in `kvpush.sidechannel.wire`.
+the wire format is described in `kvpush.sidechannel.wire`. Optional control requests
+(`MetadataServer(control=...)`, `control_request`) carry other kinds on the same port;
+the server only routes them (the endpoint registers the remote bench's).
 """
 
 from kvpush.sidechannel.client import (
