@@ -79,7 +79,7 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def reference(tiny: LoadedModel, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
-    engine = Engine(tiny.model, block_size=8, num_blocks=64, spec=SPEC)
+    engine = Engine(tiny.model, block_size=8, num_blocks=256, spec=SPEC)
     engine.add_request("r", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     while engine.has_work:
         engine.step()
@@ -128,7 +128,7 @@ def test_concurrent_requests_are_batched_and_each_is_exact(
             timeout=120,
             json={
                 "prompt": [tiny.config.bos_token_id, 10, 11],
-                "max_tokens": 200,
+                "max_tokens": 1000,
                 "ignore_eos": True,
                 "stream": True,
                 "return_token_ids": True,
@@ -169,7 +169,7 @@ def test_concurrent_requests_are_batched_and_each_is_exact(
     assert finished_order[-1] == -1
     for i, text in enumerate(TEXTS):
         assert results[i] == reference(tiny, tiny.tokenizer.encode(text), 12)[0], i
-    assert results[-1] == reference(tiny, [tiny.config.bos_token_id, 10, 11], 200)[0]
+    assert results[-1] == reference(tiny, [tiny.config.bos_token_id, 10, 11], 1000)[0]
 
 
 def test_stream_gives_the_same_tokens_and_a_final_chunk(
