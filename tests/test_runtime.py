@@ -15,6 +15,7 @@ import pytest
 from kvpush.config import TimingConfig
 from kvpush.errors import (
     ClosedError,
+    ConfigError,
     FailureReason,
     LocalProtocolError,
     PeerUnreachable,
@@ -462,6 +463,38 @@ def test_in_flight_runtime_polls_with_backoff_not_in_a_busy_loop(cluster: Cluste
     elapsed = time.perf_counter() - start
     # An upper bound only: a slow machine polls less, never more.
     assert polls <= elapsed / 0.002 + 20, f"{polls} polls in {elapsed:.3f}s"
+
+
+def test_polling_after_activity_stays_bounded_and_backs_off(cluster: Cluster) -> None:
+    # A transfer finished (data-plane activity on both sides), then a new one waits for a
+    # receiver that never comes: the short spin after the activity ends, and the loop
+    # backs off again (an upper bound only: a slow machine polls less, never more).
+    p, p_addr = cluster.add("p-1", "engine-p", spin_s=0.005, max_backoff_s=0.002)
+    d, _ = cluster.add("d-1", "engine-d")
+    p.send("t1", [1])
+    d.receive("t1", p_addr, [2])
+    assert wait_results(p)[0].ok
+    p.send("t2", [3])
+    time.sleep(0.05)  # the spin (5 ms) is over
+    before = p.statistics().transport_polls
+    start = time.perf_counter()
+    time.sleep(0.2)
+    polls = p.statistics().transport_polls - before
+    elapsed = time.perf_counter() - start
+    assert polls <= elapsed / 0.002 + 20, f"{polls} polls in {elapsed:.3f}s"
+
+
+def test_poll_settings_are_checked_at_construction(cluster: Cluster) -> None:
+    geometry = make_kv(num_layers=2, num_blocks=16, block_bytes=64).geometry
+    for bad in ({"spin_s": -1.0}, {"revalidate_after_s": -0.1}, {"max_backoff_s": 0.0}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            PushRuntime(
+                LoopbackTransport(cluster.fabric, "x"),
+                geometry,
+                RuntimeIdentity("e", "1", HOST, 1),
+                cluster.directory,
+                **bad,  # type: ignore[arg-type]
+            )
 
 
 def test_engine_misuse_raises_at_the_call(cluster: Cluster) -> None:
