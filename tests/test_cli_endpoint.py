@@ -1,4 +1,4 @@
-"""`kvpush endpoint` and `kvpush demo` as a user runs them: real processes and signals."""
+"""`kvpush endpoint` as a user runs it: real processes and signals."""
 
 from __future__ import annotations
 
@@ -40,16 +40,6 @@ def test_endpoint_configuration_errors_exit_1_with_a_reason() -> None:
         "(K and V x 16 tokens x 2-byte bfloat16)"
     )
     assert run_kvpush("endpoint", "--ranks").returncode == 2
-
-
-def test_demo_runs_end_to_end() -> None:
-    result = run_kvpush("demo", "--preset", "tiny", "--blocks", "4", timeout=90)
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
-    assert "kvpush endpoint ready:" in out
-    assert "demo: probe tcp://127.0.0.1:" in out
-    assert "2 layers, 4 regions x 4 blocks" in out
-    assert out.rstrip().endswith("demo: endpoint stopped cleanly (exit 0); demo OK")
 
 
 @pytest.mark.nixl
