@@ -738,3 +738,26 @@ def test_idle_machines_have_no_deadline(wire: Wire) -> None:
     assert wire.ends["p-1"].next_deadline() is None
     wire.submit("p-1", "t1", [1])
     assert wire.ends["p-1"].next_deadline() == TIMING.transfer_deadline_s
+
+
+def test_ended_transfers_are_remembered_for_their_bound_then_forgotten_in_order(
+    wire: Wire,
+) -> None:
+    keep = TIMING.transfer_deadline_s + TIMING.lease_s
+    for i in range(3):
+        wire.submit("p-1", f"t{i}", [i])
+        wire.expect("d-1", f"t{i}", "p-1", [i])
+        wire.settle()
+        wire.advance(1.0)
+    assert all(wire.ended("p-1", f"t{i}").ok for i in range(3))
+    sender = wire.ends["p-1"].sender
+    with pytest.raises(LocalProtocolError, match="already used"):
+        sender.submit(wire.now, "t2", [9])
+    # t0 ended 3 s before t2: once t0's memory ran out, t0 is new again, t2 not yet.
+    wire.advance(keep - 2.5, settle=False)
+    assert sender.submit(wire.now, "t0", [9]) == []
+    assert sender.state_of("t0") is SenderState.AWAITING_REGISTER
+    with pytest.raises(LocalProtocolError, match="already used"):
+        sender.submit(wire.now, "t2", [10])
+    wire.advance(3.0, settle=False)
+    assert sender.submit(wire.now, "t2", [10]) == []

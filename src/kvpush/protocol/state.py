@@ -563,9 +563,16 @@ class SenderProtocol:
             elif rec.peer is not None and now >= rec.lease_until:
                 detail = f"lease of {t.lease_s}s not renewed by receiver {rec.peer}"
                 out += self._timeout(now, rec, FailureReason.PEER_TIMEOUT, detail)
-        for tid, tomb in list(self._tombstones.items()):
-            if now >= tomb.expires:
-                del self._tombstones[tid]
+        # Oldest first: every tombstone lives the same time and `now` never goes back,
+        # so insertion order is expiry order (`_bury` re-inserts). Scanning them all
+        # each tick cost O(transfers of the last minute) and, at thousands of transfers
+        # a second, most of the runtime thread's time.
+        tombs = self._tombstones
+        while tombs:
+            oldest = next(iter(tombs))
+            if now < tombs[oldest].expires:
+                break
+            del tombs[oldest]
         out += self._heartbeats(now)
         return out
 
@@ -758,6 +765,7 @@ class SenderProtocol:
         pending_failure: tuple[FailureReason, str] | None = None,
     ) -> None:
         keep = self._timing.transfer_deadline_s + self._timing.lease_s
+        self._tombstones.pop(tid, None)  # keep insertion order = expiry order
         self._tombstones[tid] = _Tombstone(peer, reply, now + keep, pending_failure)
 
     @staticmethod
@@ -981,9 +989,12 @@ class ReceiverProtocol:
                     out.append(
                         SendMessage(rec.peer, Cancel(rec.transfer_id, rec.reason, rec.detail))
                     )
-        for tid, until in list(self._ended.items()):
-            if now >= until:
-                del self._ended[tid]
+        ended = self._ended  # oldest first, as the sender's tombstones
+        while ended:
+            oldest = next(iter(ended))
+            if now < ended[oldest]:
+                break
+            del ended[oldest]
         for p in self._peers.values():
             out += self._resend_registers(now, p.agent)
             live = [r for r in self._transfers.values() if r.peer == p.agent]
@@ -1049,6 +1060,7 @@ class ReceiverProtocol:
         self, now: float, rec: _Incoming, reason: FailureReason | None, detail: str
     ) -> list[Effect]:
         del self._transfers[rec.transfer_id]
+        self._ended.pop(rec.transfer_id, None)  # keep insertion order = expiry order
         self._ended[rec.transfer_id] = now + self._timing.transfer_deadline_s + self.fence_s
         return [TransferEnded(rec.transfer_id, "receiver", reason, detail, rec.blocks)]
 
