@@ -63,7 +63,12 @@ class Register(msgspec.Struct, frozen=True, tag_field="type", tag="register"):
 
 
 class Done(msgspec.Struct, frozen=True, tag_field="type", tag="done"):
-    """Sender to receiver: every block of the transfer has landed; nothing more will come."""
+    """Sender to receiver: every block of the transfer has landed; nothing more will come.
+
+    Usually the data-plane notification of the transfer's last write (delivered after its
+    bytes); sent as a plain message when there was nothing to write or when other writes
+    of the transfer were still in flight as the last one started, and again when a
+    receiver's heartbeat shows it missed it."""
 
     transfer_id: TransferId
     num_blocks: Count

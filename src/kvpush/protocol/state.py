@@ -37,7 +37,8 @@ and the sender answers `Done` at once without writing.
 The fencing rules, which make "nothing is written after a failure" hold:
 
 * The sender sends `Done`, `Failed` or `CancelAck` for a transfer only when none of its
-  writes is in flight, and never writes for it afterwards (it keeps a tombstone). So a
+  writes is in flight (a `Done` riding on the last write is delivered only after that
+  write landed), and never writes for it afterwards (it keeps a tombstone). So a
   receiver that gets any of these may reuse its blocks at once.
 * A receiver that gives up on its own (engine abort, deadline, silent sender, bad
   message) sends `Cancel` and *fences* its blocks: it keeps them until the sender's
