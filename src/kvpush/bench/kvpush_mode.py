@@ -57,9 +57,10 @@ class _KvpushSide:
             heads = 1
         head_dim = w.block_bytes // (w.block_size_tokens * heads * w.dtype_bytes)
         shape = (w.num_blocks, w.block_size_tokens, heads, head_dim)
+        dtype = getattr(torch, w.dtype)
 
         def tensor(i: int) -> Any:
-            return torch.from_numpy(self.buffers.regions[i]).view(torch.bfloat16).view(shape)
+            return torch.from_numpy(self.buffers.regions[i]).view(dtype).view(shape)
 
         kv = {f"model.layers.{i}.attn": (tensor(2 * i), tensor(2 * i + 1)) for i in range(w.layers)}
         geometry = register_kv_cache(kv, "kv_separate/NHD", w.block_size_tokens)

@@ -18,32 +18,16 @@ import numpy as np
 import numpy.typing as npt
 
 from kvpush.errors import ConfigError
+from kvpush.kvcache import get_preset
 
 KIB = 1024
 MIB = 1024 * KIB
 GIB = 1024 * MIB
 
 
-@dataclass(frozen=True, slots=True)
-class ModelPreset:
-    name: str
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype_bytes: int = 2  # bfloat16
-
-    @property
-    def bytes_per_token(self) -> int:
-        """K and V of every layer for one token."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
-
-
-PRESETS: dict[str, ModelPreset] = {
-    # 32 x 2 x 8 x 128 x 2 B = 128 KiB per token.
-    "llama-3.1-8b": ModelPreset("llama-3.1-8b", layers=32, kv_heads=8, head_dim=128),
-    # 80 x 2 x 8 x 128 x 2 B = 320 KiB per token.
-    "llama-3-70b": ModelPreset("llama-3-70b", layers=80, kv_heads=8, head_dim=128),
-}
+# Bytes of one element, by the torch dtype names presets use. `ModelPreset`'s own byte
+# counts ask torch, which would cost the bench's parent process seconds to import.
+_ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +49,7 @@ class Workload:
     seed: int = 20260101
     kv_heads: int = 8
     head_dim: int = 128
+    dtype: str = "bfloat16"
     dtype_bytes: int = 2
 
     @property
@@ -130,7 +115,7 @@ def make_workload(
     *,
     preset: str = "llama-3.1-8b",
     layers: int | None = None,
-    block_size_tokens: int = 16,
+    block_size_tokens: int | None = None,
     block_bytes: int | None = None,
     context_tokens: int | None = None,
     max_size_bytes: int | None = None,
@@ -138,23 +123,27 @@ def make_workload(
     inflight: int = 4,
     quick: bool = False,
 ) -> Workload:
-    """Build a workload from a preset and overrides; raises `ConfigError` on bad values."""
-    if preset not in PRESETS:
-        raise ConfigError(f"unknown preset {preset!r}: expected one of {', '.join(PRESETS)}")
-    model = PRESETS[preset]
+    """Build a workload from a `kvpush.kvcache` preset (its layers, KV heads, head dim,
+    dtype and block size) and overrides; raises `ConfigError` on bad values."""
+    model = get_preset(preset)
+    elem = _ELEMENT_BYTES.get(model.dtype)
+    if elem is None:
+        raise ConfigError(f"preset {preset!r}: the bench does not know dtype {model.dtype!r}")
     if layers is None:
-        layers = 8 if quick else model.layers
-    if layers <= 0 or layers > model.layers * 4:
-        raise ConfigError(f"--layers {layers} out of range: expected 1..{model.layers * 4}")
+        layers = 8 if quick else model.num_layers
+    if layers <= 0 or layers > model.num_layers * 4:
+        raise ConfigError(f"--layers {layers} out of range: expected 1..{model.num_layers * 4}")
+    if block_size_tokens is None:
+        block_size_tokens = model.block_size_tokens
     if block_size_tokens <= 0:
         raise ConfigError(f"--block-size {block_size_tokens}: expected a positive token count")
-    natural = block_size_tokens * model.kv_heads * model.head_dim * model.dtype_bytes
+    natural = block_size_tokens * model.num_kv_heads * model.head_dim * elem
     if block_bytes is None:
         block_bytes = natural
-    if block_bytes <= 0 or block_bytes % (2 * block_size_tokens):
+    if block_bytes <= 0 or block_bytes % (elem * block_size_tokens):
         raise ConfigError(
             f"--block-bytes {block_bytes}: expected a positive multiple of "
-            f"{2 * block_size_tokens} ({block_size_tokens} tokens of 2-byte values)"
+            f"{elem * block_size_tokens} ({block_size_tokens} tokens of {elem}-byte values)"
         )
     if inflight <= 0 or inflight > 256:
         raise ConfigError(f"--inflight {inflight}: expected 1..256")
@@ -198,9 +187,10 @@ def make_workload(
         max_iters=30 if quick else 200,
         rate_transfers=300 if quick else 1000,
         idle_s=1.0 if quick else 3.0,
-        kv_heads=model.kv_heads,
+        kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
-        dtype_bytes=model.dtype_bytes,
+        dtype=model.dtype,
+        dtype_bytes=elem,
     )
 
 

@@ -11,8 +11,9 @@ from typing import Any
 
 from kvpush.bench.report import format_table, write_plot
 from kvpush.bench.runner import ALL_MODES, run_bench
-from kvpush.bench.workload import PRESETS, make_workload, parse_size
+from kvpush.bench.workload import make_workload, parse_size
 from kvpush.errors import ConfigError
+from kvpush.kvcache import PRESETS
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -23,7 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.1-8b")
     p.add_argument("--layers", type=int, help="layers to keep (default: all; 8 with --quick)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    p.add_argument("--block-size", type=int, help="tokens per block (default: preset, 16)")
     p.add_argument("--block-bytes", help="bytes of one block of one region (default: preset)")
     p.add_argument("--context", type=int, help="largest transfer as a context length in tokens")
     p.add_argument("--max-size", help="largest transfer, e.g. 1G (default 1G; 64M with --quick)")
