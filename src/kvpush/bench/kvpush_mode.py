@@ -27,27 +27,124 @@ from kvpush.bench.workload import CacheBuffers, Transfer, Workload
 HOST = "127.0.0.1"
 
 
-def _tid(tag: int) -> str:
-    return f"bench-{tag}"
+class BenchRuntime:
+    """One kvpush end as the bench runs it: a `PushRuntime` over a `NixlTransport`, its
+    metadata on its own side channel, and the bench's transfers named `<prefix><tag>`.
+    The local `kvpush` mode runs two of these; remote `kvpush` runs the sending one."""
+
+    def __init__(self, id_prefix: str) -> None:
+        self.id_prefix = id_prefix
+        self.runtime: Any = None
+        self.server: Any = None
+
+    def transfer_id(self, tag: int) -> str:
+        return f"{self.id_prefix}{tag}"
+
+    def tag(self, transfer_id: str) -> int:
+        return int(transfer_id.removeprefix(self.id_prefix))
+
+    def start(
+        self,
+        geometry: Any,
+        *,
+        host: str,
+        role: str,
+        engine_id: str,
+        token: str | None = None,
+        lookup_timeout_ms: int | None = None,
+    ) -> int:
+        """Start the side channel on `host` (port 0) and the runtime; our port."""
+        try:
+            from kvpush.config import SideChannelConfig
+            from kvpush.runtime import PushRuntime, RuntimeIdentity, SideChannelPeerDirectory
+            from kvpush.sidechannel import MetadataServer
+            from kvpush.transports.nixl import NixlTransport
+        except ImportError as exc:
+            raise ModeUnavailable(f"not available: {exc}") from None
+        ranks: dict[int, Any] = {}
+        self.server = MetadataServer(host, 0, SideChannelConfig(token=token), ranks)
+        self.server.start()
+        incarnation = uuid.uuid4().hex
+        identity = RuntimeIdentity(
+            engine_id=engine_id,
+            incarnation=incarnation,
+            host=host,
+            port=self.server.port,
+            role=role,
+        )
+        directory = (
+            SideChannelPeerDirectory(token=token)
+            if lookup_timeout_ms is None
+            else SideChannelPeerDirectory(token=token, timeout_ms=lookup_timeout_ms)
+        )
+        transport = NixlTransport(f"{engine_id}-{incarnation[:8]}")
+        self.runtime = PushRuntime(transport, geometry, identity, directory)
+        self.runtime.start()
+        ranks[0] = self.runtime.local_metadata()
+        return int(self.server.port)
+
+    def results(self, deadline: float, what: str) -> list[Any]:
+        """The runtime's next results (waits up to 0.2 s); a failed transfer is an error."""
+        check_deadline(deadline, what)
+        results = self.runtime.wait(timeout=0.2)
+        for r in results:
+            if not r.ok:
+                raise BenchFailed(
+                    f"kvpush {what}: transfer {r.transfer_id} failed ({r.reason}): {r.detail}"
+                )
+        return list(results)
+
+    def wait_registered(self, count: int, deadline: float, what: str) -> None:
+        """Untimed: wait until `count` registrations from the receiver have reached us."""
+        while self.runtime.statistics().sending.get("registered", 0) < count:
+            check_deadline(deadline, f"kvpush sender waiting for {what}'s registrations")
+            time.sleep(0.001)
+
+    def push(
+        self, transfers: Sequence[Transfer], inflight: int, deadline: float
+    ) -> tuple[dict[int, int], dict[int, int]]:
+        """`send()` every transfer, at most `inflight` open; tag -> monotonic ns when
+        submitted ("blocks ready") and when our runtime reported it finished."""
+        submitted: dict[int, int] = {}
+        finished: dict[int, int] = {}
+        pending = list(reversed(transfers))
+        open_: dict[str, int] = {}
+        while pending or open_:
+            while pending and len(open_) < inflight:
+                t = pending.pop()
+                tid = self.transfer_id(t.tag)
+                submitted[t.tag] = time.monotonic_ns()
+                self.runtime.send(tid, list(t.src_blocks))
+                open_[tid] = t.tag
+            results = self.results(deadline, "sender")
+            now = time.monotonic_ns()
+            for r in results:
+                tag = open_.pop(r.transfer_id, None)
+                if tag is not None:
+                    finished[tag] = now
+        return submitted, finished
+
+    def close(self) -> None:
+        if self.runtime is not None:
+            self.runtime.close()
+            self.runtime = None
+        if self.server is not None:
+            self.server.close()
+            self.server = None
 
 
 class _KvpushSide:
     def __init__(self, workload: Workload) -> None:
         self.workload = workload
         self.buffers = CacheBuffers(workload)
-        self.runtime: Any = None
-        self.server: Any = None
+        self.end = BenchRuntime("bench-")
 
     def _start(self, role: str, fill_seed: int | None) -> int:
         """Allocate, register, start the runtime and its side channel; our port."""
         try:
             import torch
 
-            from kvpush.config import SideChannelConfig
             from kvpush.kvcache import register_kv_cache
-            from kvpush.runtime import PushRuntime, RuntimeIdentity, SideChannelPeerDirectory
-            from kvpush.sidechannel import MetadataServer
-            from kvpush.transports.nixl import NixlTransport
         except ImportError as exc:
             raise ModeUnavailable(f"not available: {exc}") from None
         w = self.workload
@@ -68,40 +165,10 @@ class _KvpushSide:
         want = [(b, w.block_bytes, w.block_bytes) for b in self.buffers.bases()]
         if got != want:
             raise BenchFailed("register_kv_cache derived regions that are not the bench's")
-        ranks: dict[int, Any] = {}
-        self.server = MetadataServer(HOST, 0, SideChannelConfig(), ranks)
-        self.server.start()
-        incarnation = uuid.uuid4().hex
-        identity = RuntimeIdentity(
-            engine_id=f"bench-{role}",
-            incarnation=incarnation,
-            host=HOST,
-            port=self.server.port,
-            role=role,
-        )
-        transport = NixlTransport(f"bench-{role}-{incarnation[:8]}")
-        self.runtime = PushRuntime(transport, geometry, identity, SideChannelPeerDirectory())
-        self.runtime.start()
-        ranks[0] = self.runtime.local_metadata()
-        return int(self.server.port)
-
-    def _results(self, deadline: float, what: str) -> list[Any]:
-        check_deadline(deadline, what)
-        results = self.runtime.wait(timeout=0.2)
-        for r in results:
-            if not r.ok:
-                raise BenchFailed(
-                    f"kvpush {what}: transfer {r.transfer_id} failed ({r.reason}): {r.detail}"
-                )
-        return list(results)
+        return self.end.start(geometry, host=HOST, role=role, engine_id=f"bench-{role}")
 
     def close(self) -> None:
-        if self.runtime is not None:
-            self.runtime.close()
-            self.runtime = None
-        if self.server is not None:
-            self.server.close()
-            self.server = None
+        self.end.close()
 
 
 class KvpushReceiver(_KvpushSide):
@@ -123,15 +190,15 @@ class KvpushReceiver(_KvpushSide):
             raise BenchFailed("kvpush receiver: armed before the sender said where it is")
         sender = PeerAddress(HOST, self.sender_port, 0)
         for tag, dst in transfers:
-            self.runtime.receive(_tid(tag), sender, list(dst))
+            self.end.runtime.receive(self.end.transfer_id(tag), sender, list(dst))
 
     def wait(self, tags: set[int], deadline: float) -> dict[int, int]:
         done: dict[int, int] = {}
         while len(done) < len(tags):
-            results = self._results(deadline, "receiver")
+            results = self.end.results(deadline, "receiver")
             now = time.monotonic_ns()
             for r in results:
-                done[int(r.transfer_id.removeprefix("bench-"))] = now
+                done[self.end.tag(r.transfer_id)] = now
         return done
 
     def idle(self, seconds: float) -> None:
@@ -148,26 +215,11 @@ class KvpushSender(_KvpushSide):
         peer.send(("peer-info", {"port": port}))
 
     def prepare(self, transfers: Sequence[Transfer], deadline: float) -> None:
-        """Untimed: wait until the receiver's registrations for the batch reached us."""
-        while True:
-            stats = self.runtime.statistics()
-            if stats.sending.get("registered", 0) >= len(transfers):
-                return
-            check_deadline(deadline, "kvpush sender waiting for the receiver's registrations")
-            time.sleep(0.001)
+        self.end.wait_registered(len(transfers), deadline, "the receiver")
 
     def run_batch(
         self, transfers: Sequence[Transfer], inflight: int, deadline: float
     ) -> dict[int, int]:
-        submitted: dict[int, int] = {}
-        pending = list(reversed(transfers))
-        open_: set[str] = set()
-        while pending or open_:
-            while pending and len(open_) < inflight:
-                t = pending.pop()
-                submitted[t.tag] = time.monotonic_ns()
-                self.runtime.send(_tid(t.tag), list(t.src_blocks))
-                open_.add(_tid(t.tag))
-            for r in self._results(deadline, "sender"):
-                open_.discard(r.transfer_id)
+        # Finished is the receiver's `wait()`; our own results only free in-flight slots.
+        submitted, _ = self.end.push(transfers, inflight, deadline)
         return submitted

@@ -145,6 +145,16 @@ def nixl_register(agent: Any, buffers: CacheBuffers) -> Any:
     return reg
 
 
+def nixl_agent_over(buffers: CacheBuffers, name: str) -> tuple[Any, Any]:
+    """(agent, registration): a UCX agent without a progress thread, `buffers` registered."""
+    nixl_agent, nixl_agent_config = load_nixl()
+    agent = nixl_agent(
+        f"{name}-{time.monotonic_ns()}",
+        nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
+    )
+    return agent, nixl_register(agent, buffers)
+
+
 class NixlRawReceiver:
     """Two-agent NIXL over UCX, no progress thread; completion by notification."""
 
@@ -156,13 +166,8 @@ class NixlRawReceiver:
         self.early: dict[int, int] = {}
 
     def setup(self, peer: Connection) -> object:
-        nixl_agent, nixl_agent_config = load_nixl()
         self.buffers.allocate(None)
-        self.agent = nixl_agent(
-            f"bench-rx-{time.monotonic_ns()}",
-            nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
-        )
-        self.reg = nixl_register(self.agent, self.buffers)
+        self.agent, self.reg = nixl_agent_over(self.buffers, "bench-rx")
         return {"agent_md": self.agent.get_agent_metadata(), "bases": self.buffers.bases()}
 
     def _poll(self, into: dict[int, int]) -> None:
@@ -211,13 +216,8 @@ class NixlRawSender:
 
     def setup(self, peer_meta: object, peer: Connection) -> None:
         assert isinstance(peer_meta, dict)
-        nixl_agent, nixl_agent_config = load_nixl()
         self.buffers.allocate(SENDER_FILL_SEED)
-        self.agent = nixl_agent(
-            f"bench-tx-{time.monotonic_ns()}",
-            nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
-        )
-        self.reg = nixl_register(self.agent, self.buffers)
+        self.agent, self.reg = nixl_agent_over(self.buffers, "bench-tx")
         self.peer_name = self.agent.add_remote_agent(peer_meta["agent_md"])
         self.peer_bases = list(peer_meta["bases"])
         self.peer_strides = peer_meta.get("strides")
@@ -335,6 +335,12 @@ def _mooncake_engine(buffers: CacheBuffers) -> tuple[Any, str]:
     return engine, f"127.0.0.1:{engine.get_rpc_port()}"
 
 
+def _mooncake_release(engine: Any, buffers: CacheBuffers) -> None:
+    if engine is not None:
+        for r in buffers.regions:
+            engine.unregister_memory(int(r.ctypes.data))
+
+
 class MooncakeReceiver:
     """Mooncake over TCP has no write notification: the sender tells us on the pipe,
     as SGLang's and vLLM's Mooncake connectors do over ZMQ after the write returns."""
@@ -376,10 +382,8 @@ class MooncakeReceiver:
         self.peer.poll(seconds)
 
     def close(self) -> None:
-        if self.engine is not None:
-            for r in self.buffers.regions:
-                self.engine.unregister_memory(int(r.ctypes.data))
-            self.engine = None
+        _mooncake_release(self.engine, self.buffers)
+        self.engine = None
 
 
 class MooncakeSender:
@@ -454,10 +458,8 @@ class MooncakeSender:
         return submitted
 
     def close(self) -> None:
-        if self.engine is not None:
-            for r in self.buffers.regions:
-                self.engine.unregister_memory(int(r.ctypes.data))
-            self.engine = None
+        _mooncake_release(self.engine, self.buffers)
+        self.engine = None
 
 
 ReceiverFactory = Callable[[Workload], Receiver]

@@ -27,15 +27,14 @@ it does locally. Clocks of two machines are never subtracted.
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
 import socket
 import time
-import traceback
 import uuid
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kvpush.bench.kvpush_mode import BenchRuntime
 from kvpush.bench.modes import (
     SENDER_FILL_SEED,
     BenchFailed,
@@ -45,17 +44,20 @@ from kvpush.bench.modes import (
 )
 from kvpush.bench.runner import (
     PIPE_TIMEOUT_S,
+    ChildSpec,
+    Measured,
     ProgressFn,
-    batch_result,
+    child_process,
+    close_quietly,
     cpu_seconds,
-    plans,
-    quiet_foreign_loggers,
-    ratios,
-    stop_children,
-    versions,
+    finish_report,
+    measure_plans,
+    new_report,
+    run_children,
+    steps_per_mode,
 )
-from kvpush.bench.workload import CacheBuffers, Transfer, Workload, make_workload
-from kvpush.errors import ConfigError, KVPushError
+from kvpush.bench.workload import CacheBuffers, Plan, Transfer, Workload, make_workload
+from kvpush.errors import ConfigError
 from kvpush.net import parse_host_port
 
 READ_BACK_SLOTS = 4
@@ -125,16 +127,15 @@ def _remote_main(
     peer_meta: dict[str, Any],
     parent: Connection,
 ) -> None:
-    tx: NixlRawSender | None = None
-    quiet_foreign_loggers()
-    try:
+    with child_process(parent) as stack:
         tx = NixlRawSender(workload)
+        stack.callback(close_quietly, tx)
         tx.setup(peer_meta, parent)
         scratch = CacheBuffers(workload)
         scratch.allocate(None)
         nixl_register(tx.agent, scratch)
-        for plan in plans(workload):
-            parent.send(("progress", plan.label))
+
+        def measure(plan: Plan) -> Measured:
             checked = plan.slots[:READ_BACK_SLOTS]
             src_crc = {t.dst_blocks: tx.buffers.checksum(t.src_blocks) for t in checked}
             cpu0 = cpu_seconds()
@@ -149,29 +150,10 @@ def _remote_main(
                 scratch.zero(t.dst_blocks)
                 tx.read_back(t.dst_blocks, scratch, deadline)
                 dst_crc[t.dst_blocks] = scratch.checksum(t.dst_blocks)
-            if plan.label == "warmup":
-                continue
-            res = batch_result(
-                workload,
-                plan=plan,
-                submitted=submitted,
-                finished=finished,
-                sender_cpu=cpu,
-                receiver_cpu=None,
-                src_crc=src_crc,
-                dst_crc=dst_crc,
-            )
-            parent.send(("batch", res))
+            return Measured(submitted, finished, cpu, None, src_crc, dst_crc)
+
+        measure_plans(workload, parent, measure)
         parent.send(("finished",))
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            parent.send(("error", f"{type(exc).__name__}: {exc}"))
-        if not isinstance(exc, KVPushError):
-            traceback.print_exc()
-    finally:
-        if tx is not None:
-            with contextlib.suppress(Exception):
-                tx.close()
 
 
 class RemoteKvpushSender:
@@ -185,41 +167,21 @@ class RemoteKvpushSender:
         self.workload = workload
         self.run_id = uuid.uuid4().hex[:12]
         self.cache: Any = None
-        self.runtime: Any = None
-        self.server: Any = None
+        self.end = BenchRuntime(f"bench-{self.run_id}-")
         self.our_host = ""
+        self.our_port = 0
 
     def setup(self) -> None:
-        from kvpush.config import SideChannelConfig
-        from kvpush.runtime import PushRuntime, RuntimeIdentity, SideChannelPeerDirectory
-        from kvpush.sidechannel import MetadataServer
-        from kvpush.transports.nixl import NixlTransport
-
         self.cache = source_cache(self.meta.geometry, self.workload.num_blocks)
         self.our_host = local_address_towards(self.host, self.port)
-        ranks: dict[int, Any] = {}
-        self.server = MetadataServer(self.our_host, 0, SideChannelConfig(token=self.token), ranks)
-        self.server.start()
-        incarnation = uuid.uuid4().hex
-        identity = RuntimeIdentity(
-            engine_id=f"bench-{self.run_id}",
-            incarnation=incarnation,
-            host=self.our_host,
-            port=self.server.port,
-            role="sender",
-        )
-        transport = NixlTransport(f"bench-sender-{incarnation[:8]}")
-        self.runtime = PushRuntime(
-            transport,
+        self.our_port = self.end.start(
             self.cache.geometry,
-            identity,
-            SideChannelPeerDirectory(token=self.token, timeout_ms=_CONTROL_TIMEOUT_MS),
+            host=self.our_host,
+            role="sender",
+            engine_id=f"bench-{self.run_id}",
+            token=self.token,
+            lookup_timeout_ms=_CONTROL_TIMEOUT_MS,
         )
-        self.runtime.start()
-        ranks[0] = self.runtime.local_metadata()
-
-    def tid(self, tag: int) -> str:
-        return f"bench-{self.run_id}-{tag}"
 
     def control(self, kind: bytes, body: object) -> Any:
         from kvpush.sidechannel import control_request
@@ -237,12 +199,12 @@ class RemoteKvpushSender:
         """Ask the endpoint to expect `transfers`; its CPU seconds after the last request."""
         from kvpush.bench.endpoint_service import BENCH_EXPECT, MAX_TRANSFERS_PER_REQUEST
 
-        sender = [self.our_host, self.server.port, 0]
+        sender = [self.our_host, self.our_port, 0]
         chunk: list[list[Any]] = []
         size = 0
         cpu = 0.0
         for t in transfers:
-            item = [self.tid(t.tag), list(t.dst_blocks)]
+            item = [self.end.transfer_id(t.tag), list(t.dst_blocks)]
             cost = 16 + len(item[0]) + 5 * len(t.dst_blocks)
             if cost > _EXPECT_FRAME_BUDGET:
                 raise BenchFailed(
@@ -260,45 +222,12 @@ class RemoteKvpushSender:
             cpu = self.control(BENCH_EXPECT, {"sender": sender, "transfers": chunk})["cpu_s"]
         return float(cpu)
 
-    def prepare(self, count: int, deadline: float) -> None:
-        """Untimed: wait until the endpoint's registrations for the batch reached us."""
-        while self.runtime.statistics().sending.get("registered", 0) < count:
-            check_deadline(deadline, "kvpush sender waiting for the endpoint's registrations")
-            time.sleep(0.001)
-
-    def run_batch(
-        self, transfers: list[Transfer], inflight: int, deadline: float
-    ) -> tuple[dict[int, int], dict[int, int]]:
-        submitted: dict[int, int] = {}
-        finished: dict[int, int] = {}
-        tags = {self.tid(t.tag): t.tag for t in transfers}
-        pending = list(reversed(transfers))
-        open_ = 0
-        while pending or open_:
-            while pending and open_ < inflight:
-                t = pending.pop()
-                submitted[t.tag] = time.monotonic_ns()
-                self.runtime.send(self.tid(t.tag), list(t.src_blocks))
-                open_ += 1
-            check_deadline(deadline, "kvpush sender batch")
-            results = self.runtime.wait(timeout=0.2)
-            now = time.monotonic_ns()
-            for r in results:
-                if not r.ok:
-                    raise BenchFailed(
-                        f"kvpush: transfer {r.transfer_id} failed ({r.reason}): {r.detail}"
-                    )
-                if r.transfer_id in tags:
-                    finished[tags[r.transfer_id]] = now
-                    open_ -= 1
-        return submitted, finished
-
     def confirm(self, transfers: list[Transfer], deadline: float) -> tuple[int, float]:
         """Wait until the endpoint reports every transfer ended; all must have finished.
         Returns when we knew (monotonic ns) and the endpoint's CPU seconds then."""
         from kvpush.bench.endpoint_service import BENCH_RESULTS
 
-        waiting = [self.tid(t.tag) for t in transfers]
+        waiting = [self.end.transfer_id(t.tag) for t in transfers]
         cpu = 0.0
         while waiting:
             check_deadline(deadline, f"the endpoint reporting {len(waiting)} transfers")
@@ -335,12 +264,7 @@ class RemoteKvpushSender:
         return float(self.control(BENCH_STATUS, None)["cpu_s"])
 
     def close(self) -> None:
-        if self.runtime is not None:
-            self.runtime.close()
-            self.runtime = None
-        if self.server is not None:
-            self.server.close()
-            self.server = None
+        self.end.close()
 
 
 def source_cache(geometry: Any, num_blocks: int) -> Any:
@@ -398,102 +322,47 @@ def _remote_kvpush_main(
     workload: Workload,
     parent: Connection,
 ) -> None:
-    tx: RemoteKvpushSender | None = None
-    quiet_foreign_loggers()
-    try:
+    with child_process(parent) as stack:
         tx = RemoteKvpushSender(host, port, token, meta, workload)
+        stack.callback(close_quietly, tx)
         tx.setup()
-        for plan in plans(workload):
-            parent.send(("progress", plan.label))
+
+        def measure(plan: Plan) -> Measured:
             deadline = time.monotonic() + PIPE_TIMEOUT_S
             slots = [t.dst_blocks for t in plan.slots]
             src_crc = {t.dst_blocks: tx.checksum(t.src_blocks) for t in plan.slots}
             rx_cpu0 = tx.expect(plan.transfers)
-            tx.prepare(len(plan.transfers), deadline)
+            tx.end.wait_registered(len(plan.transfers), deadline, "the endpoint")
             cpu0 = cpu_seconds()
-            submitted, finished = tx.run_batch(plan.transfers, workload.inflight, deadline)
+            submitted, finished = tx.end.push(plan.transfers, workload.inflight, deadline)
             cpu = cpu_seconds() - cpu0
             confirmed_ns, rx_cpu1 = tx.confirm(plan.transfers, deadline)
             dst_crc = tx.endpoint_checksums(slots)
-            if plan.label == "warmup":
-                continue
-            res = batch_result(
-                workload,
-                plan=plan,
-                submitted=submitted,
-                finished=finished,
-                sender_cpu=cpu,
-                receiver_cpu=rx_cpu1 - rx_cpu0,
-                src_crc=src_crc,
-                dst_crc=dst_crc,
+            confirmed_s = (confirmed_ns - min(submitted.values())) / 1e9
+            return Measured(
+                submitted,
+                finished,
+                cpu,
+                rx_cpu1 - rx_cpu0,
+                src_crc,
+                dst_crc,
+                extra={"endpoint_confirmed_s": confirmed_s},
             )
-            res["endpoint_confirmed_s"] = (confirmed_ns - min(submitted.values())) / 1e9
-            parent.send(("batch", res))
+
+        measure_plans(workload, parent, measure)
         parent.send(("progress", "idle"))
         cpu0, t0 = tx.endpoint_cpu(), time.monotonic()
         time.sleep(workload.idle_s)
         cpu1, t1 = tx.endpoint_cpu(), time.monotonic()
         parent.send(("idle", 100.0 * (cpu1 - cpu0) / (t1 - t0)))
         parent.send(("finished",))
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            parent.send(("error", f"{type(exc).__name__}: {exc}"))
-        if not isinstance(exc, KVPushError):
-            traceback.print_exc()
-    finally:
-        if tx is not None:
-            with contextlib.suppress(Exception):
-                tx.close()
 
 
-def _run_child(
-    mode: str,
-    target: Any,
-    args: tuple[Any, ...],
-    total: int,
-    step: int,
-    on_progress: ProgressFn | None,
-) -> dict[str, Any]:
-    """One mode's child process, relayed until it finishes; never raises for its failure."""
-    result: dict[str, Any] = {"mode": mode, "status": "ok", "reason": None, "sizes": []}
-    result |= {"rate": None, "idle_cpu_percent": None, "latency_end": LATENCY_END[mode]}
-    ctx = mp.get_context("spawn")
-    parent_end, child_end = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(*args, child_end))
-    try:
-        proc.start()
-        end = time.monotonic() + 900
-        while True:
-            if not parent_end.poll(0.2):
-                if time.monotonic() > end:
-                    raise BenchFailed(f"remote {mode} did not finish within 900 s")
-                if not proc.is_alive() and not parent_end.poll(0.5):
-                    raise BenchFailed(f"the remote {mode} process exited ({proc.exitcode})")
-                continue
-            msg = parent_end.recv()
-            if msg[0] == "progress":
-                step += 1
-                if on_progress is not None:
-                    on_progress(f"remote {mode} {msg[1]}", step, total)
-            elif msg[0] == "batch":
-                if msg[1]["label"] == "rate":
-                    result["rate"] = msg[1]
-                else:
-                    result["sizes"].append(msg[1])
-            elif msg[0] == "idle":
-                result["idle_cpu_percent"] = msg[1]
-            elif msg[0] == "error":
-                result |= {"status": "failed", "reason": msg[1]}
-                break
-            elif msg[0] == "finished":
-                break
-    except BenchFailed as exc:
-        result |= {"status": "failed", "reason": str(exc)}
-    finally:
-        stop_children([proc])
-        parent_end.close()
-        child_end.close()
-    return result
+def _one_child(
+    target: Callable[..., None], args: tuple[Any, ...]
+) -> Callable[[Connection], list[ChildSpec]]:
+    """One child process, reporting on the connection `run_children` hands it."""
+    return lambda report_end: [(target, (*args, report_end))]
 
 
 def run_remote(
@@ -507,8 +376,6 @@ def run_remote(
     on_progress: ProgressFn | None = None,
 ) -> dict[str, Any]:
     """Bench the endpoint at `target`; the report has the local bench's shape."""
-    import platform
-
     modes = tuple(m for m in modes if m in REMOTE_MODES)
     if not modes:
         raise ConfigError(
@@ -520,29 +387,26 @@ def run_remote(
     workload, bases, strides = workload_for(
         meta, max_size_bytes=max_size_bytes, inflight=inflight, quick=quick
     )
-    report: dict[str, Any] = {
-        "kvpush_bench": 1,
-        "target": target,
-        "endpoint": {"engine_id": meta.engine_id, "incarnation": meta.incarnation},
-        "host": {"machine": platform.machine(), "node": platform.node(), "cpus": 0},
-        "versions": versions(),
-        "started_unix": time.time(),
-        "workload": workload.describe(),
-        "latency_end": {m: LATENCY_END[m] for m in modes},
-        "modes": [],
-    }
-    per = len(plans(workload)) + 1
+    report = new_report(
+        workload,
+        target=target,
+        endpoint={"engine_id": meta.engine_id, "incarnation": meta.incarnation},
+        latency_end={m: LATENCY_END[m] for m in modes},
+    )
+    per = steps_per_mode(workload)
     for i, mode in enumerate(modes):
         if mode == "nixl-raw":
             peer_meta = {"agent_md": meta.agent_metadata, "bases": bases, "strides": strides}
-            child_args: tuple[Any, ...] = (workload, peer_meta)
-            target_fn: Any = _remote_main
+            children = _one_child(_remote_main, (workload, peer_meta))
         else:
-            child_args = (host, port, token, meta, workload)
-            target_fn = _remote_kvpush_main
-        report["modes"].append(
-            _run_child(mode, target_fn, child_args, per * len(modes), per * i, on_progress)
+            children = _one_child(_remote_kvpush_main, (host, port, token, meta, workload))
+        result = run_children(
+            mode,
+            children,
+            label=f"remote {mode}",
+            on_progress=on_progress,
+            step_offset=per * i,
+            total_steps=per * len(modes),
         )
-    report["elapsed_s"] = time.time() - report["started_unix"]
-    report["ratios"] = ratios(report)
-    return report
+        report["modes"].append(result | {"latency_end": LATENCY_END[mode]})
+    return finish_report(report)

@@ -23,26 +23,27 @@ import multiprocessing as mp
 import resource
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kvpush.bench import ALL_MODES
 from kvpush.bench.modes import (
     BenchFailed,
     MemcpyPair,
     ModeUnavailable,
-    Receiver,
-    Sender,
     factories,
     load_nixl,
 )
-from kvpush.bench.workload import Plan, Workload, make_plan
+from kvpush.bench.workload import Plan, Workload, plans
 from kvpush.errors import KVPushError
 
-ALL_MODES = ("memcpy", "nixl-raw", "kvpush", "mooncake")
 PIPE_TIMEOUT_S = 120.0
 
 ProgressFn = Callable[[str, int, int], None]
+# A child process to start: its function and its arguments.
+ChildSpec = tuple[Callable[..., None], tuple[Any, ...]]
 
 
 def cpu_seconds() -> float:
@@ -61,7 +62,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def _recv(conn: Connection, timeout: float, what: str) -> Any:
     """The next message, or `BenchFailed` on timeout or when our parent is gone, so an
-    orphaned child never waits out its whole timeout."""
+    orphaned child never waits out its whole timeout. A peer's skip (`ModeUnavailable`)
+    or failure is raised here as ours."""
     end = time.monotonic() + timeout
     parent = mp.parent_process()
     while not conn.poll(min(0.5, max(0.0, end - time.monotonic()))):
@@ -70,41 +72,35 @@ def _recv(conn: Connection, timeout: float, what: str) -> Any:
         if parent is not None and not parent.is_alive():
             raise BenchFailed(f"the bench process is gone ({what})")
     msg = conn.recv()
+    if isinstance(msg, tuple) and msg and msg[0] == "skipped":
+        raise ModeUnavailable(msg[1])
     if isinstance(msg, tuple) and msg and msg[0] == "error":
         raise BenchFailed(f"peer process failed: {msg[1]}")
     return msg
 
 
-def plans(workload: Workload) -> list[Plan]:
-    """Warm-up, every size, then the 1-block control-plane rate run."""
-    out = [make_plan(workload, "warmup", 1, max(4, workload.inflight), first_tag=1)]
-    tag = 1000
-    for blocks in workload.sizes_blocks:
-        count = workload.iterations(blocks)
-        out.append(make_plan(workload, f"size:{blocks}", blocks, count, first_tag=tag))
-        tag += count
-    out.append(make_plan(workload, "rate", 1, workload.rate_transfers, first_tag=tag))
-    return out
+@dataclass(slots=True)
+class Measured:
+    """What one side measured of one batch; `batch_result` turns it into figures."""
+
+    submitted: dict[int, int]  # tag -> "blocks ready", monotonic ns
+    finished: dict[int, int]  # tag -> "finished", monotonic ns
+    sender_cpu: float
+    receiver_cpu: float | None
+    src_crc: dict[tuple[int, ...], int]  # destination slot -> CRC of its source blocks
+    dst_crc: dict[tuple[int, ...], int]  # destination slot -> CRC of what landed
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
-def batch_result(
-    workload: Workload,
-    *,
-    plan: Plan,
-    submitted: dict[int, int],
-    finished: dict[int, int],
-    sender_cpu: float,
-    receiver_cpu: float | None,
-    src_crc: dict[tuple[int, ...], int],
-    dst_crc: dict[tuple[int, ...], int],
-) -> dict[str, Any]:
+def batch_result(workload: Workload, plan: Plan, m: Measured) -> dict[str, Any]:
     size = plan.blocks * workload.bytes_per_block
     total = size * len(plan.transfers)
-    start = min(submitted.values())
-    end = max(finished.values())
+    start = min(m.submitted.values())
+    end = max(m.finished.values())
     wall = max(end - start, 1) / 1e9
-    lat = [(finished[t.tag] - submitted[t.tag]) / 1e3 for t in plan.transfers]
+    lat = [(m.finished[t.tag] - m.submitted[t.tag]) / 1e3 for t in plan.transfers]
     gb = total / 1e9
+    src_crc, dst_crc = m.src_crc, m.dst_crc
     mismatched = [k for k in src_crc if dst_crc.get(k) != src_crc[k]]
     return {
         "label": plan.label,
@@ -118,15 +114,15 @@ def batch_result(
         "transfers_per_s": len(plan.transfers) / wall,
         "p50_us": percentile(lat, 50),
         "p99_us": percentile(lat, 99),
-        "sender_cpu_s_per_gb": sender_cpu / gb,
-        "receiver_cpu_s_per_gb": None if receiver_cpu is None else receiver_cpu / gb,
+        "sender_cpu_s_per_gb": m.sender_cpu / gb,
+        "receiver_cpu_s_per_gb": None if m.receiver_cpu is None else m.receiver_cpu / gb,
         "checksums": {
             "slots": len(src_crc),
             "src": [src_crc[k] for k in src_crc],
             "dst": [dst_crc.get(k) for k in src_crc],
             "match": not mismatched,
         },
-    }
+    } | m.extra
 
 
 # ----------------------------------------------------------------- child processes
@@ -142,11 +138,47 @@ def quiet_foreign_loggers() -> None:
         logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
+def close_quietly(thing: Any) -> None:
+    """Close on the way out of a child process, which is about to end anyway."""
+    with contextlib.suppress(Exception):
+        thing.close()
+
+
+@contextlib.contextmanager
+def child_process(conn: Connection, prefix: str = "") -> Iterator[contextlib.ExitStack]:
+    """The frame of every bench child. An exception ends the child as one message on
+    `conn`: ("skipped", why) for `ModeUnavailable`, else ("error", what); then whatever
+    the body put on the yielded stack is closed, errors ignored."""
+    with contextlib.ExitStack() as stack:
+        try:
+            quiet_foreign_loggers()
+            yield stack
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                if isinstance(exc, ModeUnavailable):
+                    conn.send(("skipped", str(exc)))
+                else:
+                    conn.send(("error", f"{prefix}{type(exc).__name__}: {exc}"))
+            if not isinstance(exc, KVPushError):
+                traceback.print_exc()
+
+
+def measure_plans(
+    workload: Workload, parent: Connection, measure: Callable[[Plan], Measured]
+) -> None:
+    """Every plan in turn: progress to the parent, `measure`, and the batch's figures
+    (all but the warm-up's)."""
+    for plan in plans(workload):
+        parent.send(("progress", plan.label))
+        measured = measure(plan)
+        if plan.label != "warmup":
+            parent.send(("batch", batch_result(workload, plan, measured)))
+
+
 def _receiver_main(mode: str, workload: Workload, peer: Connection) -> None:
-    rx: Receiver | None = None
-    quiet_foreign_loggers()
-    try:
+    with child_process(peer, prefix="receiver: ") as stack:
         rx = factories(mode)[0](workload)
+        stack.callback(close_quietly, rx)
         meta = rx.setup(peer)
         peer.send(("meta", meta))
         while True:
@@ -171,28 +203,17 @@ def _receiver_main(mode: str, workload: Workload, peer: Connection) -> None:
                 peer.send(("idled", cpu_seconds() - cpu0))
             elif msg[0] == "stop":
                 break
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            peer.send(("error", f"receiver: {type(exc).__name__}: {exc}"))
-        if not isinstance(exc, KVPushError):
-            traceback.print_exc()
-    finally:
-        if rx is not None:
-            with contextlib.suppress(Exception):
-                rx.close()
 
 
 def _sender_main(mode: str, workload: Workload, peer: Connection, parent: Connection) -> None:
-    tx: Sender | None = None
-    quiet_foreign_loggers()
-    try:
+    with child_process(parent) as stack:
         tx = factories(mode)[1](workload)
+        stack.callback(close_quietly, tx)
         _, meta = _recv(peer, PIPE_TIMEOUT_S, "receiver metadata")
         tx.setup(meta, peer)
-        for plan in plans(workload):
-            parent.send(("progress", plan.label))
-            slots = plan.slots
-            src_crc = {t.dst_blocks: tx.buffers.checksum(t.src_blocks) for t in slots}
+
+        def measure(plan: Plan) -> Measured:
+            src_crc = {t.dst_blocks: tx.buffers.checksum(t.src_blocks) for t in plan.slots}
             peer.send(("arm", [(t.tag, t.dst_blocks) for t in plan.transfers]))
             _recv(peer, PIPE_TIMEOUT_S, "receiver arming")
             tx.prepare(plan.transfers, time.monotonic() + PIPE_TIMEOUT_S)
@@ -202,43 +223,23 @@ def _sender_main(mode: str, workload: Workload, peer: Connection, parent: Connec
             )
             cpu = cpu_seconds() - cpu0
             _, finished, rx_cpu, dst_crc = _recv(peer, PIPE_TIMEOUT_S, "receiver completion")
-            if plan.label == "warmup":
-                continue
-            res = batch_result(
-                workload,
-                plan=plan,
-                submitted=submitted,
-                finished=finished,
-                sender_cpu=cpu,
-                receiver_cpu=rx_cpu,
-                src_crc=src_crc,
-                dst_crc=dst_crc,
-            )
-            parent.send(("batch", res))
+            return Measured(submitted, finished, cpu, rx_cpu, src_crc, dst_crc)
+
+        measure_plans(workload, parent, measure)
         parent.send(("progress", "idle"))
         peer.send(("idle", workload.idle_s))
         _, idle_cpu = _recv(peer, PIPE_TIMEOUT_S, "receiver idling")
         parent.send(("idle", 100.0 * idle_cpu / workload.idle_s))
         peer.send(("stop",))
         parent.send(("finished",))
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            kind = "skipped" if isinstance(exc, ModeUnavailable) else "error"
-            parent.send((kind, f"{type(exc).__name__}: {exc}"))
-        if not isinstance(exc, KVPushError):
-            traceback.print_exc()
-    finally:
-        if tx is not None:
-            with contextlib.suppress(Exception):
-                tx.close()
 
 
 def _memcpy_main(workload: Workload, parent: Connection) -> None:
-    try:
+    with child_process(parent):
         pair = MemcpyPair(workload)
         pair.setup()
-        for plan in plans(workload):
-            parent.send(("progress", plan.label))
+
+        def measure(plan: Plan) -> Measured:
             slots = plan.slots
             src_crc = {t.dst_blocks: pair.buffers.checksum(t.src_blocks) for t in slots}
             for t in slots:
@@ -247,24 +248,10 @@ def _memcpy_main(workload: Workload, parent: Connection) -> None:
             submitted, finished = pair.run_batch(plan.transfers)
             cpu = cpu_seconds() - cpu0
             dst_crc = {t.dst_blocks: pair.dst.checksum(t.dst_blocks) for t in slots}
-            if plan.label == "warmup":
-                continue
-            res = batch_result(
-                workload,
-                plan=plan,
-                submitted=submitted,
-                finished=finished,
-                sender_cpu=cpu,
-                receiver_cpu=None,
-                src_crc=src_crc,
-                dst_crc=dst_crc,
-            )
-            parent.send(("batch", res))
+            return Measured(submitted, finished, cpu, None, src_crc, dst_crc)
+
+        measure_plans(workload, parent, measure)
         parent.send(("finished",))
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            parent.send(("error", f"{type(exc).__name__}: {exc}"))
-        traceback.print_exc()
 
 
 # ----------------------------------------------------------------- parent
@@ -280,28 +267,32 @@ def stop_children(procs: list[mp.process.BaseProcess]) -> None:
             p.join(timeout=5)
 
 
-def run_mode(
+def empty_result(mode: str) -> dict[str, Any]:
+    return {"mode": mode, "status": "ok", "reason": None, "sizes": []} | {
+        "rate": None,
+        "idle_cpu_percent": None,
+    }
+
+
+def run_children(
     mode: str,
-    workload: Workload,
+    children: Callable[[Connection], list[ChildSpec]],
     *,
+    label: str | None = None,
     on_progress: ProgressFn | None = None,
     step_offset: int = 0,
     total_steps: int = 0,
     deadline_s: float = 900.0,
 ) -> dict[str, Any]:
-    """Run one mode in fresh processes; never raises for a mode failure, reports it."""
-    result: dict[str, Any] = {"mode": mode, "status": "ok", "reason": None, "sizes": []}
-    result |= {"rate": None, "idle_cpu_percent": None}
+    """Start `children(report_end)` in fresh "spawn" processes and relay what they report
+    on `report_end` into one mode's result; never raises for the mode's failure."""
+    label = label or mode
+    result = empty_result(mode)
     ctx = mp.get_context("spawn")
     parent_end, child_end = ctx.Pipe()
     procs: list[mp.process.BaseProcess] = []
     try:
-        if mode == "memcpy":
-            procs.append(ctx.Process(target=_memcpy_main, args=(workload, child_end)))
-        else:
-            rx_end, tx_end = ctx.Pipe()
-            procs.append(ctx.Process(target=_receiver_main, args=(mode, workload, rx_end)))
-            procs.append(ctx.Process(target=_sender_main, args=(mode, workload, tx_end, child_end)))
+        procs = [ctx.Process(target=fn, args=args) for fn, args in children(child_end)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + deadline_s
@@ -309,19 +300,19 @@ def run_mode(
         while True:
             if not parent_end.poll(0.2):
                 if time.monotonic() > deadline:
-                    raise BenchFailed(f"mode {mode} did not finish within {deadline_s:.0f} s")
+                    raise BenchFailed(f"{label} did not finish within {deadline_s:.0f} s")
                 dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
                 if dead or all(not p.is_alive() for p in procs):
                     code = dead[0].exitcode if dead else 0
                     if not parent_end.poll(0.5):
-                        raise BenchFailed(f"a {mode} child process exited (status {code})")
+                        raise BenchFailed(f"a {label} child process exited (status {code})")
                 continue
             msg = parent_end.recv()
             kind = msg[0]
             if kind == "progress":
                 step += 1
                 if on_progress is not None:
-                    on_progress(f"{mode} {msg[1]}", step, total_steps)
+                    on_progress(f"{label} {msg[1]}", step, total_steps)
             elif kind == "batch":
                 if msg[1]["label"] == "rate":
                     result["rate"] = msg[1]
@@ -346,8 +337,64 @@ def run_mode(
     return result
 
 
+def run_mode(
+    mode: str,
+    workload: Workload,
+    *,
+    on_progress: ProgressFn | None = None,
+    step_offset: int = 0,
+    total_steps: int = 0,
+    deadline_s: float = 900.0,
+) -> dict[str, Any]:
+    """Run one mode in fresh processes; never raises for a mode failure, reports it."""
+
+    def children(report: Connection) -> list[ChildSpec]:
+        if mode == "memcpy":
+            return [(_memcpy_main, (workload, report))]
+        rx_end, tx_end = mp.get_context("spawn").Pipe()
+        return [
+            (_receiver_main, (mode, workload, rx_end)),
+            (_sender_main, (mode, workload, tx_end, report)),
+        ]
+
+    return run_children(
+        mode,
+        children,
+        on_progress=on_progress,
+        step_offset=step_offset,
+        total_steps=total_steps,
+        deadline_s=deadline_s,
+    )
+
+
 def steps_per_mode(workload: Workload) -> int:
     return len(plans(workload)) + 1
+
+
+def new_report(workload: Workload, **extra: Any) -> dict[str, Any]:
+    """A report's header; `finish_report` adds the totals once every mode has run."""
+    import os
+    import platform
+
+    return {
+        "kvpush_bench": 1,
+        **extra,
+        "host": {
+            "machine": platform.machine(),
+            "node": platform.node(),
+            "cpus": len(os.sched_getaffinity(0)),
+        },
+        "versions": versions(),
+        "started_unix": time.time(),
+        "workload": workload.describe(),
+        "modes": [],
+    }
+
+
+def finish_report(report: dict[str, Any]) -> dict[str, Any]:
+    report["elapsed_s"] = time.time() - report["started_unix"]
+    report["ratios"] = ratios(report)
+    return report
 
 
 def run_bench(
@@ -357,33 +404,19 @@ def run_bench(
     skip: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Every mode in turn on the same workload; the report as a JSON-ready dict."""
-    import platform
-
     per = steps_per_mode(workload)
     total = per * len(modes)
-    report: dict[str, Any] = {
-        "kvpush_bench": 1,
-        "host": {"machine": platform.machine(), "node": platform.node(), "cpus": _cpus()},
-        "versions": versions(),
-        "started_unix": time.time(),
-        "workload": workload.describe(),
-        "modes": [],
-    }
+    report = new_report(workload)
     for i, mode in enumerate(modes):
         if skip and mode in skip:
-            report["modes"].append(
-                {"mode": mode, "status": "skipped", "reason": skip[mode], "sizes": []}
-                | {"rate": None, "idle_cpu_percent": None}
-            )
+            report["modes"].append(empty_result(mode) | {"status": "skipped", "reason": skip[mode]})
             continue
         report["modes"].append(
             run_mode(
                 mode, workload, on_progress=on_progress, step_offset=i * per, total_steps=total
             )
         )
-    report["elapsed_s"] = time.time() - report["started_unix"]
-    report["ratios"] = ratios(report)
-    return report
+    return finish_report(report)
 
 
 def versions() -> dict[str, str | None]:
@@ -397,12 +430,6 @@ def versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             out[dist] = None
     return out
-
-
-def _cpus() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0))
 
 
 def ratios(report: dict[str, Any]) -> dict[str, dict[str, list[float | None]]]:

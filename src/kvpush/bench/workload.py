@@ -241,6 +241,18 @@ def make_plan(workload: Workload, label: str, blocks: int, count: int, first_tag
     return plan
 
 
+def plans(workload: Workload) -> list[Plan]:
+    """Warm-up, every size, then the 1-block control-plane rate run."""
+    out = [make_plan(workload, "warmup", 1, max(4, workload.inflight), first_tag=1)]
+    tag = 1000
+    for blocks in workload.sizes_blocks:
+        count = workload.iterations(blocks)
+        out.append(make_plan(workload, f"size:{blocks}", blocks, count, first_tag=tag))
+        tag += count
+    out.append(make_plan(workload, "rate", 1, workload.rate_transfers, first_tag=tag))
+    return out
+
+
 class CacheBuffers:
     """One side's KV regions: one page-aligned numpy allocation per region."""
 

@@ -9,8 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvpush.bench import ALL_MODES
 from kvpush.bench.report import format_table, write_plot
-from kvpush.bench.runner import ALL_MODES, run_bench
+from kvpush.bench.runner import run_bench
 from kvpush.bench.workload import make_workload, parse_size
 from kvpush.errors import ConfigError
 from kvpush.kvcache import PRESETS
