@@ -9,10 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+# Only light imports here: every `kvpush` command builds this parser. numpy and the
+# bench's machinery are imported by `run`.
 from kvpush.bench import ALL_MODES
-from kvpush.bench.report import format_table, write_plot
-from kvpush.bench.runner import run_bench
-from kvpush.bench.workload import make_workload, parse_size
 from kvpush.errors import ConfigError
 from kvpush.kvcache import PRESETS
 
@@ -76,6 +75,9 @@ class _ProgressBar:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvpush.bench.runner import run_bench
+    from kvpush.bench.workload import make_workload, parse_size
+
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     unknown = [m for m in modes if m not in ALL_MODES]
     if unknown or not modes:
@@ -110,6 +112,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 def _run_remote(args: argparse.Namespace, modes: tuple[str, ...]) -> int:
     from kvpush.bench.remote import check_target, run_remote
+    from kvpush.bench.workload import parse_size
     from kvpush.config import load_token
 
     check_target(args.target)
@@ -131,6 +134,8 @@ def _run_remote(args: argparse.Namespace, modes: tuple[str, ...]) -> int:
 
 
 def _emit(report: dict[str, Any], args: argparse.Namespace) -> int:
+    from kvpush.bench.report import format_table, write_plot
+
     report["argv"] = ["kvpush", *sys.argv[1:]]
     print(format_table(report))
     if args.json:
