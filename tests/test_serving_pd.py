@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from conftest import run_kvpush
+from kvpush.config import TimingConfig
 from kvpush.serving.checkpoint import make_model
 from kvpush.serving.demo import (
     DemoOptions,
@@ -326,7 +328,14 @@ def test_a_dead_prefill_server_fails_requests_promptly_and_a_restart_recovers(
         assert r.error is not None
         assert "prefill server" in r.error
         assert r.latency_s < 10
+    # Blocks the dead sender might still write into stay fenced until its lease has
+    # certainly run out (lease + 2 x liveness = 11 s by default), then come back.
+    fence_s = TimingConfig().lease_s + 2 * TimingConfig().liveness_timeout_s
+    deadline = time.monotonic() + fence_s + 10
     decode = stack.metrics(stack.decode)
+    while decode["kvpush_kv_blocks_held"] and time.monotonic() < deadline:
+        time.sleep(0.25)
+        decode = stack.metrics(stack.decode)
     assert decode["kvpush_kv_blocks_held"] == 0
     assert decode["kvpush_requests_running"] == 0
 

@@ -254,6 +254,8 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        # Refresh from the latest snapshot, so every gauge is there from the first scrape.
+        update_engine_metrics(registry, worker.statistics())
         return PlainTextResponse(registry.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
