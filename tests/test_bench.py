@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -22,13 +23,16 @@ from conftest import Endpoint, free_port, start_endpoint
 MODES = ("memcpy", "nixl-raw", "kvpush", "mooncake")
 
 
-def _kvpush(*args: str, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
+def _kvpush(
+    *args: str, timeout: float = 90.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kvpush", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
+        env=env,
     )
 
 
@@ -108,6 +112,29 @@ def test_table_and_plot_are_written(quick_run: dict[str, Any]) -> None:
         assert mode in stdout
     assert "GB/s" in stdout and "p99 us" in stdout
     assert quick_run["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_mode_whose_library_cannot_load_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    """A `mooncake` package that fails to import, ahead of the real one on the path: both
+    of the mode's processes find it, and the mode is reported skipped (not failed), with
+    the loader's reason, while the other modes run."""
+    shadow = tmp_path / "shadow"
+    (shadow / "mooncake").mkdir(parents=True)
+    (shadow / "mooncake" / "__init__.py").write_text('raise ImportError("shadowed by the test")\n')
+    path = os.pathsep.join(p for p in (str(shadow), os.environ.get("PYTHONPATH")) if p)
+    report_path = tmp_path / "report.json"
+    proc = _kvpush(
+        "bench", "--quick", "--modes", "memcpy,mooncake", "--sizes", "1M", "--no-progress",
+        "--json", str(report_path),
+        env={**os.environ, "PYTHONPATH": path}, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    memcpy, mooncake = json.loads(report_path.read_text())["modes"]
+    assert memcpy["status"] == "ok" and memcpy["sizes"], memcpy
+    assert mooncake["status"] == "skipped", mooncake
+    assert "Mooncake is not importable (shadowed by the test)" in mooncake["reason"]
+    assert mooncake["sizes"] == [] and mooncake["rate"] is None
+    assert "SKIPPED: Mooncake is not importable" in proc.stdout
 
 
 def test_presets_span_one_block_to_a_gibibyte() -> None:
