@@ -43,8 +43,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# While a transfer is in flight the engine thread polls the runtime this often.
-_TRANSFER_POLL_S = 0.002
+# While a transfer is in flight and the engine is otherwise idle, the engine thread
+# sleeps on its command queue this long between polls of the runtime: short against a
+# transfer (a few ms), long enough that the sleeping thread leaves the GIL to the
+# runtime's thread.
+_TRANSFER_POLL_S = 0.001
 
 
 def _str_param(params: dict[str, object], key: str) -> str:

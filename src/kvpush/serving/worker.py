@@ -126,7 +126,11 @@ class EngineWorker:
 
     def _run(self) -> None:
         while not self._stopping.is_set():
-            busy = self.engine.has_work or self._has_pending()
+            # Only engine work runs without waiting. A transfer in flight is waited for in
+            # `_idle_wait()` slices: a zero-timeout get never drops the GIL, so spinning
+            # here would hold off the push runtime's thread (which must poll NIXL to move
+            # this very transfer) by the interpreter's 5 ms switch interval per pass.
+            busy = self.engine.has_work
             try:
                 cmd = self._commands.get(timeout=0.0 if busy else self._idle_wait())
             except queue.Empty:
