@@ -129,11 +129,28 @@ class Wire:
 
     # ----- engine calls, as effects applied at once
 
-    def expect(self, d: str, tid: str, p: str, blocks: Sequence[int], offset: int = 0) -> None:
+    def expect(
+        self,
+        d: str,
+        tid: str,
+        p: str,
+        blocks: Sequence[int],
+        offset: int = 0,
+        first_attempt: bool = True,
+    ) -> None:
         for b in blocks:
-            assert b not in self.owner[d], f"test bug: block {b} of {d} is in use"
+            owner = self.owner[d].get(b)
+            assert owner is None or (not first_attempt and owner == tid), (
+                f"test bug: block {b} of {d} is in use"
+            )
         effects = self.ends[d].receiver.expect(
-            self.now, tid, p, self.engine_of[p], blocks, sender_offset=offset
+            self.now,
+            tid,
+            p,
+            self.engine_of[p],
+            blocks,
+            sender_offset=offset,
+            first_attempt=first_attempt,
         )
         self.expected[(d, tid)] = (p, offset)
         for b in blocks:
@@ -576,6 +593,40 @@ def test_sender_certainly_gone_ends_receiver_transfers_at_once(wire: Wire) -> No
     effects = wire.ends["d-1"].peer_lost(wire.now, "p-1", FailureReason.PEER_GONE, "killed")
     wire.apply("d-1", effects)
     assert wire.ended("d-1", "t1").reason is FailureReason.PEER_GONE
+
+
+def test_a_first_register_that_reached_no_live_sender_is_withdrawn_and_registered_again(
+    wire: Wire,
+) -> None:
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.kill("p-1")
+    receiver = wire.ends["d-1"].receiver
+    assert receiver.withdraw(wire.now, "t1")
+    assert receiver.state_of("t1") is None and receiver.held_blocks() == {}
+    wire.apply("d-1", wire.ends["d-1"].peer_lost(wire.now, "p-1", FailureReason.PEER_GONE, "x"))
+    assert wire.results["d-1"] == []  # withdrawn: nothing to report
+    wire.add("p-2", "engine-p", incarnation="2")
+    wire.expect("d-1", "t1", "p-2", [3], first_attempt=False)
+    wire.submit("p-2", "t1", [5])
+    wire.settle()
+    assert wire.ended("d-1", "t1").ok
+    assert_block_copied(wire, "p-2", 5, "d-1", 3)
+
+
+def test_a_register_is_not_withdrawn_once_the_sender_spoke_or_on_its_retry(wire: Wire) -> None:
+    wire.submit("p-1", "t0", [1], layers=[])
+    wire.expect("d-1", "t0", "p-1", [2])
+    wire.expect("d-1", "t1", "p-1", [3])
+    receiver = wire.ends["d-1"].receiver
+    wire.run_for(TIMING.heartbeat_interval_s * 2)  # p-1 heartbeats, listing t0
+    assert not receiver.withdraw(wire.now, "t0")
+    assert not receiver.withdraw(wire.now, "t1")  # p-1 was alive after t1's Register
+    wire.add("d-2", "engine-d2")
+    wire.expect("d-2", "t2", "p-1", [4])
+    assert wire.ends["d-2"].receiver.withdraw(wire.now, "t2")
+    wire.expect("d-2", "t2", "p-1", [4], first_attempt=False)
+    assert not wire.ends["d-2"].receiver.withdraw(wire.now, "t2")  # one retry, no more
+    assert receiver.withdraw(wire.now, "unknown") is False
 
 
 def test_receiver_dies_the_sender_frees_its_blocks_within_liveness(wire: Wire) -> None:

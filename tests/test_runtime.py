@@ -368,6 +368,55 @@ def test_sender_restarted_while_idle_succeeds_on_the_first_transfer(cluster: Clu
     assert stats.peers == 1 and stats.failed == 0
 
 
+def test_sender_restarted_within_the_revalidation_window_succeeds_on_the_first_transfer(
+    cluster: Cluster,
+) -> None:
+    # The sender comes back faster than `revalidate_after_s`: the receiver still trusts its
+    # cached metadata and its Register goes to the dead agent. The data plane reports that
+    # agent gone in the same pass (as NIXL does when the notification cannot be sent), so
+    # the Register reached nobody: the receiver handshakes afresh and registers once more.
+    # The receiver's idle wake-up is out of the way, so nothing polls between the kill and
+    # the Register.
+    p1, p_addr = cluster.add("p-1", "engine-p")
+    d, _ = cluster.add("d-1", "engine-d", idle_poll_s=60.0)
+    p1.send("t1", [1])
+    d.receive("t1", p_addr, [2])
+    assert wait_results(d)[0].ok
+    assert wait_results(p1)[0].ok
+    cluster.fabric.kill("p-1", announce=True)
+    p2, _ = cluster.add("p-2", "engine-p", port=p_addr.port)
+    cluster.clock.advance(0.05)  # within revalidate_after_s (0.1 s)
+    p2.send("t2", [5])
+    d.receive("t2", p_addr, [6])
+    [r] = wait_results(d)
+    assert r.ok, r
+    assert wait_results(p2)[0].ok
+    assert same_block(cluster.kv["p-2"], 5, cluster.kv["d-1"], 6)
+    stats = d.statistics()
+    assert stats.failed == 0 and stats.register_retries == 1
+    assert stats.peers == 1 and stats.in_flight == 0
+
+
+def test_register_retry_that_finds_no_live_sender_fails_once(cluster: Cluster) -> None:
+    # Nobody came back at that address yet: the one retry's fresh handshake fails (the
+    # side channel still names the dead agent), and the transfer ends once, with that reason.
+    p1, p_addr = cluster.add("p-1", "engine-p")
+    d, _ = cluster.add("d-1", "engine-d", idle_poll_s=60.0)
+    p1.send("t1", [1])
+    d.receive("t1", p_addr, [2])
+    assert wait_results(d)[0].ok
+    cluster.fabric.kill("p-1", announce=True)
+    d.receive("t2", p_addr, [6])
+    [r] = wait_results(d)
+    assert r.reason is FailureReason.HANDSHAKE_FAILED and r.blocks == (6,)
+    assert "not reachable" in r.detail
+    time.sleep(0.1)
+    assert d.poll() == []
+    stats = d.statistics()
+    assert stats.register_retries == 1 and stats.failed == 1
+    assert stats.blocks_held_receiving == 0 and stats.in_flight == 0
+
+
 def test_receiver_abort_mid_transfer_fences_until_the_sender_acks(cluster: Cluster) -> None:
     p, p_addr = cluster.add("p-1", "engine-p")
     d, _ = cluster.add("d-1", "engine-d")

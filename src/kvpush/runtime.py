@@ -67,12 +67,19 @@ Handshakes: a receiver handshakes with the sender's address from the request bef
 registers; the `Register` carries the receiver's own address (`identity`) so the sender
 handshakes back before its first write. Metadata is cached per address while the peer is
 heard from (heartbeats flow while transfers do); an address not heard from for
-`revalidate_after_s` (default 0.1 s, shorter than any process restart) is looked up
-again before its next Register, so a peer restarted there (new incarnation, new agent)
-is handshaked afresh on the first transfer after the restart, and everything still in
-flight with its old incarnation fails with PEER_RESTARTED. A peer found dead is
-forgotten. The lookup costs one side-channel round trip (~0.9 ms on one host) and only
-after a quiet spell; in push mode it overlaps the sender's prefill.
+`revalidate_after_s` (default 0.1 s) is looked up again before its next Register, so a
+peer restarted there (new incarnation, new agent) is handshaked afresh on the first
+transfer after the restart, and everything still in flight with its old incarnation
+fails with PEER_RESTARTED. A peer found dead is forgotten. The lookup costs one
+side-channel round trip (~0.9 ms on one host) and only after a quiet spell; in push mode
+it overlaps the sender's prefill.
+
+A sender restarted faster than `revalidate_after_s` still gets the first Register, sent
+from the cache to its dead agent. When the data plane reports that agent gone in the
+same loop pass (NIXL could not deliver the notification), the Register reached nobody:
+the runtime drops the cached metadata, handshakes afresh and registers once more
+(`register_retries` in `statistics()`). Only once, and only while nothing was heard from
+that agent since the Register went out, so never when a byte may have been written.
 """
 
 from __future__ import annotations
@@ -80,6 +87,7 @@ from __future__ import annotations
 import abc
 import collections
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -210,6 +218,9 @@ class RuntimeStatistics:
     malformed_messages: int
     transport_polls: int
     duplicate_reports: int  # a protocol bug if ever > 0: a second end for one transfer
+    # Registers sent again after a fresh handshake because their first send, to cached
+    # metadata, found the peer gone (a sender restarted within `revalidate_after_s`).
+    register_retries: int = 0
 
     @property
     def in_flight(self) -> int:
@@ -312,6 +323,7 @@ class _Receive:
     sender: PeerAddress
     blocks: tuple[int, ...]
     sender_offset: int
+    first_attempt: bool = True  # False: the one retry after its Register found the peer gone
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,6 +446,10 @@ class PushRuntime:
         self._peers_by_address: dict[PeerAddress, _PeerEntry] = {}
         self._handshaking: dict[PeerAddress, list[_Receive | _Reject | Handshake]] = {}
         self._last_heard: dict[str, float] = {}  # agent -> when it last sent us anything
+        # Registers sent in this loop pass to cached metadata, by agent: if the data plane
+        # reports that agent gone in the same pass, the Register itself went nowhere.
+        self._unconfirmed: dict[str, list[_Receive]] = {}
+        self._register_retries = 0
         self._write_bytes: dict[int, int] = {}
         self._bytes_written = 0
         self._malformed = 0
@@ -664,6 +680,7 @@ class PushRuntime:
             self._polls += 1
             if events:
                 self._handle_events(events)
+            self._unconfirmed.clear()
             now = self._clock()
             if now >= self._next_tick:
                 self._next_tick = now + self._tick_interval_s
@@ -700,7 +717,16 @@ class PushRuntime:
                     self._write_bytes.pop(wid, None)
                     effects = protocol.sender.write_failed(now, wid, reason, detail)
                 case PeerLost(peer=peer, reason=reason, detail=detail):
+                    retry = [
+                        cmd
+                        for cmd in self._unconfirmed.pop(peer, [])
+                        if protocol.receiver.withdraw(now, cmd.transfer_id)
+                    ]
                     effects = protocol.peer_lost(now, peer, reason, detail)
+                    if retry:
+                        self._apply(effects)  # DropPeer: forget the cached metadata first
+                        effects = []
+                        self._retry_registers(peer, retry)
             if effects:
                 self._apply(effects)
 
@@ -747,6 +773,10 @@ class PushRuntime:
                     self._handshake(cmd.sender, cmd)
                 else:
                     self._on_handshaken(now, entry, cmd)
+                    if isinstance(cmd, _Receive) and self._protocol.receiver.state_of(
+                        cmd.transfer_id
+                    ):
+                        self._unconfirmed.setdefault(entry.agent, []).append(cmd)
             case _Abort(transfer_id=tid):
                 if self._abort_handshaking(tid):
                     return
@@ -784,6 +814,25 @@ class PushRuntime:
         self._apply(effects)
 
     # ----------------------------------------------------------------- handshakes
+
+    def _retry_registers(self, agent: str, withdrawn: list[_Receive]) -> None:
+        """The data plane lost `agent` in the very pass that sent these first Registers
+        to it from cached metadata: the agent was dead before they left (a sender
+        restarted at that address within `revalidate_after_s`), so no byte of them can
+        have been written. Handshake afresh and register once more; a second loss ends
+        them as usual."""
+        for cmd in withdrawn:
+            self._register_retries += 1
+            log.info(
+                "transfer %s: %s was gone when its Register went out; handshaking %s:%s "
+                "rank %s again",
+                cmd.transfer_id,
+                agent,
+                cmd.sender.host,
+                cmd.sender.port,
+                cmd.sender.rank,
+            )
+            self._handshake(cmd.sender, dataclasses.replace(cmd, first_attempt=False))
 
     def _handshake(self, address: PeerAddress, waiter: _Receive | _Reject | Handshake) -> None:
         waiting = self._handshaking.get(address)
@@ -844,11 +893,18 @@ class PushRuntime:
     ) -> None:
         match w:
             case _Receive(transfer_id=tid, blocks=blocks, sender_offset=offset):
+                first = w.first_attempt
                 self._guarded(
                     ("receiver", tid),
                     blocks,
                     lambda: self._protocol.receiver.expect(
-                        now, tid, entry.agent, entry.engine_id, blocks, sender_offset=offset
+                        now,
+                        tid,
+                        entry.agent,
+                        entry.engine_id,
+                        blocks,
+                        sender_offset=offset,
+                        first_attempt=first,
                     ),
                 )
             case _Reject(transfer_id=tid, detail=detail):
@@ -1006,4 +1062,5 @@ class PushRuntime:
                 malformed_messages=self._malformed,
                 transport_polls=self._polls,
                 duplicate_reports=self._duplicates,
+                register_retries=self._register_retries,
             )

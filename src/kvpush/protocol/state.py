@@ -54,6 +54,12 @@ The fencing rules, which make "nothing is written after a failure" hold:
 * A peer silent for `liveness_timeout_s` is declared dead: the sender abandons its
   transfers with it; the receiver fences them.
 
+One exception to "a lost peer ends its transfers": a receiver's first `Register` that
+certainly reached no live sender (the runtime saw the data plane lose the peer in the
+same pass that sent it, and nothing was heard from the peer since) may be `withdraw`n
+and registered again, once, with a freshly handshaken peer: no byte of it can have been
+written, and nothing is reported for the withdrawn attempt.
+
 Every transfer the engine handed in ends with exactly one `TransferEnded`, on each side,
 within `transfer_deadline_s` plus the fence. Tombstones make late, duplicate and
 reordered messages harmless: a late `Register` gets the recorded answer again, a `Cancel`
@@ -177,6 +183,7 @@ class _Peer:
     ready: bool = True
     outbox: list[Message] = field(default_factory=list)
     known_by_them: frozenset[str] | None = None  # receiver: ids in the sender's last heartbeat
+    messages_heard: int = 0  # receiver: how many messages it sent us, ever
 
 
 class _Clock:
@@ -791,6 +798,8 @@ class _Incoming:
     register: Register
     deadline: float
     register_sent_at: float
+    heard_before: int  # the peer's `messages_heard` when the Register went out
+    first_attempt: bool = True
     state: ReceiverState = ReceiverState.WAITING
     reason: FailureReason | None = None
     detail: str = ""
@@ -839,10 +848,13 @@ class ReceiverProtocol:
         blocks: Sequence[int],
         *,
         sender_offset: int = 0,
+        first_attempt: bool = True,
     ) -> list[Effect]:
         """Register our `blocks` for the sender's blocks from `sender_offset` on.
 
         `peer` must have been handshaken (loaded on the data plane) already.
+        `first_attempt=False`: this is the one retry after `withdraw`; it cannot be
+        withdrawn again.
         """
         now = self._clock.advance(now)
         ours = _check_blocks(blocks, f"expect({transfer_id!r})")
@@ -882,9 +894,32 @@ class ReceiverProtocol:
             reg,
             deadline=now + self._timing.transfer_deadline_s,
             register_sent_at=now,
+            heard_before=p.messages_heard,
+            first_attempt=first_attempt,
         )
         out.append(SendMessage(peer, reg))
         return out
+
+    def withdraw(self, now: float, transfer_id: str) -> bool:
+        """Take back a first Register that certainly reached no live sender, so that the
+        caller can handshake afresh and `expect` the transfer again (once).
+
+        The caller knows the Register's own send failed: the data plane lost the peer in
+        the same pass that sent it (a sender restarted at the same address faster than
+        metadata is revalidated). Withdrawn only if nothing at all was heard from the peer
+        since the Register went out and the transfer is still waiting: then no byte of
+        it can have been written. Returns False, changing nothing, otherwise; the caller
+        then ends it as usual (`peer_lost`). Nothing is reported for a withdrawn transfer.
+        """
+        self._clock.advance(now)
+        rec = self._transfers.get(transfer_id)
+        if rec is None or not rec.first_attempt or rec.state is not ReceiverState.WAITING:
+            return False
+        p = self._peers.get(rec.peer)
+        if p is None or p.messages_heard != rec.heard_before:
+            return False
+        del self._transfers[transfer_id]
+        return True
 
     def reject(self, now: float, transfer_id: str, peer: str, detail: str) -> list[Effect]:
         """Refuse a request before allocating: the sender frees its blocks at once."""
@@ -932,6 +967,7 @@ class ReceiverProtocol:
         p = self._peers.get(peer)
         if p is not None:
             p.last_heard = now
+        self.heard_from(peer)
         match message:
             case Heartbeat(role="sender", transfer_ids=ids):
                 if p is not None:
@@ -946,6 +982,13 @@ class ReceiverProtocol:
             case _:
                 self.ignored_messages += 1
                 return []
+
+    def heard_from(self, peer: str) -> None:
+        """`peer` sent us something (for either machine, decodable or not): it was alive
+        after our Registers to it went out, so none of them can be withdrawn."""
+        p = self._peers.get(peer)
+        if p is not None:
+            p.messages_heard += 1
 
     def _on_sender_final(self, now: float, rec: _Incoming, message: Message) -> list[Effect]:
         # Each of these promises that no write for the transfer is or will be in flight.
@@ -1080,9 +1123,14 @@ class PushProtocol:
     def receive_message(self, now: float, peer: str, payload: bytes) -> list[Effect]:
         """Decode and route one message. Raises `RemoteProtocolError` (nothing changed)
         when the bytes are not a message; the caller then calls `peer_misbehaved`."""
-        message = decode(payload)
+        try:
+            message = decode(payload)
+        except RemoteProtocolError:
+            self.receiver.heard_from(peer)
+            raise
         match message:
             case Register() | Cancel() | Reject() | Heartbeat(role="receiver"):
+                self.receiver.heard_from(peer)
                 return self.sender.handle(now, peer, message)
             case _:
                 return self.receiver.handle(now, peer, message)
