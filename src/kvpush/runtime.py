@@ -56,11 +56,7 @@ message out) it keeps polling at the shortest wait (~60 us) for `spin_s` (defaul
 0.5 ms): NIXL progresses only when polled, and the next event (WriteDone, the peer's
 answer) is usually that close. It never polls without waiting: a hot loop would hold the
 GIL from the engine's own Python threads (measured: a 2 ms spin doubled the CPU per
-transfer of two runtimes in one process). Idle, nothing spins. Each pass polls the
-transport twice, back to back: NIXL hands out a notification that arrived during one
-poll's progress only at the next poll, and when an engine thread computes in Python,
-every wake-up of ours waits up to a GIL switch interval (5 ms), so a message left for the
-next pass cost that much (measured with `scripts/runtime-latency --busy ...`).
+transfer of two runtimes in one process). Idle, nothing spins.
 
 Publishing: the runtime does not serve its own side channel. Pass `local_metadata()` to
 a `kvpush.sidechannel.MetadataServer` (one per engine, all ranks) after `start()`; the
@@ -220,7 +216,7 @@ class RuntimeStatistics:
     peers: int
     handshakes_in_flight: int
     malformed_messages: int
-    transport_polls: int  # loop passes that polled the transport (twice each)
+    transport_polls: int
     duplicate_reports: int  # a protocol bug if ever > 0: a second end for one transfer
     # Registers sent again after a fresh handshake because their first send, to cached
     # metadata, found the peer gone (a sender restarted within `revalidate_after_s`).
@@ -680,12 +676,7 @@ class PushRuntime:
                     self._shutdown()
                     return
                 self._execute(cmd)
-            # Twice, back to back: NIXL hands out a notification that its progress took in
-            # during one poll only at the next, so one poll per pass would leave every
-            # message (Register, Done) to the next pass, up to `max_backoff_s` later, or
-            # a whole GIL switch interval (5 ms) later when an engine thread computes.
             events = poll()
-            events += poll()
             self._polls += 1
             if events:
                 self._handle_events(events)
