@@ -95,7 +95,11 @@ class _TransferWorker(EngineWorker):
         self.registry = registry
 
     def _idle_wait(self) -> float:
-        return _TRANSFER_POLL_S if self._has_pending() else 0.5
+        return _TRANSFER_POLL_S if self._has_pending() else super()._idle_wait()
+
+    def _has_pending(self) -> bool:
+        """Whether a transfer of ours is in flight (its end comes from `runtime.poll()`)."""
+        raise NotImplementedError
 
     def _pump(self) -> None:
         for result in self.runtime.poll():

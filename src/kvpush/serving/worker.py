@@ -157,10 +157,8 @@ class EngineWorker:
         self._shutdown()
 
     def _idle_wait(self) -> float:
+        """How long to sleep on the command queue when the engine has nothing to run."""
         return 0.5
-
-    def _has_pending(self) -> bool:
-        return False
 
     def _handle(self, kind: str, arg: object) -> None:
         if kind == "submit":
