@@ -58,6 +58,14 @@ answer) is usually that close. It never polls without waiting: a hot loop would 
 GIL from the engine's own Python threads (measured: a 2 ms spin doubled the CPU per
 transfer of two runtimes in one process). Idle, nothing spins.
 
+Latency inside a busy engine: when another thread of the process computes in Python, each
+wake-up of the runtime thread (a command, the next poll) and of the thread in `wait()`
+waits for the GIL up to `sys.getswitchinterval()` (5 ms by default), and a transfer
+needs a few of them. Measured with `scripts/runtime-latency` (one 16-token block,
+receiver first, send() 10-50 ms later): p50 send()-to-receiver-result 2.3 ms with idle
+engines, 14-26 ms with a computing thread in both processes, 4-7 ms when those processes
+set a switch interval of 0.2-1 ms. That setting is the engine's to choose, not ours.
+
 Publishing: the runtime does not serve its own side channel. Pass `local_metadata()` to
 a `kvpush.sidechannel.MetadataServer` (one per engine, all ranks) after `start()`; the
 engine decides host, port and token there. The runtime owns the transport it is given:
