@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
+
+from kvpush.errors import ConfigError
 
 
 def add_parser(subparsers: Any) -> None:
@@ -44,6 +47,12 @@ def add_parser(subparsers: Any) -> None:
         help="how often an idle kvpush runtime looks for new registrations (default 5 ms)",
     )
     p.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=1.0,
+        help="Python's thread switch interval in this process (default 1 ms; Python's own: 5)",
+    )
+    p.add_argument(
         "--token-file",
         default=None,
         help="shared secret for the side channel (default: $KVPUSH_TOKEN, else none)",
@@ -54,6 +63,13 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvpush.serving.app import ServeOptions, serve
 
+    if args.switch_interval_ms <= 0:
+        raise ConfigError(f"--switch-interval-ms must be positive, got {args.switch_interval_ms}")
+    # While the engine thread computes, each wake-up of the kvpush runtime's thread waits
+    # for the GIL for up to one switch interval; at Python's 5 ms that dominated a
+    # transfer's latency (scripts/runtime-latency --busy both: p50 14-26 ms at 5 ms,
+    # 5-7 ms at 1 ms). Process-wide, so it is set here, never by the library.
+    sys.setswitchinterval(args.switch_interval_ms / 1000)
     return serve(
         ServeOptions(
             model=args.model,
