@@ -6,7 +6,6 @@ import os
 import re
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,15 +14,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from kvpush.readiness import free_port as free_port  # re-exported for the tests
+
 KVPUSH = [sys.executable, "-m", "kvpush"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (tests that need a closed port use this)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def run_kvpush(
