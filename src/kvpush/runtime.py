@@ -115,7 +115,6 @@ from kvpush.errors import (
     LocalProtocolError,
     RemoteProtocolError,
     RuntimeStopped,
-    TransferFailed,
     TransportError,
 )
 from kvpush.geometry import CacheGeometry
@@ -189,23 +188,9 @@ class RuntimeIdentity:
     role: str = "both"  # "sender" | "receiver" | "both", as published
 
 
-@dataclass(frozen=True, slots=True)
-class TransferResult:
-    """How one transfer ended, on one side. Reported exactly once by `poll()`/`wait()`."""
-
-    transfer_id: str
-    side: Side
-    reason: FailureReason | None  # None: finished
-    detail: str
-    blocks: tuple[int, ...]
-
-    @property
-    def ok(self) -> bool:
-        return self.reason is None
-
-    def raise_for_failure(self) -> None:
-        if self.reason is not None:
-            raise TransferFailed(self.transfer_id, self.reason, self.detail)
+# How one transfer ended, on one side: the protocol's own record, reported exactly once
+# by `poll()`/`wait()` (`.ok`, `.reason`, `.detail`, `.blocks`, `.raise_for_failure()`).
+TransferResult = TransferEnded
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,7 +79,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvpush.config import TimingConfig
-from kvpush.errors import FailureReason, LocalProtocolError, RemoteProtocolError
+from kvpush.errors import (
+    FailureReason,
+    LocalProtocolError,
+    RemoteProtocolError,
+    TransferFailed,
+)
 from kvpush.geometry import PROTOCOL_VERSION
 from kvpush.protocol.messages import (
     Cancel,
@@ -155,6 +160,10 @@ class TransferEnded:
     @property
     def ok(self) -> bool:
         return self.reason is None
+
+    def raise_for_failure(self) -> None:
+        if self.reason is not None:
+            raise TransferFailed(self.transfer_id, self.reason, self.detail)
 
 
 Effect = SendMessage | WriteBlocks | Handshake | DropPeer | TransferEnded
