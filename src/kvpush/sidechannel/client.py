@@ -97,34 +97,11 @@ def fetch_metadata_timed(
         raise UnknownRank(f"rank must be >= 0, got {rank}")
     address = zmq_address(host, port)
     where = f"{address} rank {rank}"
-    ctx = context if context is not None else zmq.Context.instance()
     started = time.perf_counter()
-    deadline = started + timeout_ms / 1000
-    sock = ctx.socket(zmq.DEALER)
-    monitor: zmq.Socket[bytes] | None = None
-    try:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, 1)
-        monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
-        try:
-            sock.connect(address)
-        except zmq.ZMQError as exc:
-            raise PeerUnreachable(f"{where}: cannot connect: {exc.strerror}") from None
-        sock.send(encode_request(rank, token))
-        frames = _await_reply(
-            sock,
-            host=unbracket_host(host),
-            monitor=monitor,
-            deadline=deadline,
-            where=where,
-            timeout_ms=timeout_ms,
-        )
-        round_trip = time.perf_counter() - started
-    finally:
-        if monitor is not None:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-        sock.close(linger=0)
+    frames = _exchange(
+        context, host, port, encode_request(rank, token), where=where, timeout_ms=timeout_ms
+    )
+    round_trip = time.perf_counter() - started
     return _check_reply(
         frames,
         where=where,
@@ -133,6 +110,43 @@ def fetch_metadata_timed(
         expect_compat_hash=expect_compat_hash,
         expect_geometry=expect_geometry,
     )
+
+
+def _exchange(
+    context: zmq.Context[zmq.Socket[bytes]] | None,
+    host: str,
+    port: int,
+    request: bytes,
+    *,
+    where: str,
+    timeout_ms: int,
+) -> list[bytes]:
+    """One request on a fresh DEALER socket, and the reply's frames, by the deadline."""
+    ctx = context if context is not None else zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    monitor: zmq.Socket[bytes] | None = None
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
+        monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        try:
+            sock.connect(zmq_address(host, port))
+        except zmq.ZMQError as exc:
+            raise PeerUnreachable(f"{where}: cannot connect: {exc.strerror}") from None
+        sock.send(request)
+        return _await_reply(
+            sock,
+            host=unbracket_host(host),
+            monitor=monitor,
+            deadline=time.perf_counter() + timeout_ms / 1000,
+            where=where,
+            timeout_ms=timeout_ms,
+        )
+    finally:
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+        sock.close(linger=0)
 
 
 def control_request(
@@ -154,31 +168,14 @@ def control_request(
         raise SideChannelError(f"timeout_ms must be positive, got {timeout_ms}")
     address = zmq_address(host, port)
     where = f"{address} {kind.decode(errors='replace')}"
-    ctx = context if context is not None else zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    monitor: zmq.Socket[bytes] | None = None
-    try:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, 1)
-        monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
-        try:
-            sock.connect(address)
-        except zmq.ZMQError as exc:
-            raise PeerUnreachable(f"{where}: cannot connect: {exc.strerror}") from None
-        sock.send(encode_control_request(kind, body, token))
-        frames = _await_reply(
-            sock,
-            host=unbracket_host(host),
-            monitor=monitor,
-            deadline=time.perf_counter() + timeout_ms / 1000,
-            where=where,
-            timeout_ms=timeout_ms,
-        )
-    finally:
-        if monitor is not None:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-        sock.close(linger=0)
+    frames = _exchange(
+        context,
+        host,
+        port,
+        encode_control_request(kind, body, token),
+        where=where,
+        timeout_ms=timeout_ms,
+    )
     if len(frames) != 2:
         raise MalformedReply(f"{where}: expected a reply of 2 frames, got {len(frames)}")
     try:
