@@ -76,7 +76,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Generic, Literal, Protocol, TypeVar
 
 from kvpush.config import TimingConfig
 from kvpush.errors import (
@@ -218,6 +218,44 @@ def _check_blocks(blocks: Sequence[int], what: str) -> tuple[int, ...]:
 # --------------------------------------------------------------------------- sender
 
 
+class _Record(Protocol):
+    @property
+    def peer(self) -> str | None: ...  # None: a sender still waiting for its Register
+
+
+_Rec = TypeVar("_Rec", bound=_Record)
+
+
+class _Side(Generic[_Rec]):
+    """What both sides do alike: their transfers, by id, each with one peer."""
+
+    _clock: _Clock
+    _transfers: dict[str, _Rec]
+    _peers: dict[str, _Peer]
+
+    def in_flight(self) -> bool:
+        return bool(self._transfers)
+
+    def peer_lost(self, now: float, peer: str, reason: FailureReason, detail: str) -> list[Effect]:
+        """`peer` is certainly gone: it can write or confirm nothing more, so its
+        transfers end now and it is forgotten."""
+        now = self._clock.advance(now)
+        if peer not in self._peers:
+            return []
+        out: list[Effect] = []
+        for rec in list(self._transfers.values()):
+            if rec.peer == peer:
+                out += self._end_with_lost_peer(now, rec, reason, detail)
+        del self._peers[peer]
+        out.append(DropPeer(peer, reason, detail))
+        return out
+
+    def _end_with_lost_peer(
+        self, now: float, rec: _Rec, reason: FailureReason, detail: str
+    ) -> list[Effect]:
+        raise NotImplementedError
+
+
 class SenderState(enum.StrEnum):
     AWAITING_REGISTER = "awaiting_register"  # submitted, receiver not heard yet
     REGISTERED = "registered"  # receiver registered, engine has not submitted (no blocks)
@@ -253,7 +291,7 @@ class _Tombstone:
     pending_failure: tuple[FailureReason, str] | None = None
 
 
-class SenderProtocol:
+class SenderProtocol(_Side["_Outgoing"]):
     """The sending side of every transfer of one rank. See the module docstring."""
 
     def __init__(self, identity: LocalIdentity, timing: TimingConfig, num_layers: int) -> None:
@@ -271,9 +309,6 @@ class SenderProtocol:
         self.ignored_messages = 0
 
     # ----- inspection (read-only; what statistics and tests read)
-
-    def in_flight(self) -> bool:
-        return bool(self._transfers)
 
     def state_of(self, transfer_id: str) -> SenderState | None:
         rec = self._transfers.get(transfer_id)
@@ -386,18 +421,10 @@ class SenderProtocol:
         """The handshake back to `peer` failed: its transfers fail, it is forgotten."""
         return self.peer_lost(now, peer, reason, detail)
 
-    def peer_lost(self, now: float, peer: str, reason: FailureReason, detail: str) -> list[Effect]:
-        """`peer` is certainly gone: nothing it has can be written anymore."""
-        now = self._clock.advance(now)
-        if peer not in self._peers:
-            return []
-        out: list[Effect] = []
-        for rec in list(self._transfers.values()):
-            if rec.peer == peer:
-                out += self._abandon(now, rec, reason, detail)
-        del self._peers[peer]
-        out.append(DropPeer(peer, reason, detail))
-        return out
+    def _end_with_lost_peer(
+        self, now: float, rec: _Outgoing, reason: FailureReason, detail: str
+    ) -> list[Effect]:
+        return self._abandon(now, rec, reason, detail)
 
     def write_done(self, now: float, write_id: int) -> list[Effect]:
         now = self._clock.advance(now)
@@ -816,7 +843,7 @@ class _Incoming:
     cancel_sent_at: float = float("-inf")
 
 
-class ReceiverProtocol:
+class ReceiverProtocol(_Side["_Incoming"]):
     """The receiving side of every transfer of one rank. See the module docstring."""
 
     def __init__(self, identity: LocalIdentity, timing: TimingConfig) -> None:
@@ -832,9 +859,6 @@ class ReceiverProtocol:
     def fence_s(self) -> float:
         """How long blocks stay fenced when the sender never confirms."""
         return self._timing.lease_s + 2 * self._timing.liveness_timeout_s
-
-    def in_flight(self) -> bool:
-        return bool(self._transfers)
 
     def state_of(self, transfer_id: str) -> ReceiverState | None:
         rec = self._transfers.get(transfer_id)
@@ -958,18 +982,10 @@ class ReceiverProtocol:
 
     # ----- events
 
-    def peer_lost(self, now: float, peer: str, reason: FailureReason, detail: str) -> list[Effect]:
-        """`peer` is certainly gone: its transfers end now (it can write nothing more)."""
-        now = self._clock.advance(now)
-        if peer not in self._peers:
-            return []
-        out: list[Effect] = []
-        for rec in list(self._transfers.values()):
-            if rec.peer == peer:
-                out += self._end(now, rec, reason, detail)
-        del self._peers[peer]
-        out.append(DropPeer(peer, reason, detail))
-        return out
+    def _end_with_lost_peer(
+        self, now: float, rec: _Incoming, reason: FailureReason, detail: str
+    ) -> list[Effect]:
+        return self._end(now, rec, reason, detail)
 
     def handle(self, now: float, peer: str, message: Message) -> list[Effect]:
         now = self._clock.advance(now)
