@@ -1,0 +1,251 @@
+"""Drive `tests/chaos_peer.py` ranks from a test: start, command, stop and resume them."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CHAOS_PEER = Path(__file__).with_name("chaos_peer.py")
+
+Results = list[dict[str, Any]]
+
+
+class ChaosRank:
+    """One `chaos_peer.py` process: commands in, replies and transfer results out."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        role: str,
+        *options: str,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.engine_id = engine_id
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        self.process = subprocess.Popen(
+            [sys.executable, str(CHAOS_PEER), engine_id, role, *options],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=full_env,
+        )
+        self.replies: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.results: Results = []
+        self.resumed = threading.Event()
+        self.stderr: list[str] = []
+        self.noise: list[str] = []
+        self._cv = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self._stderr_reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self._stderr_reader.start()
+        self.port = 0
+        self.pid = self.process.pid
+        self.stopped = False
+
+    def ready(self) -> ChaosRank:
+        """Wait for the process to be up (start several first: they come up in parallel)."""
+        if not self.port:
+            self.port = self._reply(timeout=60)["port"]
+        return self
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            kind, _, body = line.partition(" ")
+            if kind == "@reply":
+                self.replies.put(json.loads(body))
+            elif kind == "@result":
+                with self._cv:
+                    self.results.append(json.loads(body))
+                    self._cv.notify_all()
+            elif kind == "@resumed":
+                self.resumed.set()
+            else:
+                self.noise = [*self.noise[-200:], line]  # NIXL and UCX log to stdout too
+        self.replies.put({"error": f"process exited ({self.process.wait()})"})
+
+    def _read_stderr(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.stderr = [*self.stderr[-40:], line]
+
+    def _reply(self, timeout: float = 30) -> dict[str, Any]:
+        try:
+            reply = self.replies.get(timeout=timeout)
+        except queue.Empty:
+            pytest.fail(f"{self.engine_id}: no reply within {timeout}s; stderr: {self.stderr}")
+        assert "error" not in reply, (reply.get("trace", reply["error"]), self.stderr)
+        return reply
+
+    def tell(self, **cmd: Any) -> None:
+        """Send a command without waiting for its reply (a stopped process reads it later)."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(cmd) + "\n")
+        self.process.stdin.flush()
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        assert not self.stopped, f"{self.engine_id} is stopped: it cannot answer {cmd}"
+        self.tell(**cmd)
+        return self._reply()
+
+    def stop_after(self, *calls: dict[str, Any]) -> dict[str, Any]:
+        """The engine makes `calls` (send / layers_ready), and the process stops itself
+        before its runtime thread can take them."""
+        self.resumed.clear()
+        self.tell(op="stop_after", then=list(calls))
+        reply = self._reply()
+        self.stopped = True
+        wait_until(self.is_stopped, 10, f"{self.engine_id} to stop")
+        return reply
+
+    def sigstop(self) -> None:
+        self.process.send_signal(signal.SIGSTOP)
+        self.stopped = True
+        wait_until(self.is_stopped, 10, f"{self.engine_id} to stop")
+
+    def sigcont(self) -> None:
+        self.process.send_signal(signal.SIGCONT)
+        self.stopped = False
+
+    def is_stopped(self) -> bool:
+        """The kernel says every thread of the process is stopped (state T)."""
+        tasks = Path(f"/proc/{self.pid}/task")
+        states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks.iterdir()]
+        return bool(states) and all(s == "T" for s in states)
+
+    def wait_results(self, until: Callable[[Results], bool], timeout: float) -> Results:
+        with self._cv:
+            if not self._cv.wait_for(lambda: until(self.results), timeout):
+                pytest.fail(f"{self.engine_id}: timed out; results so far {self.results}")
+            return list(self.results)
+
+    def result_of(self, transfer_id: str) -> Results:
+        with self._cv:
+            return [r for r in self.results if r["transfer_id"] == transfer_id]
+
+    def close(self) -> None:
+        if self.stopped:
+            self.sigcont()
+        if self.process.poll() is None:
+            try:
+                self.tell(op="exit")
+                self.process.wait(15)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
+            if stream is not None:
+                stream.close()
+        self._reader.join(5)
+        self._stderr_reader.join(5)
+
+
+def ended(*transfer_ids: str) -> Callable[[Results], bool]:
+    return lambda results: {r["transfer_id"] for r in results} >= set(transfer_ids)
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+class Ledger:
+    """Per test run: which transfers ran between which ranks, and what each must show.
+
+    `audit()` returns every violation of the transfer contract that the bytes and the
+    results show: a transfer not ended exactly once per side; a receiver `ok` whose
+    blocks do not hold what the sender's engine submitted; a sender that handed blocks
+    back while a write of them was unfinished on the data plane; a canary (a receiver
+    block reused after its transfer ended) overwritten."""
+
+    def __init__(self, receiver: ChaosRank, sender: ChaosRank) -> None:
+        self.receiver, self.sender = receiver, sender
+        self.submitted: dict[str, list[list[str]]] = {}
+        self.stalls = 0
+        self.must_fail: set[str] = set()  # the receiver gave up on these: ok is a lie
+        self.canaries_checked = 0
+
+    def sent(self, transfer_id: str, sums: list[list[str]]) -> None:
+        self.submitted[transfer_id] = sums
+
+    def wait_ended(self, timeout: float) -> None:
+        """Both sides reported every transfer and hold nothing more."""
+        tids = tuple(self.submitted)
+        for rank in (self.receiver, self.sender):
+            rank.wait_results(ended(*tids), timeout)
+            wait_until(
+                lambda rank=rank: rank.call(op="stats")["in_flight"] == 0,  # type: ignore[misc]
+                timeout,
+                f"{rank.engine_id} to hold no transfer",
+            )
+        # Every write NIXL still runs for the sender has landed before canaries are read.
+        wait_until(
+            lambda: self.sender.call(op="stats")["writes_in_flight"] == 0,
+            timeout,
+            "the sender's data plane to finish its writes",
+        )
+
+    def audit(self) -> list[str]:
+        bad: list[str] = []
+        for tid, want in self.submitted.items():
+            for rank in (self.receiver, self.sender):
+                got = rank.result_of(tid)
+                if len(got) != 1:
+                    bad.append(f"{tid}: {rank.engine_id} reported it {len(got)} times: {got}")
+            for rank in (self.receiver, self.sender):
+                for r in rank.result_of(tid):
+                    if tid in self.must_fail and r["reason"] is None:
+                        bad.append(
+                            f"{tid}: {rank.engine_id} reported ok after the receiver gave up on it"
+                        )
+            for r in self.receiver.result_of(tid):
+                if r["reason"] is None and r["at_end"] != want:
+                    bad.append(
+                        f"{tid}: the receiver reported ok, but its blocks do not hold "
+                        "the bytes the sender's engine submitted"
+                    )
+            for r in self.sender.result_of(tid):
+                if r["still_read_by"]:
+                    bad.append(
+                        f"{tid}: the sender handed back blocks {r['blocks']} while "
+                        f"the data plane still ran {r['still_read_by']}"
+                    )
+        check = self.receiver.call(op="check")
+        self.canaries_checked += check["canaries_checked"]
+        overwritten = set(check["canaries_overwritten"])
+        for r in self.receiver.results:
+            hit = sorted(overwritten.intersection(r["canaries"]))
+            if hit:
+                bad.append(
+                    f"{r['transfer_id']}: written into receiver blocks {hit} after the "
+                    f"receiver reported it ({r['reason'] or 'ok'}) and reused them "
+                    "(canaries overwritten)"
+                )
+        for rank in (self.receiver, self.sender):
+            dup = rank.call(op="stats")["duplicate_reports"]
+            if dup:
+                bad.append(f"{rank.engine_id}: {dup} duplicate reports suppressed")
+        return bad
+
+    def figures(self, violations: list[str]) -> str:
+        return (
+            f"transfers={len(self.submitted)} stalls={self.stalls} "
+            f"canaries_checked={self.canaries_checked} violations={len(violations)}"
+        )

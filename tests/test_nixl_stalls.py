@@ -1,0 +1,165 @@
+"""Whole ranks over real NIXL, one of them stopped with SIGSTOP past every timer.
+
+"Silent" is not "dead": a stopped process comes back, and its data plane with it. Each
+rank runs `tests/chaos_peer.py`, whose engine reuses blocks the moment kvpush hands them
+back (the sender's engine overwrites them, the receiver's engine fills them with
+canaries), so a write from reused memory, or into reused blocks, shows in the bytes.
+Each test ends with `Ledger.audit()`: every transfer ended exactly once per side, a
+receiver's `ok` holds exactly the submitted bytes, no sender block was handed back while
+the data plane still ran a write of it, no canary was overwritten.
+
+Timers are short (liveness 1 s, lease 2 s, so the receiver's fence is 4 s); stalls last
+longer than liveness + fence with a margin, and every wait has a margin for a loaded
+2-core machine. Only the stall itself is a sleep: everything else waits for an event.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from chaos_procs import ChaosRank, Ledger, ended, wait_until
+
+pytestmark = pytest.mark.nixl
+
+LIVENESS_S = 1.0
+LEASE_S = 2.0
+FENCE_S = LEASE_S + 2 * LIVENESS_S  # a receiver's fence when the sender never answers
+STALL_S = LIVENESS_S + FENCE_S + 1.5  # past liveness, lease and fence, with a margin
+MARGIN_S = 10.0  # scheduling noise on a shared 2-core machine, never a speed claim
+OPTIONS = ("--liveness", str(LIVENESS_S), "--lease", str(LEASE_S), "--blocks", "32")
+
+
+@pytest.fixture
+def ranks() -> Iterator[Callable[..., ChaosRank]]:
+    """Start a chaos rank; call `.ready()` before using it. Stopped ones are resumed and
+    every one is closed at the end, whatever happened."""
+    made: list[ChaosRank] = []
+
+    def start(engine_id: str, role: str, *options: str) -> ChaosRank:
+        rank = ChaosRank(f"{engine_id}-{os.getpid()}", role, *OPTIONS, *options)
+        made.append(rank)
+        return rank
+
+    yield start
+    for rank in made:
+        rank.close()
+
+
+def warm_up(ledger: Ledger, receiver_blocks: list[int], sender_blocks: list[int]) -> None:
+    """One whole transfer first: both handshakes done, both data-plane links up."""
+    r, s = ledger.receiver, ledger.sender
+    r.call(op="receive", transfer_id="warm-up", sender_port=s.port, blocks=receiver_blocks)
+    ledger.sent("warm-up", s.call(op="send", transfer_id="warm-up", blocks=sender_blocks)["sums"])
+    for rank in (r, s):
+        [result] = rank.wait_results(ended("warm-up"), MARGIN_S)
+        assert result["reason"] is None, result
+
+
+def layer0_landed(ledger: Ledger, transfer_id: str, blocks: list[int]) -> Callable[[], bool]:
+    """Layer 0 (regions 0 and 1) of what the sender submitted is in `blocks`."""
+    want = [w[:2] for w in ledger.submitted[transfer_id]]
+    return lambda: (
+        [g[:2] for g in ledger.receiver.call(op="checksums", blocks=blocks)["sums"]] == want
+    )
+
+
+def sender_states(sender: ChaosRank, want: dict[str, int]) -> Callable[[], bool]:
+    return lambda: sender.call(op="stats")["sending"] == want
+
+
+def finish(ledger: Ledger, request: pytest.FixtureRequest) -> None:
+    ledger.wait_ended(FENCE_S + MARGIN_S)
+    violations = ledger.audit()
+    figures = ledger.figures(violations)
+    request.node.user_properties.append(("chaos", figures))
+    print(f"chaos {request.node.name}: {figures}")
+    for rank in (ledger.receiver, ledger.sender):
+        for r in rank.results:
+            print(rank.engine_id, {k: v for k, v in r.items() if k not in ("at_end",)})
+    assert not violations, "\n".join(violations)
+
+
+def test_receiver_stopped_past_every_timer(
+    ranks: Callable[..., ChaosRank], request: pytest.FixtureRequest
+) -> None:
+    """Writes posted to a receiver that then stops: the sender waits for them before it
+    hands its blocks back, and the receiver, once resumed, reports `ok` only with the
+    submitted bytes."""
+    receiver, sender = ranks("decode", "receiver", "--seed", "1"), ranks("prefill", "sender")
+    receiver.ready()
+    sender.ready()
+    ledger = Ledger(receiver, sender)
+    warm_up(ledger, [0], [0])
+    # t1 is mid-write (layer 0 landed, layer 1 not computed yet); t2 is registered and
+    # has nothing computed. Both get their writes while the receiver is stopped.
+    receiver.call(op="receive", transfer_id="t1", sender_port=sender.port, blocks=[1, 2, 3, 4])
+    receiver.call(op="receive", transfer_id="t2", sender_port=sender.port, blocks=[5, 6, 7])
+    sums = sender.call(op="send", transfer_id="t1", blocks=[10, 11, 12, 13], ready_layers=[0])
+    ledger.sent("t1", sums["sums"])
+    sums = sender.call(op="send", transfer_id="t2", blocks=[14, 15, 16], ready_layers=[])
+    ledger.sent("t2", sums["sums"])
+    wait_until(sender_states(sender, {"writing": 2}), MARGIN_S, "both registrations")
+    wait_until(layer0_landed(ledger, "t1", [1, 2, 3, 4]), MARGIN_S, "t1's layer 0 to land")
+
+    receiver.sigstop()
+    ledger.stalls += 1
+    sender.call(op="layers_ready", transfer_id="t1", layers=[1])
+    sender.call(op="layers_ready", transfer_id="t2", layers=[0, 1])
+    time.sleep(STALL_S)  # the stall itself: the receiver is stopped all this time
+    receiver.sigcont()
+    finish(ledger, request)
+
+
+@pytest.mark.parametrize("waiting", ["register_in_inbox", "queued_calls"])
+def test_sender_stopped_past_every_timer(
+    ranks: Callable[..., ChaosRank], request: pytest.FixtureRequest, waiting: str
+) -> None:
+    """A sender stopped while work waits for it: a receiver's Register in its inbox, or
+    a `layers_ready` and a `send` its engine made just before the stop. The receiver
+    gives up and reuses its blocks; the resumed sender writes nothing into them and
+    reports each transfer failed, once."""
+    # The receiver registers from the sender's metadata it handshook with: it must not
+    # look the (stopped) sender's side channel up again before each Register.
+    receiver = ranks("decode", "receiver", "--seed", "1", "--revalidate-after", "600")
+    sender = ranks("prefill", "sender", "--seed", "2")
+    receiver.ready()
+    sender.ready()
+    ledger = Ledger(receiver, sender)
+    warm_up(ledger, [0], [0])
+    if waiting == "register_in_inbox":
+        # Submitted; the receiver registers while the sender is stopped.
+        ledger.sent("t1", sender.call(op="send", transfer_id="t1", blocks=[20, 21])["sums"])
+        ledger.sent("t2", sender.call(op="send", transfer_id="t2", blocks=[22, 23, 24])["sums"])
+        wait_until(sender_states(sender, {"awaiting_register": 2}), MARGIN_S, "both sends")
+        sender.sigstop()
+        stalled_at = time.monotonic()
+        receiver.call(op="receive", transfer_id="t1", sender_port=sender.port, blocks=[1, 2])
+        receiver.call(op="receive", transfer_id="t2", sender_port=sender.port, blocks=[3, 4, 5])
+    else:
+        # t1 is mid-write and its last layer is announced just before the stop; t2 is
+        # registered and submitted just before the stop.
+        receiver.call(op="receive", transfer_id="t1", sender_port=sender.port, blocks=[1, 2, 3, 4])
+        receiver.call(op="receive", transfer_id="t2", sender_port=sender.port, blocks=[5, 6, 7])
+        sums = sender.call(op="send", transfer_id="t1", blocks=[10, 11, 12, 13], ready_layers=[0])
+        ledger.sent("t1", sums["sums"])
+        wait_until(layer0_landed(ledger, "t1", [1, 2, 3, 4]), MARGIN_S, "t1's layer 0 to land")
+        wait_until(
+            sender_states(sender, {"writing": 1, "registered": 1}), MARGIN_S, "t2's Register"
+        )
+        queued = sender.stop_after(
+            {"op": "layers_ready", "transfer_id": "t1", "layers": [1]},
+            {"op": "send", "transfer_id": "t2", "blocks": [14, 15, 16]},
+        )
+        stalled_at = time.monotonic()
+        ledger.sent("t2", queued["sums"]["t2"])
+    ledger.stalls += 1
+    ledger.must_fail.update(("t1", "t2"))
+    # The receiver gives up on both and reuses their blocks (canaries).
+    receiver.wait_results(ended("t1", "t2"), FENCE_S + LIVENESS_S + MARGIN_S)
+    time.sleep(max(0.0, STALL_S - (time.monotonic() - stalled_at)))  # the rest of the stall
+    sender.sigcont()
+    finish(ledger, request)
