@@ -1,0 +1,96 @@
+"""Two real runtimes over NIXL, in separate processes, set up as the README shows
+(`register_kv_cache` on torch tensors, `SideChannelPeerDirectory` with its defaults),
+whose caches differ in one field that changes what the bytes mean but not how many
+there are. Every block has the same size on both sides, so only a compatibility check
+can tell: the transfer must fail on both sides as INCOMPATIBLE_PEER, say which field
+differs (ours and theirs), and write no byte into the receiver."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from chaos_procs import ChaosRank, ended, wait_until
+
+pytestmark = pytest.mark.nixl
+
+DEADLINE_S = 10.0  # the transfer deadline: a side never told about the mismatch ends by it
+MARGIN_S = 10.0  # scheduling noise on a shared 2-core machine, never a speed claim
+RECEIVER_BLOCKS = [0, 1, 2, 3]
+SENDER_BLOCKS = [4, 5, 6, 7]
+
+
+@pytest.fixture
+def ranks() -> Iterator[Callable[..., ChaosRank]]:
+    made: list[ChaosRank] = []
+
+    def start(engine_id: str, role: str, *options: str) -> ChaosRank:
+        rank = ChaosRank(
+            f"{engine_id}-{os.getpid()}", role, "--torch", "--deadline", str(DEADLINE_S), *options
+        )
+        made.append(rank)
+        return rank
+
+    yield start
+    for rank in made:
+        rank.close()
+
+
+def names(detail: str, value: str) -> bool:
+    """`value` appears as a word of its own (so "float16" is not found in "bfloat16")."""
+    return re.search(rf"(?<![\w/]){re.escape(value)}(?![\w/])", detail) is not None
+
+
+@pytest.mark.parametrize(
+    ("host", "field", "receiver_value", "sender_value"),
+    [
+        ("127.0.0.1", "dtype", "bfloat16", "float16"),
+        ("::1", "layout", "kv_separate/NHD", "kv_separate/HND"),
+    ],
+    ids=["dtype-ipv4", "layout-ipv6"],
+)
+def test_caches_that_differ_only_in_meaning_never_transfer(
+    ranks: Callable[..., ChaosRank],
+    host: str,
+    field: str,
+    receiver_value: str,
+    sender_value: str,
+) -> None:
+    receiver = ranks("decode", "receiver", "--host", host, f"--{field}", receiver_value)
+    sender = ranks("prefill", "sender", "--host", host, f"--{field}", sender_value)
+    receiver.ready()
+    sender.ready()
+    before = receiver.call(op="checksums", blocks=RECEIVER_BLOCKS)["sums"]
+    receiver.call(op="receive", transfer_id="t1", sender_port=sender.port, blocks=RECEIVER_BLOCKS)
+    sender.call(op="send", transfer_id="t1", blocks=SENDER_BLOCKS)
+
+    for rank, ours, theirs in (
+        (receiver, receiver_value, sender_value),
+        (sender, sender_value, receiver_value),
+    ):
+        [result] = rank.wait_results(ended("t1"), DEADLINE_S + MARGIN_S)
+        assert result["reason"] == "incompatible_peer", (rank.engine_id, result)
+        detail = result["detail"]
+        assert field in detail, detail
+        assert names(detail, ours) and names(detail, theirs), detail
+        assert "ours" in detail and "theirs" in detail, detail
+
+    # No byte of the sender's landed: the blocks held what they held when the receiver
+    # gave them back, and nothing was written into them (canaries) once it had.
+    [result] = receiver.result_of("t1")
+    assert result["at_end"] == before, "the sender wrote into the receiver's blocks"
+    wait_until(
+        lambda: (
+            sender.call(op="stats")["in_flight"] == 0
+            and sender.call(op="stats")["writes_in_flight"] == 0
+        ),
+        MARGIN_S,
+        "the sender to hold nothing",
+    )
+    check = receiver.call(op="check")
+    assert check["canaries_checked"] == len(RECEIVER_BLOCKS), check
+    assert check["canaries_overwritten"] == [], check
+    assert sender.call(op="stats")["writes_posted"] == 0
