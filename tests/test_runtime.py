@@ -280,6 +280,8 @@ def test_sender_dies_receiver_fails_after_liveness_and_fence(cluster: Cluster) -
     d, _ = cluster.add("d-1", "engine-d")
     d.receive("t1", p_addr, [2])
     wait_until(lambda: d.statistics().receiving == {"waiting": 1})
+    # The sender's host falls off the network, then dies: only silence tells.
+    cluster.fabric.partition("p-1", "d-1")
     cluster.fabric.kill("p-1")
     [r] = advance_until(cluster, d, step=0.5, limit=TIMING.transfer_deadline_s)
     assert r.reason is FailureReason.PEER_TIMEOUT and r.blocks == (2,)
@@ -301,6 +303,8 @@ def test_receiver_dies_sender_frees_its_blocks(cluster: Cluster) -> None:
     p.send("t1", [1], ready_layers=[])
     d.receive("t1", p_addr, [2])
     wait_until(lambda: p.statistics().sending == {"writing": 1})
+    # The receiver's host falls off the network, then dies: only silence tells.
+    cluster.fabric.partition("p-1", "d-1")
     cluster.fabric.kill("d-1")
     [r] = advance_until(cluster, p, step=0.5, limit=TIMING.transfer_deadline_s)
     assert r.reason is FailureReason.PEER_TIMEOUT
@@ -335,6 +339,9 @@ def test_restarted_sender_is_handshaked_afresh(cluster: Cluster) -> None:
     p1.send("t2", [3], ready_layers=[])  # in flight when the sender restarts
     d.receive("t2", p_addr, [4])
     wait_until(lambda: d.statistics().receiving == {"waiting": 1})
+    # The old process dies unnoticed (its link falls silent first), so only the new
+    # incarnation at its address tells the receiver.
+    cluster.fabric.partition("p-1", "d-1")
     cluster.fabric.kill("p-1")
     p2, _ = cluster.add("p-2", "engine-p", port=p_addr.port)
     cluster.clock.advance(2 * TIMING.heartbeat_interval_s + 0.1)  # p-1 has gone quiet

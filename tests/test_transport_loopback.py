@@ -189,8 +189,14 @@ def test_killed_receiver(endpoints: Endpoints, fabric: LoopbackFabric) -> None:
     fabric.kill("b")
     a.write_blocks("b", 1, [0], [0], b"done")
     a.send_message("b", b"hello?")
-    [event] = a.poll()
-    assert isinstance(event, WriteFailed) and event.reason is FailureReason.PEER_GONE
+    events = a.poll()
+    [failed] = [e for e in events if isinstance(e, WriteFailed)]
+    [lost] = [e for e in events if isinstance(e, PeerLost)]
+    assert len(events) == 2, events
+    assert failed.write_id == 1 and failed.reason is FailureReason.PEER_GONE
+    assert lost.reason is FailureReason.PEER_GONE
+    assert lost.peer == "b" and "not delivered" in lost.detail
+    assert fabric.statistics().messages_dropped == 1
     assert b_kv.block(0, 0) == bytes(256)  # nothing written into a dead process
     assert b.poll() == []
     assert "b" not in fabric.endpoints()

@@ -19,12 +19,17 @@ next `count` messages that match: `drop`, `duplicate`, `delay` (held for `delay_
 fabric's clock, or until `release_delayed()`), `reorder` (held until the next message on
 that link has been delivered). `fail_writes` makes the next writes on a link fail (after
 copying part of the blocks, if `partial`). `kill` makes an endpoint vanish as a `kill -9`
-would: nothing it queued goes out, writes to it fail with PEER_GONE, messages to it are
-lost. `partition`/`heal` cut and restore a pair of endpoints both ways.
+would: nothing it queued goes out, writes and messages to it are reported PEER_GONE.
+`partition`/`heal` cut and restore a pair of endpoints both ways.
 
-Like NIXL, the loopback does not announce a dead peer by itself: peers learn it from
-failed writes or from silence. `kill(name, announce=True)` additionally queues a
-`PeerLost` for every endpoint that had added it, for tests of that path.
+Like NIXL, the loopback does not announce a dead peer by itself: peers learn it when they
+next use it, as UCX sees the closed connection. A write to a process that is gone (killed,
+closed, or restarted under the same name) fails with PEER_GONE; a message to it is not
+delivered and the sender's next `poll()` yields `PeerLost(PEER_GONE)`, never an exception
+at the call. A partitioned peer is silent, dead or alive: nothing is reported, messages
+are lost (a host that fell off the network).
+`kill(name, announce=True)` additionally queues a `PeerLost` at once for every endpoint
+that had added it, for tests of that path.
 """
 
 from __future__ import annotations
@@ -342,9 +347,25 @@ class LoopbackFabric:
         with self._lock:
             self._writes_failed += 1
 
-    def _send(self, src: str, dst: str, payload: bytes) -> None:
+    def _send(self, src: str, dst: str, incarnation: str, payload: bytes) -> str | None:
+        """Send a message to the `incarnation` of `dst` we added. Returns why not, when
+        that process is gone (killed, closed or restarted): the sender's data plane sees
+        the closed connection, as UCX does. A partition loses the message silently."""
         with self._lock:
+            src_ep = self._endpoints.get(src)
+            target = self._endpoints.get(dst)
+            cut = frozenset((src, dst)) in self._partitions
+            if (
+                not cut
+                and src_ep is not None
+                and src_ep.alive
+                and (target is None or not target.alive or target.incarnation != incarnation)
+            ):
+                self._sent += 1
+                self._dropped += 1
+                return f"peer {dst} is gone"
             self._send_locked(src, dst, payload)
+            return None
 
     def _send_locked(self, src: str, dst: str, payload: bytes) -> None:
         self._sent += 1
@@ -642,7 +663,13 @@ class LoopbackTransport(Transport):
             raise TransportError(
                 FailureReason.UNKNOWN_PEER, f"message to {peer}: peer was not added (add_peer)"
             )
-        self._fabric._send(self._name, peer, bytes(payload))
+        target = self._peers[peer]
+        why = self._fabric._send(self._name, peer, target.incarnation, bytes(payload))
+        if why is not None:
+            # Reported on the next poll, never raised: NIXL reports it the same way.
+            self._events.append(
+                PeerLost(peer, FailureReason.PEER_GONE, f"message to {peer} not delivered: {why}")
+            )
 
     def poll(self) -> list[TransportEvent]:
         self._check_open()
