@@ -191,7 +191,7 @@ class Ledger:
         for rank in (self.receiver, self.sender):
             rank.wait_results(ended(*tids), timeout)
             wait_until(
-                lambda rank=rank: rank.call(op="stats")["in_flight"] == 0,  # type: ignore[misc]
+                lambda rank=rank: rank.call(op="stats")["in_flight"] == 0,
                 timeout,
                 f"{rank.engine_id} to hold no transfer",
             )
