@@ -15,7 +15,7 @@ Every result is printed as `@result {...}` with what the engine did with its blo
 `check` reports, for the test, every canary that no longer holds.
 
     python tests/chaos_peer.py ENGINE_ID ROLE [--port P] [--seed S] [--liveness L]
-        [--lease L] [--dtype D] [--layout L] [--torch] [--blocks N] [--block-bytes B]
+        [--lease L] [--dtype D] [--layout L] [--torch | --numpy] [--blocks N] [--block-bytes B]
         [--revalidate-after S]
         -> first line: @reply {"port", "pid", "agent_name", "incarnation"}
     {"op": "send", "transfer_id", "blocks", "ready_layers": null | [..]}
@@ -98,6 +98,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--layout", default="kv_separate/NHD")
     p.add_argument("--torch", action="store_true", help="torch tensors via register_kv_cache")
+    p.add_argument("--numpy", dest="torch", action="store_false", help="numpy buffers (default)")
     p.add_argument("--blocks", type=int, default=16)
     p.add_argument("--block-bytes", type=int, default=2048)
     p.add_argument("--revalidate-after", type=float, default=None)

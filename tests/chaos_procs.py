@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -55,6 +56,7 @@ class ChaosRank:
         self.port = 0
         self.pid = self.process.pid
         self.stopped = False
+        self._exit_asked = False
 
     def ready(self) -> ChaosRank:
         """Wait for the process to be up (start several first: they come up in parallel)."""
@@ -137,21 +139,36 @@ class ChaosRank:
         with self._cv:
             return [r for r in self.results if r["transfer_id"] == transfer_id]
 
-    def close(self) -> None:
+    def ask_to_exit(self) -> None:
+        """Resume it if stopped and tell it to exit, once; `close()` then waits for it."""
         if self.stopped:
             self.sigcont()
-        if self.process.poll() is None:
-            try:
+        if self.process.poll() is None and not self._exit_asked:
+            self._exit_asked = True
+            with contextlib.suppress(OSError):  # it may have died: close() reaps it
                 self.tell(op="exit")
-                self.process.wait(15)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait()
+
+    def close(self) -> None:
+        self.ask_to_exit()
+        try:
+            self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
         for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
             if stream is not None:
-                stream.close()
+                with contextlib.suppress(OSError):
+                    stream.close()
         self._reader.join(5)
         self._stderr_reader.join(5)
+
+
+def close_all(ranks: list[ChaosRank]) -> None:
+    """Close ranks in parallel: each takes a second or more to shut its runtime down."""
+    for rank in ranks:
+        rank.ask_to_exit()
+    for rank in ranks:
+        rank.close()
 
 
 def ended(*transfer_ids: str) -> Callable[[Results], bool]:

@@ -1,9 +1,11 @@
 """Two real runtimes over NIXL, in separate processes, set up as the README shows
-(`register_kv_cache` on torch tensors, `SideChannelPeerDirectory` with its defaults),
-whose caches differ in one field that changes what the bytes mean but not how many
-there are. Every block has the same size on both sides, so only a compatibility check
-can tell: the transfer must fail on both sides as INCOMPATIBLE_PEER, say which field
-differs (ours and theirs), and write no byte into the receiver."""
+(`SideChannelPeerDirectory` with its defaults; in the dtype case the caches are torch
+tensors registered with `register_kv_cache`, in the layout case a `CacheGeometry` that
+names its layout, which spares two torch imports), whose caches differ in one field that
+changes what the bytes mean but not how many there are. Every block has the same size
+on both sides, so only a compatibility check can tell: the transfer must fail on both
+sides as INCOMPATIBLE_PEER, say which field differs (ours and theirs), and write no byte
+into the receiver."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from chaos_procs import ChaosRank, ended, wait_until
+from chaos_procs import ChaosRank, close_all, ended, wait_until
 
 pytestmark = pytest.mark.nixl
 
@@ -29,14 +31,13 @@ def ranks() -> Iterator[Callable[..., ChaosRank]]:
 
     def start(engine_id: str, role: str, *options: str) -> ChaosRank:
         rank = ChaosRank(
-            f"{engine_id}-{os.getpid()}", role, "--torch", "--deadline", str(DEADLINE_S), *options
+            f"{engine_id}-{os.getpid()}", role, "--deadline", str(DEADLINE_S), *options
         )
         made.append(rank)
         return rank
 
     yield start
-    for rank in made:
-        rank.close()
+    close_all(made)
 
 
 def names(detail: str, value: str) -> bool:
@@ -45,22 +46,24 @@ def names(detail: str, value: str) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("host", "field", "receiver_value", "sender_value"),
+    ("host", "cache", "field", "receiver_value", "sender_value"),
     [
-        ("127.0.0.1", "dtype", "bfloat16", "float16"),
-        ("::1", "layout", "kv_separate/NHD", "kv_separate/HND"),
+        ("127.0.0.1", "--torch", "dtype", "bfloat16", "float16"),
+        ("::1", "--numpy", "layout", "kv_separate/NHD", "kv_separate/HND"),
     ],
     ids=["dtype-ipv4", "layout-ipv6"],
 )
 def test_caches_that_differ_only_in_meaning_never_transfer(
     ranks: Callable[..., ChaosRank],
     host: str,
+    cache: str,
     field: str,
     receiver_value: str,
     sender_value: str,
 ) -> None:
-    receiver = ranks("decode", "receiver", "--host", host, f"--{field}", receiver_value)
-    sender = ranks("prefill", "sender", "--host", host, f"--{field}", sender_value)
+    options = ("--host", host, cache, f"--{field}")
+    receiver = ranks("decode", "receiver", *options, receiver_value)
+    sender = ranks("prefill", "sender", *options, sender_value)
     receiver.ready()
     sender.ready()
     before = receiver.call(op="checksums", blocks=RECEIVER_BLOCKS)["sums"]

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from chaos_procs import ChaosRank, Ledger, ended, wait_until
+from chaos_procs import ChaosRank, Ledger, close_all, ended, wait_until
 
 pytestmark = pytest.mark.nixl
 
@@ -45,8 +45,7 @@ def ranks() -> Iterator[Callable[..., ChaosRank]]:
         return rank
 
     yield start
-    for rank in made:
-        rank.close()
+    close_all(made)
 
 
 def warm_up(ledger: Ledger, receiver_blocks: list[int], sender_blocks: list[int]) -> None:
