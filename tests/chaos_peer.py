@@ -27,6 +27,7 @@ Every result is printed as `@result {...}` with what the engine did with its blo
         The engine makes the calls, then the process stops itself with SIGSTOP before
         the runtime thread can take them (os.kill keeps the GIL): they wait in the
         runtime's queue across the stall, as when a process is frozen right after them.
+    {"op": "abort", "transfer_id"}
     {"op": "checksums", "blocks"}  -> {"sums"}
     {"op": "check"}                 -> {"canaries_checked", "canaries_overwritten": [..]}
     {"op": "stats"}                 -> RuntimeStatistics fields and NIXL write counters
@@ -443,6 +444,9 @@ def handle(
         os.kill(os.getpid(), signal.SIGSTOP)
         emit("resumed", {})
         return None
+    if op == "abort":
+        runtime.abort(cmd["transfer_id"])
+        return {"ok": True}
     if op == "receive":
         engine.claim(cmd["blocks"])
         sender = PeerAddress(cmd.get("host", host), cmd["sender_port"], 0)

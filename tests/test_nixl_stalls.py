@@ -86,28 +86,36 @@ def test_receiver_stopped_past_every_timer(
     ranks: Callable[..., ChaosRank], request: pytest.FixtureRequest
 ) -> None:
     """Writes posted to a receiver that then stops: the sender waits for them before it
-    hands its blocks back, and the receiver, once resumed, reports `ok` only with the
-    submitted bytes."""
+    hands its blocks back (whether it gives up on the silent receiver or its engine
+    aborts), and the receiver, once resumed, reports `ok` only with the submitted bytes."""
     receiver, sender = ranks("decode", "receiver", "--seed", "1"), ranks("prefill", "sender")
     receiver.ready()
     sender.ready()
     ledger = Ledger(receiver, sender)
     warm_up(ledger, [0], [0])
-    # t1 is mid-write (layer 0 landed, layer 1 not computed yet); t2 is registered and
-    # has nothing computed. Both get their writes while the receiver is stopped.
+    # t1 is mid-write (layer 0 landed, layer 1 not computed yet); t2 and t3 are
+    # registered and have nothing computed. All get their writes while the receiver is
+    # stopped, and the sender's engine aborts t3 right after.
     receiver.call(op="receive", transfer_id="t1", sender_port=sender.port, blocks=[1, 2, 3, 4])
     receiver.call(op="receive", transfer_id="t2", sender_port=sender.port, blocks=[5, 6, 7])
+    receiver.call(op="receive", transfer_id="t3", sender_port=sender.port, blocks=[8, 9])
     sums = sender.call(op="send", transfer_id="t1", blocks=[10, 11, 12, 13], ready_layers=[0])
     ledger.sent("t1", sums["sums"])
-    sums = sender.call(op="send", transfer_id="t2", blocks=[14, 15, 16], ready_layers=[])
-    ledger.sent("t2", sums["sums"])
-    wait_until(sender_states(sender, {"writing": 2}), MARGIN_S, "both registrations")
+    ledger.sent(
+        "t2", sender.call(op="send", transfer_id="t2", blocks=[14, 15, 16], ready_layers=[])["sums"]
+    )
+    ledger.sent(
+        "t3", sender.call(op="send", transfer_id="t3", blocks=[17, 18], ready_layers=[])["sums"]
+    )
+    wait_until(sender_states(sender, {"writing": 3}), MARGIN_S, "the registrations")
     wait_until(layer0_landed(ledger, "t1", [1, 2, 3, 4]), MARGIN_S, "t1's layer 0 to land")
 
     receiver.sigstop()
     ledger.stalls += 1
     sender.call(op="layers_ready", transfer_id="t1", layers=[1])
     sender.call(op="layers_ready", transfer_id="t2", layers=[0, 1])
+    sender.call(op="layers_ready", transfer_id="t3", layers=[0, 1])
+    sender.call(op="abort", transfer_id="t3")
     time.sleep(STALL_S)  # the stall itself: the receiver is stopped all this time
     receiver.sigcont()
     finish(ledger, request)
