@@ -920,10 +920,11 @@ class SenderProtocol(_Side["_Outgoing"]):
     def _timeout(
         self, now: float, rec: _Outgoing, reason: FailureReason, detail: str
     ) -> list[Effect]:
-        if rec.blocks is None:  # a registration the engine never submitted
+        if rec.blocks is None:  # a registration the engine never submitted (yet)
             del self._transfers[rec.transfer_id]
-            self._bury(now, rec.transfer_id, rec.peer, Failed(rec.transfer_id, reason, detail))
-            return self._send(rec.peer, Failed(rec.transfer_id, reason, detail)) if rec.peer else []
+            failed = Failed(rec.transfer_id, reason, detail)
+            self._bury(now, rec.transfer_id, rec.peer, failed, (reason, detail))
+            return self._send(rec.peer, failed) if rec.peer else []
         return self._fail(now, rec, reason, detail, Failed(rec.transfer_id, reason, detail))
 
     def _heartbeat(self, now: float, p: _Peer, *, force: bool = False) -> list[Effect]:
