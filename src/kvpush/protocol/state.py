@@ -471,6 +471,7 @@ class SenderProtocol(_Side["_Outgoing"]):
         self._next_write_id = 1
         self.ignored_messages = 0
         self.stale_registers = 0  # Registers refused because their lease had run out
+        self._tombstone_s = timing.transfer_deadline_s + timing.lease_s
 
     # ----- inspection (read-only; what statistics and tests read)
 
@@ -518,7 +519,14 @@ class SenderProtocol(_Side["_Outgoing"]):
         tomb = self._tombstones.get(transfer_id)
         if tomb is not None:
             if tomb.pending_failure is None:
-                raise LocalProtocolError(f"transfer id {transfer_id!r} was already used")
+                # The engine cannot know how long ended ids are remembered: an outcome.
+                detail = (
+                    f"transfer id {transfer_id!r} was already used by a transfer that ended "
+                    f"less than {self._tombstone_s}s ago: use a new id per transfer"
+                )
+                return [
+                    TransferEnded(transfer_id, "sender", FailureReason.LOCAL_ERROR, detail, ours)
+                ]
             reason, detail = tomb.pending_failure
             tomb.pending_failure = None
             return [TransferEnded(transfer_id, "sender", reason, detail, ours)]
@@ -1107,7 +1115,7 @@ class SenderProtocol(_Side["_Outgoing"]):
         reply: Message | None,
         pending_failure: tuple[FailureReason, str] | None = None,
     ) -> None:
-        keep = self._timing.transfer_deadline_s + self._timing.lease_s
+        keep = self._tombstone_s
         self._tombstones.pop(tid, None)  # keep insertion order = expiry order
         self._tombstones[tid] = _Tombstone(peer, reply, now + keep, pending_failure)
 
@@ -1234,8 +1242,16 @@ class ReceiverProtocol(_Side["_Incoming"]):
             raise LocalProtocolError(f"sender_offset must be an int, got {sender_offset!r}")
         if sender_offset < 0:
             raise LocalProtocolError(f"sender_offset must be >= 0, got {sender_offset}")
-        if transfer_id in self._transfers or transfer_id in self._ended:
-            raise LocalProtocolError(f"transfer id {transfer_id!r} was already used")
+        if transfer_id in self._transfers:
+            raise LocalProtocolError(f"transfer id {transfer_id!r} is in flight already")
+        if transfer_id in self._ended:
+            # The engine cannot know how long ended ids are remembered: an outcome.
+            detail = (
+                f"transfer id {transfer_id!r} was already used by a transfer that ended less "
+                f"than {self._timing.transfer_deadline_s + self.fence_s}s ago: use a new id "
+                "per transfer"
+            )
+            return [TransferEnded(transfer_id, "receiver", FailureReason.LOCAL_ERROR, detail, ours)]
         rec = _Incoming(
             transfer_id,
             sender,
@@ -1520,9 +1536,10 @@ class ReceiverProtocol(_Side["_Incoming"]):
                 for rec in live:
                     if rec.state is ReceiverState.WAITING:
                         out += self._fence(now, rec, FailureReason.PEER_TIMEOUT, detail)
-                del self._peers[p.agent]
+                # Silent is not dead: it stays loaded (our Cancels keep going to it, and a
+                # send the data plane cannot deliver proves it gone), but its cached
+                # handshake is not trusted for a new transfer.
                 self._forget(p.agent)
-                out.append(DropPeer(p.agent, FailureReason.PEER_TIMEOUT, detail))
         for rec in list(self._transfers.values()):
             if rec.state is not ReceiverState.FENCING and now >= rec.deadline:
                 detail = f"not finished within {t.transfer_deadline_s}s"
