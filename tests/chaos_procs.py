@@ -125,8 +125,10 @@ class ChaosRank:
 
     def is_stopped(self) -> bool:
         """The kernel says every thread of the process is stopped (state T)."""
-        tasks = Path(f"/proc/{self.pid}/task")
-        states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks.iterdir()]
+        states = []
+        for task in Path(f"/proc/{self.pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError):  # a thread that just exited
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
         return bool(states) and all(s == "T" for s in states)
 
     def wait_results(self, until: Callable[[Results], bool], timeout: float) -> Results:
