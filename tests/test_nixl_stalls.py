@@ -121,9 +121,13 @@ def test_receiver_stopped_past_every_timer(
     finish(ledger, request)
 
 
-@pytest.mark.parametrize("waiting", ["register_in_inbox", "queued_calls"])
+@pytest.mark.parametrize(
+    ("waiting", "host"),
+    [("register_in_inbox", "::1"), ("queued_calls", "127.0.0.1")],
+    ids=["register_in_inbox-ipv6", "queued_calls-ipv4"],
+)
 def test_sender_stopped_past_every_timer(
-    ranks: Callable[..., ChaosRank], request: pytest.FixtureRequest, waiting: str
+    ranks: Callable[..., ChaosRank], request: pytest.FixtureRequest, waiting: str, host: str
 ) -> None:
     """A sender stopped while work waits for it: a receiver's Register in its inbox, or
     a `layers_ready` and a `send` its engine made just before the stop. The receiver
@@ -131,8 +135,11 @@ def test_sender_stopped_past_every_timer(
     reports each transfer failed, once."""
     # The receiver registers from the sender's metadata it handshook with: it must not
     # look the (stopped) sender's side channel up again before each Register.
-    receiver = ranks("decode", "receiver", "--seed", "1", "--revalidate-after", "600")
-    sender = ranks("prefill", "sender", "--seed", "2")
+    # Side channels on either address family (one case each: a stall costs seconds).
+    receiver = ranks(
+        "decode", "receiver", "--host", host, "--seed", "1", "--revalidate-after", "600"
+    )
+    sender = ranks("prefill", "sender", "--host", host, "--seed", "2")
     receiver.ready()
     sender.ready()
     ledger = Ledger(receiver, sender)
