@@ -94,8 +94,9 @@ newest one it has read in its next heartbeat (and answers a sender heartbeat at 
 and a receiver heartbeat with `sent_at = r` and `echo = t0` proves that the receiver's
 clock read `r` after ours read `t0`, so `skew = ours - theirs >= t0 - r`. The sender
 keeps the bound from the newest heartbeat of its own that came back (`skew_lb`; an old
-echo repeated after an idle spell is not newer, so it cannot loosen it) and holds that a lease granted at the
-receiver's `s` runs out, in our clock, at `s + lease_s + skew_lb`, which is no later
+echo repeated after an idle spell is not newer, so it cannot loosen it) and holds that
+a lease granted at the receiver's `s` runs out, in our clock, at `s + lease_s +
+skew_lb`, which is no later
 than the truth however long either process stalled (a stall only makes the bound
 looser, i.e. the lease shorter). The lease is checked where every `WriteBlocks` is
 issued (submit, layers_ready, Register, handshake done, a fresh echo), not only in
