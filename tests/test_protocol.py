@@ -1088,3 +1088,23 @@ def test_receiver_lookups_are_per_address_and_the_deadline_runs_from_expect(
     wire.run_only("d-1", TIMING.transfer_deadline_s + 0.25, step=1.0)
     r = wire.ended("d-1", "t1")
     assert r.reason is FailureReason.DEADLINE_EXCEEDED and "handshake" in r.detail
+
+
+def test_an_old_echo_repeated_after_an_idle_spell_does_not_shorten_the_lease(
+    wire: Wire,
+) -> None:
+    warm_up(wire)
+    wire.run_for(600.0, step=10.0)  # idle: nobody heartbeats, both ends keep the echo
+    sender = wire.ends["p-1"].sender
+    wire.submit("p-1", "t1", [1], layers=[])
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.deliver()  # the Register, renewing the lease from now on d-1's clock
+    expires = sender.lease_expires_at("t1")
+    assert expires is not None and expires >= wire.now + TIMING.lease_s - 0.5
+    # d-1's next heartbeat still echoes p-1's heartbeat from before the idle spell.
+    stale = Heartbeat("receiver", "engine-d", "1", ("t1",), sent_at=wire.now, echo=0.0)
+    wire.apply("p-1", wire.ends["p-1"].receive_message(wire.now, "d-1", encode(stale)))
+    assert sender.lease_expires_at("t1") == expires
+    wire.apply("p-1", sender.layers_ready(wire.now, "t1", [0, 1]))
+    wire.settle()
+    assert wire.ended("d-1", "t1").ok

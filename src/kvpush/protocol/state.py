@@ -93,8 +93,10 @@ round trips: each sender `Heartbeat` carries our `sent_at`, the receiver echoes 
 newest one it has read in its next heartbeat (and answers a sender heartbeat at once),
 and a receiver heartbeat with `sent_at = r` and `echo = t0` proves that the receiver's
 clock read `r` after ours read `t0`, so `skew = ours - theirs >= t0 - r`. The sender
-keeps the latest such bound per peer (`skew_lb`) and holds that a lease granted at the
-receiver's `s` runs out, in our clock, at `s + lease_s + skew_lb`, which is no later
+keeps the bound from the newest heartbeat of its own that came back (`skew_lb`; an old
+echo repeated after an idle spell is not newer, so it cannot loosen it) and holds that
+a lease granted at the receiver's `s` runs out, in our clock, at `s + lease_s +
+skew_lb`, which is no later
 than the truth however long either process stalled (a stall only makes the bound
 looser, i.e. the lease shorter). The lease is checked where every `WriteBlocks` is
 issued (submit, layers_ready, Register, handshake done, a fresh echo), not only in
@@ -111,9 +113,10 @@ fails) within that margin. A process stopped in the middle of handing a write to
 data plane, or a data plane that copies in the stopped sender's own process (UCX over
 shared memory or TCP progresses only when the sender polls), can land such a write late,
 after the margin; a NIC doing RDMA does not stop with the process. Monotonic clocks of
-two hosts may also drift apart: the bound is taken afresh from every receiver heartbeat
-(every `heartbeat_interval_s` while transfers flow), so drift counts only over an idle
-spell, far below the margin at common rates (100 ppm is 0.36 ms a second of idleness).
+two hosts may also drift apart: the bound is taken afresh from every echo (about every
+`heartbeat_interval_s` while transfers flow), so drift counts only over an idle spell
+before the next echo, far below the margin at common rates (100 ppm is 0.36 s an hour).
+On one host both ends read the same monotonic clock: no drift at all.
 
 One exception to "a lost peer ends its transfers": a receiver's first `Register` sent
 from a cached `PeerInfo` that certainly reached no live sender (the runtime saw the data
@@ -309,8 +312,10 @@ class _Peer:
     known_by_them: frozenset[str] | None = None  # receiver: ids in the sender's last heartbeat
     messages_heard: int = 0  # receiver: how many messages it sent us, ever
     address: PeerAddress | None = None  # sender: where to handshake back
-    # Sender: lower bound on (our clock - theirs), from their latest echo; None: none yet.
+    # Sender: lower bound on (our clock - theirs), from the round trip of our newest
+    # heartbeat they echoed (`skew_echo`, our clock); None: none yet.
     skew_lb: float | None = None
+    skew_echo: float = float("-inf")
     echo: float | None = None  # receiver: the newest sender `sent_at` we read
 
 
@@ -838,10 +843,12 @@ class SenderProtocol(_Side["_Outgoing"]):
             p is not None
             and hb.echo is not None
             and hb.sent_at is not None
-            and hb.echo <= now  # an echo of our clock from the future is not ours
+            and p.skew_echo < hb.echo <= now  # newer than the one in use, and ours
         ):
             first_bound = p.skew_lb is None
-            # The latest round trip, not the tightest ever: clocks of two hosts drift.
+            # The newest round trip, not the tightest ever (clocks of two hosts drift);
+            # an old echo repeated later (after an idle spell) is no newer, so ignored.
+            p.skew_echo = hb.echo
             p.skew_lb = hb.echo - hb.sent_at
         granted = self._granted(hb.sent_at)
         for tid in hb.transfer_ids:

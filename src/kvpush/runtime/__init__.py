@@ -67,11 +67,12 @@ error, calls raise `RuntimeStopped` (its cause chained) and every transfer that 
 flight is reported as LOCAL_ERROR once the transport is closed.
 
 `close()` ends the transfers in flight as SHUTDOWN the safe way: senders wait for their
-writes, receivers for their senders' acknowledgements, for up to half of its timeout;
-then the transport is closed (no write can read our memory after that) and what is left
-is reported. A receiver's transfer reported then may still be written by a sender whose
-lease has not run out: an engine that keeps running should not reuse those blocks for
-`lease_s + 2 * liveness_timeout_s`.
+writes (up to half of its timeout), receivers for their senders' acknowledgements (up to
+0.25 s: a live sender answers within a round trip); then the transport is closed (no
+write can read our memory after that) and what is left is reported. A receiver's
+transfer reported then may still be written by a sender whose lease has not run out: an
+engine that keeps running should not reuse those blocks for `lease_s + 2 *
+liveness_timeout_s`.
 
 Layout of this package, along its seams:
 

@@ -53,6 +53,10 @@ from kvpush.transports.base import (
 log = logging.getLogger(__name__)
 
 _SPIN_WAIT_S = 20e-6  # ~60 us with the kernel's timer slack
+# How long close() waits for senders to acknowledge our cancels: a live sender answers
+# within a round trip (or once its own writes drained); a dead one never does, and its
+# transfers are reported anyway once the transport is closed.
+_CANCEL_ACK_WAIT_S = 0.25
 
 
 # --------------------------------------------------------------------------- commands
@@ -176,6 +180,7 @@ class Driver:
         self._polls = 0
         self._next_tick = float("-inf")
         self._drain_until: float | None = None  # set by Stop
+        self._acks_until = 0.0  # set by Stop
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -190,8 +195,9 @@ class Driver:
         self._thread.start()
 
     def stop(self, timeout: float) -> None:
-        """Drain (writes in flight, cancels to acknowledge) for up to half of `timeout`,
-        then close the transport and end what is left; join both threads."""
+        """Drain (writes in flight for up to half of `timeout`, acknowledgements of our
+        cancels for up to `_CANCEL_ACK_WAIT_S`), then close the transport and end what
+        is left; join both threads."""
         start = time.monotonic()
         if self._thread is not None:
             self.commands.put(Stop(drain_until=start + timeout / 2))
@@ -285,10 +291,14 @@ class Driver:
     def _drained(self) -> bool:
         """Stopping: nothing left that waiting could still settle, or out of time."""
         assert self._drain_until is not None
-        if time.monotonic() >= self._drain_until:
+        now = time.monotonic()
+        if now >= self._drain_until:
             return True
-        fencing = ReceiverState.FENCING in self._protocol.receiver.states().values()
-        return not (self._protocol.sender.writes_in_flight() or fencing)
+        if self._protocol.sender.writes_in_flight():
+            return False
+        if now >= self._acks_until:
+            return True
+        return ReceiverState.FENCING not in self._protocol.receiver.states().values()
 
     def _in_flight(self) -> bool:
         return bool(self._lookups or self._write_bytes) or self._protocol.in_flight()
@@ -377,6 +387,7 @@ class Driver:
         writes, receivers cancel); what is still open at `until` ends once the transport
         is closed (`_run`)."""
         self._drain_until = until
+        self._acks_until = min(until, time.monotonic() + _CANCEL_ACK_WAIT_S)
         detail = "the push runtime was closed with the transfer in flight"
         for tid in list(self._protocol.sender.states()):
             self._apply(self._protocol.sender.abort(now, tid, FailureReason.SHUTDOWN, detail))

@@ -154,9 +154,10 @@ class PushRuntime:
     def close(self, timeout: float = _JOIN_TIMEOUT_S) -> None:
         """Stop. In-flight transfers end as SHUTDOWN (poll() still returns them).
 
-        Senders wait for their writes in flight and receivers for their senders'
-        acknowledgements, for up to half of `timeout`; then the transport is closed and
-        what is left is reported (no write can read our blocks once it is closed).
+        Senders wait for their writes in flight (up to half of `timeout`) and receivers
+        for their senders' acknowledgements (briefly: a live sender answers within a
+        round trip); then the transport is closed and what is left is reported (no
+        write can read our blocks once it is closed).
         A receiver's transfer still fenced then may yet be written by a sender whose
         lease has not run out: an engine that keeps running should not reuse those
         blocks for `lease_s + 2 * liveness_timeout_s`. Threads are joined within
