@@ -335,6 +335,35 @@ class Engine:
 
     abort = release
 
+    def stop_and_hold(self, request_id: str) -> None:
+        """Stop computing a request but keep its blocks (a transfer may still read them):
+        it becomes held, like a finished prefill, until `release()`."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.state is _State.FINISHED:
+            return
+        if seq.state is _State.WAITING:
+            self._waiting.remove(request_id)
+        seq.state = _State.HELD
+
+    def is_waiting(self, request_id: str) -> bool:
+        """Whether a request is queued, not yet given blocks."""
+        seq = self._seqs.get(request_id)
+        return seq is not None and seq.state is _State.WAITING
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def check_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        """Raises `RequestRejected` if the request could never be served here."""
+        self._check_new(request_id, [int(t) for t in prompt_token_ids], params)
+
+    def waiting_ids(self) -> list[str]:
+        """Queued requests, first come first."""
+        return list(self._waiting)
+
     def request_stats(self, request_id: str) -> RequestStats:
         return self._get(request_id).stats()
 

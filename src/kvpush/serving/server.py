@@ -25,10 +25,20 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from kvpush.errors import ClosedError
 from kvpush.serving.checkpoint import Tokenizer
 from kvpush.serving.engine import EngineStats, FinishReason, RequestStats, SamplingParams
+from kvpush.serving.http import (
+    DEFAULT_MAX_BODY_BYTES,
+    BadBody,
+    error_event,
+    error_response,
+    install_error_handlers,
+    read_json,
+    wait_for_disconnect,
+)
 from kvpush.serving.metrics import Registry
-from kvpush.serving.worker import Done, EngineWorker, Event, Job, Rejected, Tokens
+from kvpush.serving.worker import Accepted, Done, EngineWorker, Event, Job, Rejected, Tokens
 
 
 class BadRequest(Exception):
@@ -70,10 +80,53 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+# A token is hardly ever longer than this many characters: a longer text cannot fit in
+# the context, so it is refused before the tokenizer spends time on it.
+_MAX_CHARS_PER_TOKEN = 64
+
+
+def parse_prompt(
+    prompt: object, tokenizer: Tokenizer, *, vocab_size: int, max_model_len: int
+) -> list[int]:
+    """The prompt's token ids; raises `BadRequest`. Cheap checks come before tokenizing."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("prompt is empty: expected text or a list of token ids")
+        if len(prompt) > max_model_len * _MAX_CHARS_PER_TOKEN:
+            raise BadRequest(
+                f"prompt of {len(prompt)} characters cannot fit the model's context length "
+                f"of {max_model_len} tokens"
+            )
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if len(prompt) > max_model_len:
+            raise BadRequest(
+                f"prompt of {len(prompt)} tokens exceeds the model's context length {max_model_len}"
+            )
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise BadRequest(f"prompt token id {bad[0]} out of range: expected 0..{vocab_size - 1}")
+        return ids
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise BadRequest("batched prompts are not supported: send one prompt per request")
+    raise BadRequest(
+        f"prompt must be a non-empty string or list of token ids, got {type(prompt).__name__}"
+    )
+
+
 def parse_completion_request(
-    body: object, tokenizer: Tokenizer, *, vocab_size: int, max_model_len: int
+    body: object,
+    tokenizer: Tokenizer,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    prompt_token_ids: list[int] | None = None,
 ) -> CompletionRequest:
-    """Validate a `/v1/completions` body; raises `BadRequest` naming the bad field."""
+    """Validate a `/v1/completions` body; raises `BadRequest` naming the bad field.
+    `prompt_token_ids`: the prompt, already parsed by `parse_prompt`."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     for key, allowed in _IGNORED_IF_DEFAULT.items():
@@ -99,24 +152,13 @@ def parse_completion_request(
     if unknown:
         raise BadRequest(f"unknown field(s) {unknown}: expected OpenAI completion fields")
 
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise BadRequest("prompt is empty: expected text or a list of token ids")
-        ids = tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise BadRequest(f"prompt token id {bad[0]} out of range: expected 0..{vocab_size - 1}")
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise BadRequest("batched prompts are not supported: send one prompt per request")
-    else:
-        raise BadRequest(
-            f"prompt must be a non-empty string or list of token ids, got {type(prompt).__name__}"
+    ids = (
+        prompt_token_ids
+        if prompt_token_ids is not None
+        else parse_prompt(
+            body.get("prompt"), tokenizer, vocab_size=vocab_size, max_model_len=max_model_len
         )
+    )
 
     max_tokens = body.get("max_tokens", 16)
     if not _is_int(max_tokens) or max_tokens < 1:
@@ -149,7 +191,12 @@ def parse_completion_request(
     if stream_options is not None:
         if not isinstance(stream_options, dict):
             raise BadRequest("stream_options must be an object")
-        include_usage = bool(stream_options.get("include_usage", False))
+        usage_flag = stream_options.get("include_usage", False)
+        if not isinstance(usage_flag, bool):
+            raise BadRequest(
+                f"stream_options.include_usage must be true or false, got {usage_flag!r}"
+            )
+        include_usage = usage_flag
     kvp = body.get("kv_transfer_params")
     if kvp is not None and not isinstance(kvp, dict):
         raise BadRequest("kv_transfer_params must be an object")
@@ -165,12 +212,6 @@ def parse_completion_request(
         include_usage=include_usage,
         kv_transfer_params=kvp,
         model=model,
-    )
-
-
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "code": status}}, status_code=status
     )
 
 
@@ -241,16 +282,19 @@ def create_app(
     max_model_len: int,
     prepare: Prepare | None = None,
     health_extra: Callable[[], dict[str, object]] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     app = FastAPI(title=f"kvpush {role} server", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
     worker.on_stats = lambda s: update_engine_metrics(registry, s)
 
     @app.get("/health")
     async def health() -> Response:
-        body: dict[str, object] = {"status": "ok" if worker.alive else "stopped", "role": role}
-        if health_extra is not None:
-            body.update(health_extra())
-        return JSONResponse(body, status_code=200 if worker.alive else 503)
+        extra = health_extra() if health_extra is not None else {}
+        healthy = worker.alive and extra.get("healthy", True) is True
+        status = "ok" if healthy else ("stopped" if not worker.alive else "unhealthy")
+        body: dict[str, object] = {"status": status, "role": role, **extra}
+        return JSONResponse(body, status_code=200 if healthy else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -267,60 +311,117 @@ def create_app(
             }
         )
 
+    @app.post("/kvpush/abort")
+    async def abort_transfer(request: Request) -> Response:
+        """Cancel a transfer by the `transfer_id` its legs carry (the proxy calls this when
+        the other leg failed); unknown ids are remembered and refused if they come later."""
+        try:
+            body = await read_json(request, 4096)
+        except BadBody as exc:
+            return error_response(exc.status, exc.message)
+        tid = body.get("transfer_id") if isinstance(body, dict) else None
+        if not isinstance(tid, str) or not tid or len(tid) > 256:
+            return error_response(400, 'expected {"transfer_id": "..."}')
+        worker.abort_transfer(tid)
+        return JSONResponse({"transfer_id": tid, "status": "cancelling"})
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        raw = await request.body()
         try:
-            body = json.loads(raw)
-        except ValueError:
-            return _error(400, "request body is not valid JSON")
+            body = await read_json(request, max_body_bytes)
+        except BadBody as exc:
+            return error_response(exc.status, exc.message)
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object")
+        raw_kvp = body.get("kv_transfer_params")
+        ids: list[int] | None = None
+
+        def refuse(status: int, message: str, retry_after_s: float | None = None) -> Response:
+            # The other leg of a transfer (the prefill server) must not hold its blocks
+            # for a request this server will never take: tell it now.
+            if isinstance(raw_kvp, dict):
+                worker.refuse_transfer(raw_kvp, ids, message)
+            registry.inc("kvpush_requests_total", labels={"outcome": "rejected"})
+            return error_response(status, message, retry_after_s=retry_after_s)
+
         try:
+            # Tokenizing a long prompt takes a while: off the event loop, so /health and
+            # every other request keep being answered meanwhile.
+            ids = await asyncio.to_thread(
+                parse_prompt,
+                body.get("prompt"),
+                tokenizer,
+                vocab_size=vocab_size,
+                max_model_len=max_model_len,
+            )
             req = parse_completion_request(
-                body, tokenizer, vocab_size=vocab_size, max_model_len=max_model_len
+                body,
+                tokenizer,
+                vocab_size=vocab_size,
+                max_model_len=max_model_len,
+                prompt_token_ids=ids,
             )
         except BadRequest as exc:
-            return _error(exc.status, exc.message)
+            return refuse(exc.status, exc.message)
         if req.model is not None and req.model != model_name:
-            return _error(
+            return refuse(
                 404, f"model {req.model!r} does not exist: this server has {model_name!r}"
             )
         if prepare is not None:
             try:
                 req = prepare(req)
             except BadRequest as exc:
-                return _error(exc.status, exc.message)
+                return refuse(exc.status, exc.message)
         if not worker.alive:
-            return _error(503, "the engine is not running", "server_error")
+            return refuse(503, "the engine is not running", 5.0)
 
         request_id = f"cmpl-{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        # None: the client went away.
+        events: asyncio.Queue[Event | None] = asyncio.Queue()
 
         def sink(ev: Event) -> None:
             loop.call_soon_threadsafe(events.put_nowait, ev)
 
+        async def watch() -> None:
+            await wait_for_disconnect(request)
+            events.put_nowait(None)
+
+        watcher = asyncio.create_task(watch())
         started = time.monotonic()
-        worker.submit(
-            Job(
-                request_id,
-                req.prompt_token_ids,
-                SamplingParams(max_tokens=req.max_tokens, ignore_eos=req.ignore_eos),
-                sink,
-                kv_transfer_params=req.kv_transfer_params,
+        try:
+            worker.submit(
+                Job(
+                    request_id,
+                    req.prompt_token_ids,
+                    SamplingParams(max_tokens=req.max_tokens, ignore_eos=req.ignore_eos),
+                    sink,
+                    kv_transfer_params=req.kv_transfer_params,
+                )
             )
-        )
+        except ClosedError:
+            watcher.cancel()
+            return refuse(503, "the server is shutting down", 5.0)
         registry.inc("kvpush_prompt_tokens_total", len(req.prompt_token_ids))
         try:
             first = await events.get()
         except asyncio.CancelledError:
+            watcher.cancel()
             worker.abort(request_id)
             raise
+        if first is None:
+            return _client_gone(worker, registry, request_id)
         if isinstance(first, Rejected):
+            watcher.cancel()
             registry.inc("kvpush_requests_total", labels={"outcome": "rejected"})
-            return _error(first.status, first.message)
+            return error_response(first.status, first.message, retry_after_s=first.retry_after_s)
+        pending: list[Event] = [] if isinstance(first, Accepted) else [first]
         created = int(time.time())
         head = {"id": request_id, "created": created, "model": model_name}
         ttft_seen = False
+
+        async def next_event() -> Event | None:
+            return pending.pop() if pending else await events.get()
 
         def on_tokens(n: int) -> None:
             nonlocal ttft_seen
@@ -346,7 +447,15 @@ def create_app(
                 finished = False
                 try:
                     while True:
-                        ev = await events.get()
+                        ev = await next_event()
+                        if ev is None:
+                            return  # the client went away: aborted in `finally`
+                        if isinstance(ev, Rejected):
+                            finished = True
+                            registry.inc("kvpush_requests_total", labels={"outcome": "rejected"})
+                            yield error_event(ev.status, ev.message)
+                            yield b"data: [DONE]\n\n"
+                            return
                         if isinstance(ev, Tokens):
                             on_tokens(len(ev.token_ids))
                             n_out += len(ev.token_ids)
@@ -364,8 +473,7 @@ def create_app(
                             finished = True
                             on_done(ev)
                             if ev.reason is FinishReason.ERROR:
-                                err = {"error": {"message": ev.error, "type": "server_error"}}
-                                yield f"data: {json.dumps(err)}\n\n".encode()
+                                yield error_event(ev.status, ev.error or "request failed")
                                 yield b"data: [DONE]\n\n"
                                 return
                             last: dict[str, Any] = {
@@ -389,6 +497,7 @@ def create_app(
                             yield b"data: [DONE]\n\n"
                             return
                 finally:
+                    watcher.cancel()
                     if not finished:
                         worker.abort(request_id)
 
@@ -397,7 +506,13 @@ def create_app(
         out: list[int] = []
         try:
             while True:
-                ev = await events.get()
+                ev = await next_event()
+                if ev is None:
+                    return _client_gone(worker, registry, request_id)
+                if isinstance(ev, Rejected):
+                    watcher.cancel()
+                    registry.inc("kvpush_requests_total", labels={"outcome": "rejected"})
+                    return error_response(ev.status, ev.message, retry_after_s=ev.retry_after_s)
                 if isinstance(ev, Tokens):
                     on_tokens(len(ev.token_ids))
                     out.extend(ev.token_ids)
@@ -406,9 +521,11 @@ def create_app(
         except asyncio.CancelledError:
             worker.abort(request_id)
             raise
+        finally:
+            watcher.cancel()
         on_done(ev)
         if ev.reason is FinishReason.ERROR:
-            return _error(ev.status, ev.error or "request failed", "server_error")
+            return error_response(ev.status, ev.error or "request failed")
         choice_out: dict[str, Any] = {
             "index": 0,
             "text": tokenizer.decode(out),
@@ -431,3 +548,10 @@ def create_app(
         return JSONResponse(response)
 
     return app
+
+
+def _client_gone(worker: EngineWorker, registry: Registry, request_id: str) -> Response:
+    """The client disconnected: stop its request now (its blocks, its transfer)."""
+    worker.abort(request_id)
+    registry.inc("kvpush_requests_total", labels={"outcome": "aborted"})
+    return Response(status_code=499)
