@@ -205,7 +205,9 @@ def test_usage_errors() -> None:
     assert "AddressError: bad address '::1:5': an IPv6 host must be bracketed" in result.stderr
 
 
-@pytest.mark.parametrize("url", ["notaurl", "ftp://127.0.0.1:80/", "http://", "http://[::1]:99999/"])
+@pytest.mark.parametrize(
+    "url", ["notaurl", "ftp://127.0.0.1:80/", "http://", "http://[::1]:99999/"]
+)
 def test_a_url_that_can_never_answer_is_refused_at_once(url: str) -> None:
     # Issue 10, item 7: `--http notaurl` waited out its whole deadline.
     started = time.monotonic()

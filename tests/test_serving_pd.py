@@ -438,9 +438,15 @@ def test_a_client_that_disconnects_stops_its_request_on_both_legs(stack: Stack) 
     # after its client left, so the proxy's cancel of the other leg did nothing.
     body = {"prompt": [5, 6, 7, 8], "max_tokens": 2040, "ignore_eos": True}
     before = metric_sum(stack.metrics(stack.decode), "kvpush_generation_tokens_total")
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(
-            f"{stack.proxy.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=2)
+    try:
+        r = httpx.post(
+            f"{stack.proxy.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.3)
+        )
+    except httpx.ReadTimeout:
+        pass  # the client gives up and disconnects
+    else:
+        raise AssertionError(
+            f"expected no answer within 0.3 s, got {r.status_code}: {r.text[:300]}"
         )
     assert _until(lambda: _held(stack.decode) == 0 and _held(stack.prefill) == 0, 10) is not None
     decode = stack.metrics(stack.decode)
@@ -703,10 +709,10 @@ def test_200_concurrent_mixed_requests_into_a_small_decode_cache_all_match_the_s
         pytest.skip("the load test runs once; the queueing it relies on is tested on both")
     prompts = make_load_prompts(200, seed=10)
     started = time.monotonic()
-    pd = run_workload(stack.proxy.url, prompts, max_tokens=4, concurrency=200, timeout_s=110)
+    pd = run_workload(stack.proxy.url, prompts, max_tokens=4, concurrency=200, timeout_s=150)
     pd_wall = time.monotonic() - started
     started = time.monotonic()
-    single = run_workload(stack.single.url, prompts, max_tokens=4, concurrency=200, timeout_s=110)
+    single = run_workload(stack.single.url, prompts, max_tokens=4, concurrency=200, timeout_s=150)
     single_wall = time.monotonic() - started
     assert [r.error for r in pd] == [None] * len(prompts)
     assert [r.error for r in single] == [None] * len(prompts)

@@ -75,6 +75,13 @@ def add_parser(subparsers: Any) -> None:
         default=8 * 1024 * 1024,
         help="larger request bodies are refused with 413 (default 8 MiB)",
     )
+    p.add_argument(
+        "--transfer-deadline-s",
+        type=float,
+        default=60.0,
+        help="a KV transfer not finished by then fails (default 60); keep it above the "
+        "decode servers' --queue-timeout-s",
+    )
     p.set_defaults(run=run)
 
 
@@ -110,5 +117,6 @@ def run(args: argparse.Namespace) -> int:
             max_waiting=args.max_waiting,
             queue_timeout_s=args.queue_timeout_s,
             max_body_bytes=args.max_body_bytes,
+            transfer_deadline_s=args.transfer_deadline_s,
         )
     )

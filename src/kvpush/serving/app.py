@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpush.config import TimingConfig
 from kvpush.errors import ConfigError
 from kvpush.net import check_port, unbracket_host
 from kvpush.serving.checkpoint import load_model
@@ -42,6 +43,8 @@ class ServeOptions:
     max_waiting: int = 512  # requests queued for KV blocks; one more gets 429
     queue_timeout_s: float = 30.0  # a request queued longer gets 503
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
+    # A transfer not finished by then fails; keep it above the other side's queue timeout.
+    transfer_deadline_s: float = TimingConfig().transfer_deadline_s
 
     def admission(self) -> AdmissionConfig:
         return AdmissionConfig(max_waiting=self.max_waiting, queue_timeout_s=self.queue_timeout_s)
@@ -58,6 +61,10 @@ class ServeOptions:
         if self.max_waiting < 0 or self.queue_timeout_s <= 0 or self.max_body_bytes <= 0:
             raise ConfigError(
                 "max_waiting must be 0 or more, queue_timeout_s and max_body_bytes positive"
+            )
+        if self.transfer_deadline_s <= 0:
+            raise ConfigError(
+                f"transfer_deadline_s must be positive, got {self.transfer_deadline_s}"
             )
         if self.idle_poll_ms <= 0:
             raise ConfigError(f"idle_poll_ms must be positive, got {self.idle_poll_ms}")

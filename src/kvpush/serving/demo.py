@@ -299,7 +299,10 @@ class Stack:
         model = str(options.model_dir)
         self._common = ["--model", model, "--host", host, "--block-size", str(options.block_size)]
         if options.queue_timeout_s is not None:
+            # A transfer must outlive the longest wait in the decode server's queue.
             self._common += ["--queue-timeout-s", str(options.queue_timeout_s)]
+            deadline = max(60.0, options.queue_timeout_s + 30)
+            self._common += ["--transfer-deadline-s", str(deadline)]
         spec = ["--speculative-tokens", str(options.speculative_tokens)]
         self.layerwise = options.layerwise
         self.prefill = self._prefill("prefill", layerwise=options.layerwise)

@@ -587,7 +587,7 @@ class KVBridge:
             geometry,
             identity,
             SideChannelPeerDirectory(token=token, expect_compat_hash=geometry.compat_hash()),
-            timing=TimingConfig(),
+            timing=TimingConfig(transfer_deadline_s=opts.transfer_deadline_s),
             # NIXL cannot wake the runtime when a registration arrives: an idle runtime
             # finds it at its next poll, so this bounds the delay a request sees.
             idle_poll_s=opts.idle_poll_ms / 1000,
