@@ -102,6 +102,31 @@ def test_pd_matches_single_instance_token_for_token_with_equal_acceptance(stack:
     assert decode["kvpush_kv_blocks_held"] == 0
 
 
+def test_seeded_sampling_and_stop_through_prefill_decode_match_the_single_instance(
+    stack: Stack,
+) -> None:
+    # Issue 10, item 9: under one seed, P/D gives exactly the single instance's tokens.
+    for i, prompt in enumerate(make_prompts(4, seed=3)):
+        body = {
+            "prompt": prompt,
+            "max_tokens": 16,
+            "temperature": 1.5,
+            "top_p": 0.99,
+            "seed": 100 + i,
+            "return_token_ids": True,
+            "stop": ["zz", "kv cache"],
+        }
+        via = httpx.post(f"{stack.proxy.url}/v1/completions", json=body, timeout=60)
+        alone = httpx.post(f"{stack.single.url}/v1/completions", json=body, timeout=60)
+        assert via.status_code == alone.status_code == 200, (via.text, alone.text)
+        a, b = via.json()["choices"][0], alone.json()["choices"][0]
+        assert (a["token_ids"], a["text"], a["finish_reason"]) == (
+            b["token_ids"],
+            b["text"],
+            b["finish_reason"],
+        )
+
+
 def test_pd_non_streamed_completion_and_bad_requests(stack: Stack) -> None:
     body = {"prompt": "push mode", "max_tokens": 8, "ignore_eos": True, "return_token_ids": True}
     via_proxy = httpx.post(f"{stack.proxy.url}/v1/completions", json=body, timeout=60)
@@ -110,7 +135,7 @@ def test_pd_non_streamed_completion_and_bad_requests(stack: Stack) -> None:
     assert via_proxy.json()["choices"][0]["token_ids"] == alone.json()["choices"][0]["token_ids"]
 
     bad = httpx.post(
-        f"{stack.proxy.url}/v1/completions", json={**body, "temperature": 1.0}, timeout=60
+        f"{stack.proxy.url}/v1/completions", json={**body, "temperature": 3.0}, timeout=60
     )
     assert bad.status_code == 400
     assert "temperature" in bad.json()["error"]["message"]

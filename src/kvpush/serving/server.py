@@ -2,9 +2,11 @@
 
 Requests are validated here, in full, before anything reaches the engine thread: a bad
 request gets a 4xx whose message says which field was wrong and what was expected, and
-nothing else is disturbed. Only greedy decoding exists, so `temperature` must be 0 (or
-absent). `stream: true` answers with server-sent events in OpenAI's chunk format,
-ending with `data: [DONE]`.
+nothing else is disturbed. `temperature` 0 (the default) decodes greedily; above it,
+tokens are sampled (with `top_p`) from a generator seeded by `seed`, so the same seed
+gives the same tokens on a single instance and through prefill/decode. `stop` (up to
+four strings) ends the completion before the first one, as OpenAI does. `stream: true`
+answers with server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
 
 Beyond OpenAI's fields, as vLLM does: `return_token_ids` adds `prompt_token_ids` and each
 choice's `token_ids`; `ignore_eos`; `kv_transfer_params` (disaggregated serving) is
@@ -18,7 +20,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,19 +60,29 @@ class CompletionRequest:
     include_usage: bool
     kv_transfer_params: dict[str, object] | None
     model: str | None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+        )
 
 
 _IGNORED_IF_DEFAULT: dict[str, tuple[object, ...]] = {
     "n": (1, None),
     "best_of": (1, None),
-    "top_p": (1, 1.0, None),
     "logprobs": (None, 0),
     "echo": (False, None),
-    "stop": (None, [], ""),
     "suffix": (None, ""),
     "presence_penalty": (0, 0.0, None),
     "frequency_penalty": (0, 0.0, None),
-    "seed": (),  # any seed is fine: decoding is deterministic
     "user": (),
     "top_k": (None, -1, 0),
 }
@@ -78,6 +90,48 @@ _IGNORED_IF_DEFAULT: dict[str, tuple[object, ...]] = {
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(body: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise BadRequest(f"{key} must be a number in {low:g}..{high:g}, got {value!r}")
+    return float(value)
+
+
+_MAX_STOPS = 4
+
+
+def _stop_strings(value: object) -> tuple[str, ...]:
+    if value is None or value == "":
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(stops, list)
+        or len(stops) > _MAX_STOPS
+        or not all(isinstance(x, str) and x and len(x) <= 256 for x in stops)
+    ):
+        raise BadRequest(
+            f"stop must be a string or a list of up to {_MAX_STOPS} non-empty strings "
+            f"(at most 256 characters each), got {str(value)[:60]!r}"
+        )
+    return tuple(stops)
+
+
+class _StopMatcher:
+    """Finds the first stop string in the growing text; says how much text is safe to
+    send while a stop string might still be forming at its end."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.hold = max((len(x) for x in stops), default=1) - 1
+
+    def find(self, text: str, since: int) -> int | None:
+        start = max(0, since - self.hold)
+        hits = [i for x in self.stops if (i := text.find(x, start)) >= 0]
+        return min(hits) if hits else None
 
 
 # A token is hardly ever longer than this many characters: a longer text cannot fit in
@@ -141,6 +195,9 @@ def parse_completion_request(
         "prompt",
         "max_tokens",
         "temperature",
+        "top_p",
+        "seed",
+        "stop",
         "stream",
         "stream_options",
         "ignore_eos",
@@ -168,16 +225,14 @@ def parse_completion_request(
             f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
             f"context length {max_model_len}"
         )
-    temperature = body.get("temperature", 0)
-    if temperature is not None and (
-        not isinstance(temperature, int | float)
-        or isinstance(temperature, bool)
-        or temperature != 0
-    ):
-        raise BadRequest(
-            f"temperature={temperature!r} is not supported: this server decodes greedily, "
-            "expected 0"
-        )
+    temperature = _number(body, "temperature", 0.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0:
+        raise BadRequest("top_p must be above 0 (and at most 1), got 0")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise BadRequest(f"seed must be an integer, got {seed!r}")
+    stop = _stop_strings(body.get("stop"))
     flags: dict[str, bool] = {}
     for key in ("stream", "ignore_eos", "return_token_ids"):
         value = body.get(key, False)
@@ -204,6 +259,10 @@ def parse_completion_request(
     if model is not None and not isinstance(model, str):
         raise BadRequest("model must be a string")
     return CompletionRequest(
+        temperature=temperature,
+        top_p=top_p,
+        seed=None if seed is None else int(seed),
+        stop=stop,
         prompt_token_ids=ids,
         max_tokens=int(max_tokens),
         stream=flags["stream"],
@@ -230,26 +289,41 @@ def _stats_json(stats: RequestStats | None) -> dict[str, object] | None:
 
 
 class _Detokenizer:
-    """Text deltas from growing token lists; holds back an incomplete UTF-8 sequence."""
+    """Text deltas from growing token lists; holds back an incomplete UTF-8 sequence and,
+    with stop strings, the tail in which one of them may still be forming."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...] = ()) -> None:
         self._tok = tokenizer
         self._ids: list[int] = []
         self._sent = ""
+        self._stop = _StopMatcher(stops) if stops else None
+        self.stopped = False  # a stop string was found: the text ends before it
 
-    def add(self, ids: tuple[int, ...]) -> str:
+    def add(self, ids: Sequence[int]) -> str:
         self._ids.extend(ids)
         text = self._tok.decode(self._ids)
-        if text.endswith("\ufffd"):
+        if self._stop is not None:
+            at = self._stop.find(text, len(self._sent))
+            if at is not None:
+                self.stopped = True
+                delta = text[len(self._sent) : at] if at > len(self._sent) else ""
+                self._sent += delta
+                return delta
+        if text.endswith("\ufffd") or not text.startswith(self._sent):
             return ""
-        delta = text[len(self._sent) :] if text.startswith(self._sent) else text
-        self._sent = text
+        end = len(text) - (self._stop.hold if self._stop is not None else 0)
+        if end <= len(self._sent):
+            return ""
+        delta = text[len(self._sent) : end]
+        self._sent += delta
         return delta
 
     def flush(self) -> str:
+        if self.stopped:
+            return ""
         text = self._tok.decode(self._ids)
         delta = text[len(self._sent) :] if text.startswith(self._sent) else ""
-        self._sent = text
+        self._sent += delta
         return delta
 
 
@@ -394,7 +468,7 @@ def create_app(
                 Job(
                     request_id,
                     req.prompt_token_ids,
-                    SamplingParams(max_tokens=req.max_tokens, ignore_eos=req.ignore_eos),
+                    req.sampling_params(),
                     sink,
                     kv_transfer_params=req.kv_transfer_params,
                 )
@@ -442,7 +516,7 @@ def create_app(
         if req.stream:
 
             async def sse() -> AsyncIterator[bytes]:
-                detok = _Detokenizer(tokenizer)
+                detok = _Detokenizer(tokenizer, req.stop)
                 n_out = 0
                 finished = False
                 try:
@@ -467,8 +541,19 @@ def create_app(
                             }
                             if req.return_token_ids:
                                 choice["token_ids"] = list(ev.token_ids)
+                            if detok.stopped:
+                                # A stop string: the completion ends here, like an EOS.
+                                finished = True
+                                worker.abort(request_id)
+                                choice["finish_reason"] = FinishReason.STOP.value
+                                registry.inc("kvpush_requests_total", labels={"outcome": "ok"})
                             chunk = {**head, "object": "text_completion", "choices": [choice]}
+                            if detok.stopped and req.include_usage:
+                                chunk["usage"] = usage(n_out)
                             yield f"data: {json.dumps(chunk)}\n\n".encode()
+                            if detok.stopped:
+                                yield b"data: [DONE]\n\n"
+                                return
                         elif isinstance(ev, Done):
                             finished = True
                             on_done(ev)
@@ -504,6 +589,8 @@ def create_app(
             return StreamingResponse(sse(), media_type="text/event-stream")
 
         out: list[int] = []
+        detok_all = _Detokenizer(tokenizer, req.stop)
+        text_parts: list[str] = []
         try:
             while True:
                 ev = await next_event()
@@ -516,6 +603,11 @@ def create_app(
                 if isinstance(ev, Tokens):
                     on_tokens(len(ev.token_ids))
                     out.extend(ev.token_ids)
+                    text_parts.append(detok_all.add(ev.token_ids))
+                    if detok_all.stopped:
+                        worker.abort(request_id)
+                        ev = Done(FinishReason.STOP, None)
+                        break
                 elif isinstance(ev, Done):
                     break
         except asyncio.CancelledError:
@@ -528,7 +620,7 @@ def create_app(
             return error_response(ev.status, ev.error or "request failed")
         choice_out: dict[str, Any] = {
             "index": 0,
-            "text": tokenizer.decode(out),
+            "text": "".join(text_parts) + detok_all.flush(),
             "logprobs": None,
             "finish_reason": ev.reason.value,
         }
