@@ -326,3 +326,49 @@ def test_stop_strings_end_the_text_before_them_streamed_or_not(server: ServerPro
                 reasons.append(choice["finish_reason"])
     assert streamed == cut
     assert reasons[-1] == "stop"
+
+
+def test_chat_completions_render_the_checkpoints_template(server: ServerProcess) -> None:
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Say kvpush."},
+    ]
+    rendered = "<|system|>\nYou are terse.\n<|user|>\nSay kvpush.\n<|assistant|>\n"
+    common = {"max_tokens": 12, "ignore_eos": True, "return_token_ids": True}
+    chat = httpx.post(
+        f"{server.url}/v1/chat/completions", json={"messages": messages, **common}, timeout=60
+    )
+    assert chat.status_code == 200, chat.text
+    plain = complete(server.url, prompt=rendered, **common).json()
+    body = chat.json()
+    assert body["object"] == "chat.completion"
+    assert body["prompt_token_ids"] == plain["prompt_token_ids"]
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": plain["choices"][0]["text"]}
+    assert choice["token_ids"] == plain["choices"][0]["token_ids"]
+    deltas = []
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/chat/completions",
+        json={
+            "messages": messages,
+            "max_completion_tokens": 12,
+            "ignore_eos": True,
+            "stream": True,
+        },
+        timeout=60,
+    ) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert chunk["object"] == "chat.completion.chunk"
+                deltas.append(chunk["choices"][0]["delta"])
+    assert deltas[0]["role"] == "assistant"
+    assert "".join(d["content"] for d in deltas) == choice["message"]["content"]
+    bad = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"messages": [{"role": "wizard", "content": "x"}]},
+        timeout=60,
+    )
+    assert bad.status_code == 400
+    assert "messages[0].role" in bad.json()["error"]["message"]

@@ -125,6 +125,18 @@ def test_seeded_sampling_and_stop_through_prefill_decode_match_the_single_instan
             b["text"],
             b["finish_reason"],
         )
+    chat = {
+        "messages": [{"role": "user", "content": "push the cache"}],
+        "max_tokens": 12,
+        "seed": 5,
+        "temperature": 1.0,
+        "return_token_ids": True,
+    }
+    via = httpx.post(f"{stack.proxy.url}/v1/chat/completions", json=chat, timeout=60)
+    alone = httpx.post(f"{stack.single.url}/v1/chat/completions", json=chat, timeout=60)
+    assert via.status_code == alone.status_code == 200, (via.text, alone.text)
+    assert via.json()["choices"][0]["message"] == alone.json()["choices"][0]["message"]
+    assert via.json()["choices"][0]["token_ids"] == alone.json()["choices"][0]["token_ids"]
 
 
 def test_pd_non_streamed_completion_and_bad_requests(stack: Stack) -> None:

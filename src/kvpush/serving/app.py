@@ -119,6 +119,7 @@ def serve(options: ServeOptions) -> int:
         prepare=prepare,
         health_extra=health_extra,
         max_body_bytes=options.max_body_bytes,
+        chat_template=loaded.chat_template,
     )
     config = uvicorn.Config(
         app,

@@ -202,6 +202,13 @@ def create_proxy_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        return await complete(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await complete(request, "/v1/chat/completions")
+
+    async def complete(request: Request, path: str) -> Response:
         try:
             body = await read_json(request, max_body_bytes)
         except BadBody as exc:
@@ -240,7 +247,9 @@ def create_proxy_app(
 
         lease = _Lease(p_inst, d_inst)
         try:
-            return await legs(request, client, p_inst, d_inst, p_body, d_body, tid, stream, lease)
+            return await legs(
+                request, client, path, p_inst, d_inst, p_body, d_body, tid, stream, lease
+            )
         except BaseException:
             lease.release()
             raise
@@ -248,6 +257,7 @@ def create_proxy_app(
     async def legs(
         request: Request,
         client: httpx.AsyncClient,
+        path: str,
         p_inst: _Instance,
         d_inst: _Instance,
         p_body: dict[str, Any],
@@ -262,7 +272,7 @@ def create_proxy_app(
             A 4xx from the prefill server is the client's mistake and keeps its status
             and message; anything else is a 502 naming the server."""
             try:
-                resp = await client.post(f"{p_inst.url}/v1/completions", json=p_body)
+                resp = await client.post(f"{p_inst.url}{path}", json=p_body)
             except httpx.HTTPError as exc:
                 p_inst.info = None
                 return 502, f"prefill server {p_inst.url} failed: {type(exc).__name__}: {exc}"
@@ -276,7 +286,7 @@ def create_proxy_app(
             return None
 
         p_task = asyncio.create_task(prefill_leg())
-        d_req = client.build_request("POST", f"{d_inst.url}/v1/completions", json=d_body)
+        d_req = client.build_request("POST", f"{d_inst.url}{path}", json=d_body)
         d_task = asyncio.create_task(client.send(d_req, stream=True))
         gone = asyncio.create_task(wait_for_disconnect(request))
 

@@ -357,6 +357,7 @@ def create_app(
     prepare: Prepare | None = None,
     health_extra: Callable[[], dict[str, object]] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    chat_template: str | None = None,
 ) -> FastAPI:
     app = FastAPI(title=f"kvpush {role} server", docs_url=None, redoc_url=None)
     install_error_handlers(app)
@@ -401,12 +402,26 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        return await complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await complete(request, chat=True)
+
+    async def complete(request: Request, *, chat: bool) -> Response:
         try:
-            body = await read_json(request, max_body_bytes)
+            parsed = await read_json(request, max_body_bytes)
         except BadBody as exc:
             return error_response(exc.status, exc.message)
-        if not isinstance(body, dict):
+        if not isinstance(parsed, dict):
             return error_response(400, "request body must be a JSON object")
+        body: dict[str, Any] = parsed
+        if chat:
+            try:
+                body = await asyncio.to_thread(chat_to_completion, body, chat_template)
+            except BadRequest as exc:
+                return error_response(exc.status, exc.message)
+        shape = _Shape(chat)
         raw_kvp = body.get("kv_transfer_params")
         ids: list[int] | None = None
 
@@ -533,12 +548,9 @@ def create_app(
                         if isinstance(ev, Tokens):
                             on_tokens(len(ev.token_ids))
                             n_out += len(ev.token_ids)
-                            choice: dict[str, Any] = {
-                                "index": 0,
-                                "text": detok.add(ev.token_ids),
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
+                            choice = shape.chunk_choice(
+                                detok.add(ev.token_ids), n_out == len(ev.token_ids)
+                            )
                             if req.return_token_ids:
                                 choice["token_ids"] = list(ev.token_ids)
                             if detok.stopped:
@@ -547,7 +559,7 @@ def create_app(
                                 worker.abort(request_id)
                                 choice["finish_reason"] = FinishReason.STOP.value
                                 registry.inc("kvpush_requests_total", labels={"outcome": "ok"})
-                            chunk = {**head, "object": "text_completion", "choices": [choice]}
+                            chunk = {**head, "object": shape.chunk_object, "choices": [choice]}
                             if detok.stopped and req.include_usage:
                                 chunk["usage"] = usage(n_out)
                             yield f"data: {json.dumps(chunk)}\n\n".encode()
@@ -561,17 +573,12 @@ def create_app(
                                 yield error_event(ev.status, ev.error or "request failed")
                                 yield b"data: [DONE]\n\n"
                                 return
+                            final = shape.chunk_choice(detok.flush(), n_out == 0)
+                            final["finish_reason"] = ev.reason.value
                             last: dict[str, Any] = {
                                 **head,
-                                "object": "text_completion",
-                                "choices": [
-                                    {
-                                        "index": 0,
-                                        "text": detok.flush(),
-                                        "logprobs": None,
-                                        "finish_reason": ev.reason.value,
-                                    }
-                                ],
+                                "object": shape.chunk_object,
+                                "choices": [final],
                                 "kvpush_stats": _stats_json(ev.stats),
                             }
                             if ev.kv_transfer_params is not None:
@@ -618,17 +625,13 @@ def create_app(
         on_done(ev)
         if ev.reason is FinishReason.ERROR:
             return error_response(ev.status, ev.error or "request failed")
-        choice_out: dict[str, Any] = {
-            "index": 0,
-            "text": "".join(text_parts) + detok_all.flush(),
-            "logprobs": None,
-            "finish_reason": ev.reason.value,
-        }
+        choice_out = shape.whole_choice("".join(text_parts) + detok_all.flush())
+        choice_out["finish_reason"] = ev.reason.value
         if req.return_token_ids:
             choice_out["token_ids"] = out
         response: dict[str, Any] = {
             **head,
-            "object": "text_completion",
+            "object": shape.whole_object,
             "choices": [choice_out],
             "usage": usage(len(out)),
             "kvpush_stats": _stats_json(ev.stats),
@@ -640,6 +643,78 @@ def create_app(
         return JSONResponse(response)
 
     return app
+
+
+class _Shape:
+    """Where a completion and a chat completion differ: how a choice looks."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+        self.whole_object = "chat.completion" if chat else "text_completion"
+
+    def chunk_choice(self, text: str, first: bool) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+        delta: dict[str, Any] = {"content": text}
+        if first:
+            delta["role"] = "assistant"
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+
+    def whole_choice(self, text: str) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "logprobs": None, "finish_reason": None}
+
+
+_CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+# Chat fields that mean the same as a completion's; the rest are refused as usual.
+_CHAT_ONLY = ("messages", "max_completion_tokens", "add_generation_prompt")
+
+
+def chat_to_completion(body: dict[str, Any], chat_template: str | None) -> dict[str, Any]:
+    """A `/v1/chat/completions` body as the completion body it amounts to: the messages
+    rendered with the checkpoint's chat template become the prompt."""
+    if chat_template is None:
+        raise BadRequest(
+            "this model has no chat template (no chat_template in its tokenizer_config.json): "
+            "use /v1/completions"
+        )
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in _CHAT_ROLES:
+            raise BadRequest(f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise BadRequest(f"messages[{i}].content must be a string")
+    if "prompt" in body:
+        raise BadRequest("a chat request has messages, not a prompt")
+    generation_prompt = body.get("add_generation_prompt", True)
+    if not isinstance(generation_prompt, bool):
+        raise BadRequest("add_generation_prompt must be true or false")
+    out = {k: v for k, v in body.items() if k not in _CHAT_ONLY}
+    if "max_completion_tokens" in body:
+        out["max_tokens"] = body["max_completion_tokens"]
+    out["prompt"] = render_chat(chat_template, messages, add_generation_prompt=generation_prompt)
+    return out
+
+
+def render_chat(template: str, messages: list[Any], *, add_generation_prompt: bool) -> str:
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        text = env.from_string(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt
+        )
+    except TemplateError as exc:
+        raise BadRequest(f"the chat template cannot render these messages: {exc}") from None
+    if not text:
+        raise BadRequest("the chat template rendered these messages as empty text")
+    return text
 
 
 def _client_gone(worker: EngineWorker, registry: Registry, request_id: str) -> Response:
