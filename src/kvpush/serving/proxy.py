@@ -15,6 +15,9 @@ with the fewest requests in flight.
 
 The prefill servers' side-channel addresses come from their `/health` answers, fetched
 when first needed and again after a failure (a restarted server may have a new engine id).
+Servers whose `/health` says nothing of it (vLLM's, running `KvpushConnector`) have their
+side channels given to the proxy, one per prefill server (`prefill_side_channels`); their
+prefill leg asks for one token, as vLLM's own proxy does.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class _Instance:
     url: str
     in_flight: int = 0
     info: dict[str, Any] | None = None
+    # Given up front (a vLLM server's /health tells no side channel): never refetched.
+    fixed_info: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -110,10 +115,20 @@ def create_proxy_app(
     *,
     timeout_s: float = 300.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    prefill_side_channels: Sequence[tuple[str, int]] | None = None,
 ) -> FastAPI:
     if not prefill_urls or not decode_urls:
         raise ValueError("a proxy needs at least one prefill and one decode server")
+    if prefill_side_channels is not None and len(prefill_side_channels) != len(prefill_urls):
+        raise ValueError(
+            f"{len(prefill_side_channels)} prefill side channels for {len(prefill_urls)} "
+            "prefill servers: give one per server, in the same order"
+        )
     prefill = _Pool("prefill", [_Instance(u.rstrip("/")) for u in prefill_urls])
+    for inst, (sc_host, sc_port) in zip(
+        prefill.instances, prefill_side_channels or (), strict=False
+    ):
+        inst.fixed_info = {"side_channel_host": sc_host, "side_channel_port": sc_port}
     decode = _Pool("decode", [_Instance(u.rstrip("/")) for u in decode_urls])
     state: dict[str, httpx.AsyncClient] = {}
     registry = proxy_registry()
@@ -132,6 +147,8 @@ def create_proxy_app(
     install_error_handlers(app)
 
     async def prefill_info(inst: _Instance) -> dict[str, Any]:
+        if inst.fixed_info is not None:
+            return inst.fixed_info
         if inst.info is None:
             resp = await state["client"].get(f"{inst.url}/health", timeout=5.0)
             body = resp.json()
@@ -243,6 +260,8 @@ def create_proxy_app(
         # The prefill leg keeps the client's max_tokens: its checks (context length) then
         # speak of what the client asked; the prefill server computes one token anyway.
         p_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        if p_inst.fixed_info is not None:
+            p_body["max_tokens"] = 1  # a vLLM prefill server computes what it is asked
         p_body["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": tid}
 
         lease = _Lease(p_inst, d_inst)
@@ -448,12 +467,19 @@ class _LegFailed(Exception):
         self.message = message
 
 
-def run_proxy(prefill_urls: Sequence[str], decode_urls: Sequence[str], host: str, port: int) -> int:
+def run_proxy(
+    prefill_urls: Sequence[str],
+    decode_urls: Sequence[str],
+    host: str,
+    port: int,
+    *,
+    prefill_side_channels: Sequence[tuple[str, int]] | None = None,
+) -> int:
     import uvicorn
 
     from kvpush.net import unbracket_host
 
-    app = create_proxy_app(prefill_urls, decode_urls)
+    app = create_proxy_app(prefill_urls, decode_urls, prefill_side_channels=prefill_side_channels)
     server = uvicorn.Server(
         uvicorn.Config(app, host=unbracket_host(host), port=port, log_config=None, access_log=False)
     )
