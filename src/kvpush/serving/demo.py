@@ -93,6 +93,7 @@ class DemoOptions:
     ready_timeout_s: float = 120.0
     request_timeout_s: float = 120.0
     decode_num_blocks: int | None = None  # the decode server's KV cache; None: its default
+    prefill_num_blocks: int | None = None  # the prefill server's KV cache; None: its default
     queue_timeout_s: float | None = None  # how long servers queue a request; None: default
 
 
@@ -195,7 +196,7 @@ def make_load_prompts(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        length = rng.choice((1, 3, 8, 20, 40, 60))
+        length = rng.choice((1, 3, 8, 16, 30, 45))
         out.append(" ".join(rng.choice(_WORDS) for _ in range(length)))
     return out
 
@@ -341,6 +342,8 @@ class Stack:
         port, side = free_port(host), free_port(host)
         args = ["serve", "--role", "prefill", "--port", str(port)]
         args += ["--side-channel-port", str(side), *self._common]
+        if self.options.prefill_num_blocks is not None:
+            args += ["--num-blocks", str(self.options.prefill_num_blocks)]
         if layerwise:
             args.append("--layerwise")
         return ServerProcess(

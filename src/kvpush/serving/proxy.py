@@ -305,6 +305,15 @@ def create_proxy_app(
             return None
 
         p_task = asyncio.create_task(prefill_leg())
+
+        async def prefill_outcome(
+            task: asyncio.Task[tuple[int, str] | None],
+        ) -> tuple[int, str] | None:
+            """The prefill leg's failure, if it ends within a moment; else None."""
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                return await asyncio.wait_for(asyncio.shield(task), _PREFILL_VERDICT_S)
+            return None
+
         d_req = client.build_request("POST", f"{d_inst.url}{path}", json=d_body)
         d_task = asyncio.create_task(client.send(d_req, stream=True))
         gone = asyncio.create_task(wait_for_disconnect(request))
@@ -354,6 +363,15 @@ def create_proxy_app(
             with contextlib.suppress(httpx.HTTPError):
                 await d_resp.aread()
             await d_resp.aclose()
+            if d_resp.status_code >= 500 and not p_checked:
+                # The decode server failed its transfer: if the prefill leg failed too,
+                # that is the cause to report (a dead prefill server, say).
+                p_checked = True
+                p_error = await prefill_outcome(p_task)
+                if p_error is not None:
+                    lease.release()
+                    done("prefill_failed")
+                    return error_response(*p_error)
             abort_prefill(p_inst, p_task, tid)
             lease.release()
             done("rejected")
@@ -413,8 +431,14 @@ def create_proxy_app(
                         buffer += chunk
                         cut = buffer.rfind(b"\n\n")
                         if cut >= 0:
-                            yield buffer[: cut + 2]
-                            buffer = buffer[cut + 2 :]
+                            events, buffer = buffer[: cut + 2], buffer[cut + 2 :]
+                            if b'data: {"error"' in events and not p_checked:
+                                # As above: a failed prefill leg is the cause to report.
+                                p_checked = True
+                                err = await prefill_outcome(p_task)
+                                if err is not None:
+                                    raise _LegFailed(*err)
+                            yield events
             finally:
                 gone.cancel()
                 if nxt is not None:
@@ -454,6 +478,10 @@ def create_proxy_app(
         return Response(b"".join(parts), status_code=200, media_type="application/json")
 
     return app
+
+
+# How long a failed decode leg waits for the prefill leg's verdict, to report the cause.
+_PREFILL_VERDICT_S = 2.0
 
 
 class _ClientGone(Exception):
