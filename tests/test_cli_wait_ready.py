@@ -203,3 +203,18 @@ def test_usage_errors() -> None:
     result = run_kvpush("wait-ready", "--pid", "1", "--side-channel", "::1:5")
     assert result.returncode == 1
     assert "AddressError: bad address '::1:5': an IPv6 host must be bracketed" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "url", ["notaurl", "ftp://127.0.0.1:80/", "http://", "http://[::1]:99999/"]
+)
+def test_a_url_that_can_never_answer_is_refused_at_once(url: str) -> None:
+    # Issue 10, item 7: `--http notaurl` waited out its whole deadline.
+    started = time.monotonic()
+    result = run_kvpush(
+        "wait-ready", "--pid", str(os.getpid()), "--http", url, "--timeout", "20", timeout=15
+    )
+    assert result.returncode == 1
+    assert f"--http {url!r}" in result.stderr
+    assert "expected http://HOST:PORT/PATH" in result.stderr
+    assert time.monotonic() - started < 10

@@ -203,7 +203,11 @@ def test_stream_gives_the_same_tokens_and_a_final_chunk(
 @pytest.mark.parametrize(
     ("body", "status", "needle"),
     [
-        ({"prompt": "x", "temperature": 0.7}, 400, "temperature"),
+        ({"prompt": "x", "temperature": 2.5}, 400, "temperature"),
+        ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+        ({"prompt": "x", "seed": 1.5}, 400, "seed"),
+        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"prompt": "x", "stop": [""]}, 400, "stop"),
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"prompt": ""}, 400, "prompt is empty"),
         ({"prompt": [1, 99999]}, 400, "out of range"),
@@ -281,3 +285,90 @@ def test_ipv6_loopback(model_dir: Path, tiny: LoadedModel, tmp_path: Path) -> No
 def test_a_server_that_cannot_start_fails_fast_with_its_log(tmp_path: Path) -> None:
     with pytest.raises(ServerFailed, match=r"(?s)exit.*no config\.json"):
         start_server(tmp_path / "no-model", "127.0.0.1", tmp_path)
+
+
+def test_seeded_sampling_repeats_under_one_seed_and_matches_the_engine(
+    server: ServerProcess, tiny: LoadedModel
+) -> None:
+    body = {"prompt": TEXTS[3], "max_tokens": 24, "ignore_eos": True, "return_token_ids": True}
+    sampled = {"temperature": 1.5, "top_p": 0.99, "seed": 1234}
+    first = complete(server.url, **body, **sampled).json()["choices"][0]["token_ids"]
+    again = complete(server.url, **body, **sampled).json()["choices"][0]["token_ids"]
+    other = complete(server.url, **body, **{**sampled, "seed": 99}).json()["choices"][0]
+    greedy = complete(server.url, **body).json()["choices"][0]["token_ids"]
+    assert first == again
+    assert first != other["token_ids"] and first != greedy
+    engine = Engine(tiny.model, num_blocks=256, block_size=8)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.5, top_p=0.99, seed=1234)
+    assert engine.generate([tiny.tokenizer.encode(TEXTS[3])], params) == [first]
+
+
+def test_stop_strings_end_the_text_before_them_streamed_or_not(server: ServerProcess) -> None:
+    body = {"prompt": TEXTS[1], "max_tokens": 40, "ignore_eos": True}
+    full = complete(server.url, **body).json()["choices"][0]["text"]
+    assert len(full) > 12
+    stop = full[8:11]
+    cut = full[: full.index(stop)]
+    whole = complete(server.url, **body, stop=[stop, "never-seen"]).json()["choices"][0]
+    assert (whole["text"], whole["finish_reason"]) == (cut, "stop")
+    streamed = ""
+    reasons = []
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/completions",
+        json={**body, "stop": stop, "stream": True},
+        timeout=60,
+    ) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                streamed += choice["text"]
+                reasons.append(choice["finish_reason"])
+    assert streamed == cut
+    assert reasons[-1] == "stop"
+
+
+def test_chat_completions_render_the_checkpoints_template(server: ServerProcess) -> None:
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Say kvpush."},
+    ]
+    rendered = "<|system|>\nYou are terse.\n<|user|>\nSay kvpush.\n<|assistant|>\n"
+    common = {"max_tokens": 12, "ignore_eos": True, "return_token_ids": True}
+    chat = httpx.post(
+        f"{server.url}/v1/chat/completions", json={"messages": messages, **common}, timeout=60
+    )
+    assert chat.status_code == 200, chat.text
+    plain = complete(server.url, prompt=rendered, **common).json()
+    body = chat.json()
+    assert body["object"] == "chat.completion"
+    assert body["prompt_token_ids"] == plain["prompt_token_ids"]
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": plain["choices"][0]["text"]}
+    assert choice["token_ids"] == plain["choices"][0]["token_ids"]
+    deltas = []
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/chat/completions",
+        json={
+            "messages": messages,
+            "max_completion_tokens": 12,
+            "ignore_eos": True,
+            "stream": True,
+        },
+        timeout=60,
+    ) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert chunk["object"] == "chat.completion.chunk"
+                deltas.append(chunk["choices"][0]["delta"])
+    assert deltas[0]["role"] == "assistant"
+    assert "".join(d["content"] for d in deltas) == choice["message"]["content"]
+    bad = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"messages": [{"role": "wizard", "content": "x"}]},
+        timeout=60,
+    )
+    assert bad.status_code == 400
+    assert "messages[0].role" in bad.json()["error"]["message"]

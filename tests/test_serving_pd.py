@@ -7,10 +7,15 @@ length, on 127.0.0.1 and on ::1 (one with layer-wise push, one without).
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
+import socket
 import threading
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -18,17 +23,24 @@ import pytest
 
 from conftest import run_kvpush
 from kvpush.config import TimingConfig
+from kvpush.net import http_url
+from kvpush.readiness import free_port
 from kvpush.serving.checkpoint import make_model
 from kvpush.serving.demo import (
     DemoOptions,
     Stack,
+    make_load_prompts,
     make_prompts,
     metric_sum,
     metric_values,
+    percentile,
     run_workload,
 )
+from kvpush.serving.procs import ServerProcess, log_tail
 
 pytestmark = pytest.mark.nixl  # prefill and decode servers move KV through real NIXL
+
+DECODE_BLOCKS = 256
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +59,24 @@ def stack(
     request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
     host, layerwise = request.param
+    # The decode server's KV cache holds only a fraction of a burst (256 blocks of 8
+    # tokens): requests it cannot place yet must wait for blocks, not be refused.
     options = DemoOptions(
-        model_dir=model_dir, host=host, block_size=8, layerwise=layerwise, ready_timeout_s=90
+        model_dir=model_dir,
+        host=host,
+        block_size=8,
+        layerwise=layerwise,
+        ready_timeout_s=90,
+        decode_num_blocks=DECODE_BLOCKS,
+        # Both legs of a request arrive at once, each server queues in its own order: a
+        # prefill cache that fills with prompts the decode server has not placed yet,
+        # while the decode's blocks wait for prompts the prefill has not computed, waits
+        # until a queue timeout breaks the tie. A prefill cache that holds every prompt
+        # of the burst (as a deployment should size it) never does.
+        prefill_num_blocks=4096,
+        # A loaded CI host runs the load test's burst slowly: no request may time out of
+        # the queue there (the queue's timeout is tested with its own small server).
+        queue_timeout_s=240,
     )
     s = Stack(options, tmp_path_factory.mktemp("pd-logs"))
     s.start()
@@ -80,6 +108,43 @@ def test_pd_matches_single_instance_token_for_token_with_equal_acceptance(stack:
     assert decode["kvpush_kv_blocks_held"] == 0
 
 
+def test_seeded_sampling_and_stop_through_prefill_decode_match_the_single_instance(
+    stack: Stack,
+) -> None:
+    # Issue 10, item 9: under one seed, P/D gives exactly the single instance's tokens.
+    for i, prompt in enumerate(make_prompts(4, seed=3)):
+        body = {
+            "prompt": prompt,
+            "max_tokens": 16,
+            "temperature": 1.5,
+            "top_p": 0.99,
+            "seed": 100 + i,
+            "return_token_ids": True,
+            "stop": ["zz", "kv cache"],
+        }
+        via = httpx.post(f"{stack.proxy.url}/v1/completions", json=body, timeout=60)
+        alone = httpx.post(f"{stack.single.url}/v1/completions", json=body, timeout=60)
+        assert via.status_code == alone.status_code == 200, (via.text, alone.text)
+        a, b = via.json()["choices"][0], alone.json()["choices"][0]
+        assert (a["token_ids"], a["text"], a["finish_reason"]) == (
+            b["token_ids"],
+            b["text"],
+            b["finish_reason"],
+        )
+    chat = {
+        "messages": [{"role": "user", "content": "push the cache"}],
+        "max_tokens": 12,
+        "seed": 5,
+        "temperature": 1.0,
+        "return_token_ids": True,
+    }
+    via = httpx.post(f"{stack.proxy.url}/v1/chat/completions", json=chat, timeout=60)
+    alone = httpx.post(f"{stack.single.url}/v1/chat/completions", json=chat, timeout=60)
+    assert via.status_code == alone.status_code == 200, (via.text, alone.text)
+    assert via.json()["choices"][0]["message"] == alone.json()["choices"][0]["message"]
+    assert via.json()["choices"][0]["token_ids"] == alone.json()["choices"][0]["token_ids"]
+
+
 def test_pd_non_streamed_completion_and_bad_requests(stack: Stack) -> None:
     body = {"prompt": "push mode", "max_tokens": 8, "ignore_eos": True, "return_token_ids": True}
     via_proxy = httpx.post(f"{stack.proxy.url}/v1/completions", json=body, timeout=60)
@@ -88,7 +153,7 @@ def test_pd_non_streamed_completion_and_bad_requests(stack: Stack) -> None:
     assert via_proxy.json()["choices"][0]["token_ids"] == alone.json()["choices"][0]["token_ids"]
 
     bad = httpx.post(
-        f"{stack.proxy.url}/v1/completions", json={**body, "temperature": 1.0}, timeout=60
+        f"{stack.proxy.url}/v1/completions", json={**body, "temperature": 3.0}, timeout=60
     )
     assert bad.status_code == 400
     assert "temperature" in bad.json()["error"]["message"]
@@ -125,8 +190,6 @@ def test_pd_non_streamed_completion_and_bad_requests(stack: Stack) -> None:
 def test_decode_request_naming_an_unreachable_prefill_side_channel_fails_with_the_reason(
     stack: Stack,
 ) -> None:
-    from kvpush.readiness import free_port
-
     host = stack.options.host
     body = {
         "prompt": "nobody will send this",
@@ -154,99 +217,9 @@ def test_decode_request_naming_an_unreachable_prefill_side_channel_fails_with_th
     assert ok.status_code == 200, ok.text
 
 
-def test_a_full_decode_server_refuses_at_once_instead_of_waiting(
-    stack: Stack, tmp_path: Path
-) -> None:
-    if stack.options.host != "127.0.0.1":
-        pytest.skip("exercised once, on IPv4")
-    from kvpush.readiness import free_port
-    from kvpush.serving.procs import ServerProcess
-
-    host = stack.options.host
-    port, side = free_port(host), free_port(host)
-    small = ServerProcess(
-        "small-decode",
-        [
-            "serve",
-            "--role",
-            "decode",
-            "--model",
-            str(stack.options.model_dir),
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--side-channel-port",
-            str(side),
-            "--block-size",
-            "8",
-            "--num-blocks",
-            "256",
-        ],
-        host=host,
-        port=port,
-        log_dir=tmp_path,
-        side_channel_port=side,
-    )
-    small.start()
-    try:
-        small.wait_ready(90)
-        # A local request takes 255 of the 256 blocks (2039 tokens) and runs for a while.
-        with httpx.stream(
-            "POST",
-            f"{small.url}/v1/completions",
-            timeout=60,
-            json={
-                "prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9],
-                "max_tokens": 2030,
-                "ignore_eos": True,
-                "stream": True,
-            },
-        ) as busy:
-            lines = busy.iter_lines()  # kept referenced: dropping it would close the stream
-            while not next(lines).startswith("data: {"):
-                pass
-            p_side = stack.prefill.side_channel_port
-            r = httpx.post(
-                f"{small.url}/v1/completions",
-                timeout=30,
-                json={
-                    "prompt": "x" * 10,
-                    "max_tokens": 8,
-                    "kv_transfer_params": {
-                        "do_remote_prefill": True,
-                        "transfer_id": "no-room",
-                        "remote_host": host,
-                        "remote_port": p_side,
-                    },
-                },
-            )
-            assert r.status_code == 503, r.text
-            assert "no free KV blocks" in r.json()["error"]["message"]
-        # Leaving the stream aborts the busy request: every block comes back.
-        for _ in range(100):
-            metrics = httpx.get(f"{small.url}/metrics", timeout=10).text
-            if "kvpush_kv_blocks_held 0\n" in metrics:
-                break
-            threading.Event().wait(0.1)
-        assert "kvpush_kv_blocks_held 0\n" in metrics
-    finally:
-        assert small.close() == 0
-    # The prefill server was told, and serves on.
-    ok = httpx.post(
-        f"{stack.proxy.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60
-    )
-    assert ok.status_code == 200, ok.text
-
-
 def test_the_proxy_spreads_requests_over_several_decode_servers(
     stack: Stack, tmp_path: Path
 ) -> None:
-    if stack.options.host != "127.0.0.1":
-        pytest.skip("exercised once, on IPv4")
-    from kvpush.readiness import free_port
-    from kvpush.serving.procs import ServerProcess
-
     host = stack.options.host
     port, side, proxy_port = free_port(host), free_port(host), free_port(host)
     second = ServerProcess(
@@ -319,8 +292,6 @@ def test_the_proxy_spreads_requests_over_several_decode_servers(
 def test_a_dead_prefill_server_fails_requests_promptly_and_a_restart_recovers(
     stack: Stack,
 ) -> None:
-    if stack.options.host != "127.0.0.1":
-        pytest.skip("restarting a server is exercised once, on IPv4")
     prompts = make_prompts(3, seed=9)
     stack.prefill.kill()
     failed = run_workload(stack.proxy.url, prompts, max_tokens=8, concurrency=3, timeout_s=30)
@@ -376,3 +347,432 @@ def test_kvpush_demo_builds_the_model_checks_every_token_and_survives_a_killed_p
     assert out.rstrip().endswith("demo OK")
     assert (tmp_path / "model" / "config.json").exists()
     assert (tmp_path / "logs" / "prefill.log").exists()
+
+
+# --------------------------------------------------------------------------- issue 10: abuse
+
+
+def _held(server: ServerProcess) -> float:
+    return metric_values(httpx.get(f"{server.url}/metrics", timeout=10).text)[
+        "kvpush_kv_blocks_held"
+    ]
+
+
+def _until(predicate: Callable[[], bool], timeout_s: float, step_s: float = 0.01) -> float | None:
+    """Seconds until `predicate()` held, or None if it did not within `timeout_s`."""
+    start = time.monotonic()
+    while True:
+        if predicate():
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            return None
+        time.sleep(step_s)
+
+
+def _prefill_leg(stack: Stack, tid: str, prompt: object, max_tokens: int = 8) -> httpx.Response:
+    return httpx.post(
+        f"{stack.prefill.url}/v1/completions",
+        json={
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid},
+        },
+        timeout=60,
+    )
+
+
+def _decode_kvp(stack: Stack, tid: str) -> dict[str, object]:
+    return {
+        "do_remote_prefill": True,
+        "transfer_id": tid,
+        "remote_host": stack.options.host,
+        "remote_port": stack.prefill.side_channel_port,
+    }
+
+
+def _serve(
+    name: str, stack: Stack, log_dir: Path, role: str, *extra: str
+) -> tuple[ServerProcess, int | None]:
+    host = stack.options.host
+    port = free_port(host)
+    side = free_port(host) if role != "both" else None
+    args = ["serve", "--role", role, "--model", str(stack.options.model_dir), "--host", host]
+    args += ["--port", str(port), "--block-size", "8", *extra]
+    if side is not None:
+        args += ["--side-channel-port", str(side)]
+    return (
+        ServerProcess(name, args, host=host, port=port, log_dir=log_dir, side_channel_port=side),
+        side,
+    )
+
+
+def _proxy(name: str, stack: Stack, log_dir: Path, decode_url: str) -> ServerProcess:
+    host = stack.options.host
+    port = free_port(host)
+    args = ["proxy", "--prefill", stack.prefill.url, "--decode", decode_url]
+    args += ["--host", host, "--port", str(port)]
+    return ServerProcess(name, args, host=host, port=port, log_dir=log_dir)
+
+
+def test_a_decode_side_refusal_frees_the_prefill_blocks_within_a_second(
+    stack: Stack, record_property: Callable[[str, object], None]
+) -> None:
+    # Issue 10, item 2: the prefill leg was computed and held its blocks until the
+    # transfer deadline (60 s), because nobody told it the decode leg was refused.
+    tid = f"refused-{uuid.uuid4().hex}"
+    prompt = "kv " * 150  # 450 tokens: 57 blocks held by the prefill server
+    assert _prefill_leg(stack, tid, prompt).status_code == 200
+    assert _held(stack.prefill) > 0
+    refused = httpx.post(
+        f"{stack.decode.url}/v1/completions",
+        json={
+            "prompt": prompt,
+            "max_tokens": 8,
+            "n": 2,
+            "kv_transfer_params": _decode_kvp(stack, tid),
+        },
+        timeout=60,
+    )
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["type"] == "invalid_request_error"
+    freed_after = _until(lambda: _held(stack.prefill) == 0, timeout_s=10)
+    assert freed_after is not None, "the prefill server still holds the refused request's KV"
+    record_property("prefill_blocks_freed_after_decode_refusal_s", freed_after)
+    print(f"\nprefill blocks back to 0 in {freed_after * 1e3:.0f} ms after the decode refusal")
+    assert freed_after < 1.0
+    # The id is spent on the prefill side: a late decode leg for it fails, quickly.
+    prefill = stack.metrics(stack.prefill)
+    assert metric_sum(prefill, "kvpush_transfers_total", "rejected", "sender") >= 1
+
+
+def test_a_dead_decode_server_behind_the_proxy_frees_the_prefill_blocks_at_once(
+    stack: Stack, tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
+    dead_url = http_url(stack.options.host, free_port(stack.options.host))
+    proxy = _proxy("proxy-dead-decode", stack, tmp_path, dead_url)
+    proxy.start()
+    try:
+        proxy.wait_ready(60, health_path="/metrics")  # its /health is 503: no decode server
+        r = httpx.post(
+            f"{proxy.url}/v1/completions", json={"prompt": "kv " * 150, "max_tokens": 4}, timeout=60
+        )
+        assert r.status_code == 502, r.text
+        assert "decode server" in r.json()["error"]["message"]
+        freed_after = _until(lambda: _held(stack.prefill) == 0, timeout_s=10)
+        assert freed_after is not None
+        record_property("prefill_blocks_freed_after_decode_down_s", freed_after)
+        assert freed_after < 1.0
+        # Its /health says which backend is gone.
+        health = httpx.get(f"{proxy.url}/health", timeout=30)
+        assert health.status_code == 503
+        decode_health = health.json()["decode"]
+        assert decode_health == [
+            {"url": dead_url, "status": "unreachable", "detail": "ConnectError"}
+        ]
+        assert health.json()["prefill"][0]["status"] == "ok"
+        in_flight = metric_values(httpx.get(f"{proxy.url}/metrics", timeout=10).text)
+        assert metric_sum(in_flight, "kvpush_proxy_in_flight") == 0
+    finally:
+        proxy.close()
+
+
+def test_a_client_that_disconnects_stops_its_request_on_both_legs(stack: Stack) -> None:
+    # Issue 10, item 3: a non-streamed request went on generating (and holding blocks)
+    # after its client left, so the proxy's cancel of the other leg did nothing.
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 2040, "ignore_eos": True}
+    before = metric_sum(stack.metrics(stack.decode), "kvpush_generation_tokens_total")
+    try:
+        r = httpx.post(
+            f"{stack.proxy.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.3)
+        )
+    except httpx.ReadTimeout:
+        pass  # the client gives up and disconnects
+    else:
+        raise AssertionError(
+            f"expected no answer within 0.3 s, got {r.status_code}: {r.text[:300]}"
+        )
+    assert _until(lambda: _held(stack.decode) == 0 and _held(stack.prefill) == 0, 10) is not None
+    decode = stack.metrics(stack.decode)
+    assert decode["kvpush_requests_running"] == 0
+    generated = metric_sum(decode, "kvpush_generation_tokens_total") - before
+    assert generated < 2040, "the abandoned request ran to its end"
+    assert metric_sum(decode, "kvpush_requests_total", "aborted") >= 1
+
+
+def test_a_full_decode_server_queues_in_order_and_refuses_only_a_full_queue(
+    stack: Stack, tmp_path: Path
+) -> None:
+    # Issue 10, item 4: a request the decode server could not place was refused (503 "no
+    # free KV blocks"); now it waits for blocks, and only a full queue refuses, with 429.
+    small, _ = _serve(
+        "small-decode", stack, tmp_path, "decode", "--num-blocks", "256", "--max-waiting", "1"
+    )
+    small.start()
+    try:
+        small.wait_ready(90)
+        with httpx.stream(
+            "POST",
+            f"{small.url}/v1/completions",
+            timeout=60,
+            json={
+                "prompt": list(range(1, 10)),
+                "max_tokens": 2030,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as busy:
+            lines = busy.iter_lines()  # kept referenced: dropping it would close the stream
+            while not next(lines).startswith("data: {"):
+                pass
+            prompt_a, prompt_b = "queued " * 10, "refused " * 10
+            tid_a, tid_b = f"a-{uuid.uuid4().hex}", f"b-{uuid.uuid4().hex}"
+            assert _prefill_leg(stack, tid_a, prompt_a).status_code == 200
+            held_a = _held(stack.prefill)
+            assert held_a > 0
+            queued: list[httpx.Response] = []
+            waiter = threading.Thread(
+                target=lambda: queued.append(
+                    httpx.post(
+                        f"{small.url}/v1/completions",
+                        timeout=60,
+                        json={
+                            "prompt": prompt_a,
+                            "max_tokens": 8,
+                            "return_token_ids": True,
+                            "kv_transfer_params": _decode_kvp(stack, tid_a),
+                        },
+                    )
+                )
+            )
+            waiter.start()
+            waiting = lambda: stack.metrics(small)["kvpush_requests_waiting"] == 1  # noqa: E731
+            assert _until(waiting, 30) is not None
+            assert _prefill_leg(stack, tid_b, prompt_b).status_code == 200
+            assert _held(stack.prefill) > held_a
+            full = httpx.post(
+                f"{small.url}/v1/completions",
+                timeout=30,
+                json={
+                    "prompt": prompt_b,
+                    "max_tokens": 8,
+                    "kv_transfer_params": _decode_kvp(stack, tid_b),
+                },
+            )
+            assert full.status_code == 429, full.text
+            assert full.headers["retry-after"] == "1"
+            error = full.json()["error"]
+            assert error["type"] == "rate_limit_error" and error["code"] == 429
+            assert "too many requests waiting" in error["message"]
+            # The refused request's prefill blocks come back; the queued one's stay.
+            assert _until(lambda: _held(stack.prefill) == held_a, 10) is not None
+            assert queued == [] and waiter.is_alive()
+        # Leaving the stream aborts the busy request: the queued one gets its blocks.
+        waiter.join(60)
+        assert queued and queued[0].status_code == 200, queued and queued[0].text
+        single = httpx.post(
+            f"{stack.single.url}/v1/completions",
+            json={"prompt": prompt_a, "max_tokens": 8, "return_token_ids": True},
+            timeout=60,
+        )
+        assert (
+            queued[0].json()["choices"][0]["token_ids"] == single.json()["choices"][0]["token_ids"]
+        )
+        assert _until(lambda: _held(small) == 0 and _held(stack.prefill) == 0, 10) is not None
+    finally:
+        assert small.close() == 0
+
+
+def test_a_decode_server_dying_mid_stream_ends_the_clients_stream_with_an_error(
+    stack: Stack, tmp_path: Path
+) -> None:
+    # Issue 10, item 6: the client got a truncated body, without an error or [DONE].
+    doomed, _ = _serve("doomed-decode", stack, tmp_path, "decode")
+    doomed.start()
+    proxy = _proxy("proxy-doomed", stack, tmp_path, doomed.url)
+    proxy.start()
+    try:
+        doomed.wait_ready(90)
+        proxy.wait_ready(60)
+        events: list[str] = []
+        with httpx.stream(
+            "POST",
+            f"{proxy.url}/v1/completions",
+            timeout=60,
+            json={"prompt": "die", "max_tokens": 2000, "ignore_eos": True, "stream": True},
+        ) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line)
+                if len(events) == 3:
+                    doomed.kill()
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][len("data: ") :])["error"]
+        assert error["type"] == "server_error" and "decode server" in error["message"]
+        for event in events[:-2]:
+            assert "choices" in json.loads(event[len("data: ") :])  # whole events only
+    finally:
+        proxy.close()
+        doomed.close()
+
+
+def test_sigterm_stops_a_server_with_exit_status_0_and_its_runtime_closed(
+    stack: Stack, tmp_path: Path
+) -> None:
+    server, side = _serve("sigterm-prefill", stack, tmp_path, "prefill")
+    server.start()
+    try:
+        server.wait_ready(90)
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGTERM)
+        assert _until(lambda: server.poll() is not None, 30, 0.1) is not None
+        assert server.poll() == 0, log_tail(server.log_path)
+        # Its runtime and side channel were closed: the ports are free again.
+        assert side is not None
+        family = socket.AF_INET6 if ":" in stack.options.host else socket.AF_INET
+        for port in (server.port, side):
+            with socket.socket(family) as sock:
+                # Connections the health checks left in TIME_WAIT do not hold a port
+                # against SO_REUSEADDR; a listening socket still would.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((stack.options.host, port))
+    finally:
+        server.close()
+
+
+BAD_BODIES: list[tuple[bytes, int, str]] = [
+    (b'{"prompt": "a", "max_tokens": NaN}', 400, "NaN is not valid JSON"),
+    (b'{"prompt": "a", "max_tokens": Infinity}', 400, "Infinity is not valid JSON"),
+    (b'{"prompt": [1, -Infinity]}', 400, "-Infinity is not valid JSON"),
+    (b'{"prompt": "\\ud800", "max_tokens": 2}', 400, "lone surrogate"),
+    (b'{"prompt": "ok", "user": "\\udfff"}', 400, "lone surrogate"),
+    (b"[" * 100_000, 400, "nested"),
+    (b'{"prompt": ' + b"[" * 200 + b"]" * 200 + b"}", 400, "nested deeper"),
+    (b'{"prompt": "a", "stream_options": {"include_usage": "yes"}}', 400, "include_usage"),
+    (b'{"prompt": "a", "max_tokens": "8"}', 400, "max_tokens"),
+    (b"\xff\xfe not utf-8", 400, "not valid JSON"),
+    (b'"just a string"', 400, "JSON object"),
+]
+
+
+def test_bad_bodies_get_openai_shaped_4xx_and_never_a_500(stack: Stack) -> None:
+    # Issue 10, item 5: some of these answered a plain-text 500 with a traceback, and
+    # through the proxy leaked its in-flight counter.
+    huge_prompt = json.dumps({"prompt": "x" * 5_000_000, "max_tokens": 2}).encode()
+    too_big = json.dumps({"prompt": "x" * 9_000_000}).encode()
+    cases = [*BAD_BODIES, (huge_prompt, 400, "cannot fit"), (too_big, 413, "limit")]
+    for server in (stack.proxy, stack.single, stack.decode, stack.prefill):
+        for raw, status, fragment in cases:
+            started = time.monotonic()
+            r = httpx.post(
+                f"{server.url}/v1/completions",
+                content=raw,
+                headers={"content-type": "application/json"},
+                timeout=60,
+            )
+            assert r.status_code == status, (server.name, raw[:60], r.text[:300])
+            error = r.json()["error"]
+            assert fragment in error["message"], (server.name, raw[:60], error)
+            assert error["type"] == "invalid_request_error" and error["code"] == status
+            assert time.monotonic() - started < 10, (server.name, raw[:60])
+        missing = httpx.get(f"{server.url}/v2/nothing", timeout=10)
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == 404
+        wrong_method = httpx.get(f"{server.url}/v1/completions", timeout=10)
+        assert wrong_method.status_code == 405
+        assert wrong_method.json()["error"]["type"] == "invalid_request_error"
+    proxy_metrics = metric_values(httpx.get(f"{stack.proxy.url}/metrics", timeout=10).text)
+    assert metric_sum(proxy_metrics, "kvpush_proxy_in_flight") == 0
+    assert _held(stack.prefill) == 0 and _held(stack.decode) == 0
+    ok = httpx.post(
+        f"{stack.proxy.url}/v1/completions", json={"prompt": "fine", "max_tokens": 2}, timeout=60
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def test_the_proxy_serves_models_metrics_health_and_names_the_clients_max_tokens(
+    stack: Stack,
+) -> None:
+    models = httpx.get(f"{stack.proxy.url}/v1/models", timeout=10)
+    assert models.status_code == 200
+    assert models.json() == httpx.get(f"{stack.decode.url}/v1/models", timeout=10).json()
+    health = httpx.get(f"{stack.proxy.url}/health", timeout=10)
+    assert health.status_code == 200
+    assert [b["status"] for b in health.json()["prefill"] + health.json()["decode"]] == ["ok"] * 2
+    too_long = httpx.post(
+        f"{stack.proxy.url}/v1/completions",
+        json={"prompt": [7] * 2000, "max_tokens": 100},
+        timeout=60,
+    )
+    assert too_long.status_code == 400
+    assert "max_tokens (100)" in too_long.json()["error"]["message"]
+    metrics = httpx.get(f"{stack.proxy.url}/metrics", timeout=10).text
+    assert 'kvpush_proxy_requests_total{outcome="ok"}' in metrics
+    assert 'kvpush_proxy_requests_total{outcome="prefill_failed"}' in metrics
+    # The side channel's health is part of a role server's.
+    decode_health = httpx.get(f"{stack.decode.url}/health", timeout=10).json()
+    assert decode_health["side_channel"] == "ok" and decode_health["status"] == "ok"
+
+
+def test_legs_sharing_a_transfer_id_but_not_a_prompt_never_decode_from_the_wrong_kv(
+    stack: Stack,
+) -> None:
+    # Issue 10, item 7: two legs with one transfer_id and different prompts of the same
+    # length decoded from the other prompt's KV, silently. The runtime's id binds the
+    # transfer to the prompt's fingerprint: these two can never be paired.
+    tid = f"forged-{uuid.uuid4().hex}"
+    prefilled = _prefill_leg(stack, tid, "aaaa bbbb cccc")
+    assert prefilled.status_code == 200
+    fingerprint = prefilled.json()["kv_transfer_params"]["prompt_fingerprint"]
+    assert len(fingerprint) == 16
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{stack.decode.url}/v1/completions",
+            json={
+                "prompt": "zzzz yyyy xxxx",
+                "max_tokens": 4,
+                "kv_transfer_params": _decode_kvp(stack, tid),
+            },
+            timeout=httpx.Timeout(30, read=3),
+        )
+    # The decode leg's client left (its transfer is aborted); the prefill's is cancelled.
+    assert (
+        httpx.post(
+            f"{stack.prefill.url}/kvpush/abort", json={"transfer_id": tid}, timeout=10
+        ).status_code
+        == 200
+    )
+    assert _until(lambda: _held(stack.prefill) == 0 and _held(stack.decode) == 0, 30) is not None
+
+
+@pytest.mark.timeout(600)  # about 20 s here; a loaded CI host may take several times that
+def test_200_concurrent_mixed_requests_into_a_small_decode_cache_all_match_the_single_instance(
+    stack: Stack, record_property: Callable[[str, object], None]
+) -> None:
+    # Issue 10, item 4 and the load test: with prompts of mixed lengths (up to ~600
+    # tokens), 118-126 of 200 concurrent requests through the proxy were refused.
+    if stack.options.host != "127.0.0.1":
+        pytest.skip("the load test runs once; the queueing it relies on is tested on both")
+    prompts = make_load_prompts(200, seed=10)
+    started = time.monotonic()
+    pd = run_workload(stack.proxy.url, prompts, max_tokens=4, concurrency=200, timeout_s=280)
+    pd_wall = time.monotonic() - started
+    started = time.monotonic()
+    single = run_workload(stack.single.url, prompts, max_tokens=4, concurrency=200, timeout_s=280)
+    single_wall = time.monotonic() - started
+    assert [r.error for r in pd] == [None] * len(prompts)
+    assert [r.error for r in single] == [None] * len(prompts)
+    assert [r.token_ids for r in pd] == [r.token_ids for r in single]
+    assert _until(lambda: _held(stack.prefill) == 0 and _held(stack.decode) == 0, 20) is not None
+    figures = {
+        "pd_p50_s": percentile([r.latency_s for r in pd], 0.5),
+        "pd_p99_s": percentile([r.latency_s for r in pd], 0.99),
+        "single_p50_s": percentile([r.latency_s for r in single], 0.5),
+        "single_p99_s": percentile([r.latency_s for r in single], 0.99),
+        "pd_wall_s": pd_wall,
+        "single_wall_s": single_wall,
+    }
+    for key, value in figures.items():
+        record_property(key, value)
+    print("\nload test (200 concurrent, latency):", {k: round(v, 2) for k, v in figures.items()})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import signal
 import time
 from collections.abc import Iterator
 
@@ -10,8 +11,9 @@ import msgspec
 import pytest
 import zmq
 
-from conftest import Endpoint, run_kvpush
+from conftest import Endpoint, run_kvpush, start_endpoint
 from kvpush.config import SideChannelConfig
+from kvpush.errors import SideChannelError
 from kvpush.kvcache import synthetic_kv_cache
 from kvpush.net import zmq_address
 from kvpush.sidechannel import GET_META_MSG, MetadataServer, PeerMetadata, fetch_metadata
@@ -183,3 +185,184 @@ def test_a_live_endpoint_survives_a_flood_and_kvpush_probe_still_exits_0(
     assert result.returncode == 0, result.stderr
     assert "rank 1: OK" in result.stdout
     assert tiny_endpoint.process.poll() is None
+
+
+# --------------------------------------------------------------------------- structured inputs
+#
+# Random bytes rarely reach the decoder's corners; these do, at every position of both
+# request forms: nesting deep enough to exhaust the decoder's recursion, headers that
+# declare far more elements or bytes than the frame holds, and every wrong type.
+
+_DEEP_ARRAY = b"\x91" * 1000 + b"\xc0"  # [[[...[nil]...]]], 1001 bytes
+_DEEP_MAP = b"\x81\xa1k" * 1000 + b"\xc0"  # {"k": {"k": ... nil}}
+_VERY_DEEP = b"\x91" * 60_000 + b"\xc0"  # just under the 64 KiB frame cap
+_HUGE_HEADERS = [
+    b"\xdd\xff\xff\xff\xff",  # array32 of 4 Gi elements
+    b"\xdf\xff\xff\xff\xff",  # map32 of 4 Gi pairs
+    b"\xdb\xff\xff\xff\xff",  # str32 of 4 GiB
+    b"\xc6\xff\xff\xff\xff",  # bin32 of 4 GiB
+    b"\xc9\xff\xff\xff\xff\x01",  # ext32 of 4 GiB
+    b"\xdc\xff\xff",  # array16 of 65535 elements
+]
+_WRONG_TYPES = [
+    msgspec.msgpack.encode(v)
+    for v in (None, True, -1, 2**64 - 1, -(2**63), 1.5, float("nan"), "", "x" * 300, b"")
+] + [msgspec.msgpack.encode(msgspec.msgpack.Ext(5, b"ext")), b"\xc1"]  # 0xc1: never used
+
+
+def _array(*elements: bytes) -> bytes:
+    assert len(elements) < 16
+    return bytes([0x90 + len(elements)]) + b"".join(elements)
+
+
+def structured_requests() -> Iterator[bytes]:
+    """Hostile frames: each bad element at each position of both request forms."""
+    kind = msgspec.msgpack.encode(GET_META_MSG)
+    control = msgspec.msgpack.encode(b"kvpush_test_echo")
+    good = [kind, msgspec.msgpack.encode(0), msgspec.msgpack.encode("the-real-token")]
+    good_control = [control, msgspec.msgpack.encode({"x": 1}), good[2]]
+    bad = [_DEEP_ARRAY, _DEEP_MAP, *_HUGE_HEADERS, *_WRONG_TYPES]
+    for element in bad:
+        yield element  # alone, as the whole request
+        for form in (good, good_control):
+            for position in range(len(form) + 1):
+                elements = list(form)
+                if position < len(form):
+                    elements[position] = element
+                else:
+                    elements.append(element)  # one element too many
+                yield _array(*elements)
+    yield _VERY_DEEP
+    yield b"\x92" + _DEEP_ARRAY + _DEEP_ARRAY
+    yield b"\x92" + kind + b"\x91" * 40_000  # truncated inside the nesting
+    for header in _HUGE_HEADERS:
+        yield b"\x92" + kind + header + b"\x00" * 8  # declared, then short
+
+
+def _send_raw(address: str, frames: list[bytes], timeout_ms: int = 2000) -> list[bytes] | None:
+    """One request on its own DEALER; the reply, or None when the server dropped it."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IPV6, 1)
+    sock.connect(address)
+    try:
+        sock.send_multipart(frames)
+        if sock.poll(timeout_ms, zmq.POLLIN):
+            return sock.recv_multipart()
+        return None
+    finally:
+        sock.close(linger=0)
+
+
+def _tiny_meta() -> PeerMetadata:
+    return PeerMetadata(
+        engine_id="structured",
+        incarnation="1",
+        rank=0,
+        role="receiver",
+        agent_name="",
+        agent_metadata=b"",
+        geometry=_CACHE.geometry,
+        kvpush_version="0.1.0",
+    )
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_one_deeply_nested_message_does_not_stop_the_side_channel(host: str) -> None:
+    # Issue 10, item 1: a 1001-byte array nested 1000 deep raised RecursionError in the
+    # decoder and killed the server thread for good; close() then blocked.
+    with MetadataServer(host, 0, SideChannelConfig(), {0: _tiny_meta()}) as server:
+        address = zmq_address(host, server.port)
+        reply = _send_raw(address, [_DEEP_ARRAY])
+        assert reply is not None, "a deeply nested request got no answer at all"
+        header = decode_header(reply[0])
+        assert header.status == "refused"
+        assert header.refusal == "malformed_request"
+        assert "nested too deeply" in header.detail
+        assert fetch_metadata(host, server.port) == _tiny_meta()
+        assert server.healthy
+        stats = server.statistics()
+        assert stats.malformed == 1 and stats.served == 1 and stats.healthy
+        started = time.monotonic()
+    assert time.monotonic() - started < 2
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_structured_hostile_requests_are_each_answered_and_serving_goes_on(host: str) -> None:
+    echoed: list[object] = []
+
+    def echo(body: object) -> object:
+        echoed.append(body)
+        return body
+
+    config = SideChannelConfig(token="the-real-token")
+    requests = list(structured_requests())
+    with MetadataServer(
+        host, 0, config, {0: _tiny_meta()}, control={b"kvpush_test_echo": echo}
+    ) as server:
+        address = zmq_address(host, server.port)
+        for frame in requests:
+            reply = _send_raw(address, [frame])
+            assert reply is not None, f"no answer to {frame[:24]!r}"
+            assert decode_header(reply[0]).status in ("refused", "ok"), frame[:24]
+            # A well-formed control request with a hostile body may be answered "ok" by
+            # its handler; metadata is never served to any of these.
+            assert decode_header(reply[0]).compat_hash == ""
+        stats = server.statistics()
+        assert stats.served == 0
+        assert stats.healthy and server.healthy
+        answered = stats.refused + stats.control_served + stats.control_rejected
+        assert answered + stats.internal_errors == len(requests)
+        assert fetch_metadata(host, server.port, token="the-real-token") == _tiny_meta()
+
+
+def test_a_rank_source_that_raises_is_contained_and_a_dead_thread_is_visible() -> None:
+    calls = 0
+
+    def ranks() -> dict[int, PeerMetadata]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RecursionError("maximum recursion depth exceeded")
+        if calls == 2:
+            return {0: _tiny_meta()}
+        # Not an Exception: the one thing a request may not contain; it stops the thread.
+        raise SystemExit("rank source gave up")
+
+    server = MetadataServer("127.0.0.1", 0, SideChannelConfig(), ranks)
+    server.start()
+    try:
+        with pytest.raises(SideChannelError, match="metadata not available"):
+            fetch_metadata("127.0.0.1", server.port)
+        assert fetch_metadata("127.0.0.1", server.port) == _tiny_meta()
+        assert server.healthy
+        with pytest.raises(SideChannelError):
+            fetch_metadata("127.0.0.1", server.port, timeout_ms=300)
+        deadline = time.monotonic() + 5
+        while server.healthy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not server.healthy
+        assert not server.statistics().healthy
+        assert server.failure is not None and "rank source gave up" in server.failure
+    finally:
+        started = time.monotonic()
+        server.close()
+        assert time.monotonic() - started < 2, "close() waited on a thread that is gone"
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_kvpush_endpoint_survives_a_deeply_nested_message_and_stops_on_sigint(host: str) -> None:
+    endpoint = start_endpoint("--preset", "tiny", "--blocks", "4", host=host)
+    try:
+        reply = _send_raw(zmq_address(host, endpoint.port), [_DEEP_ARRAY])
+        assert reply is not None and decode_header(reply[0]).status == "refused"
+        result = run_kvpush("probe", "--host", host, "--port", str(endpoint.port))
+        assert result.returncode == 0, result.stderr
+        started = time.monotonic()
+        code = endpoint.stop(signal.SIGINT, timeout=10)
+        assert time.monotonic() - started < 10
+        assert code == 0, "".join(endpoint.output)[-2000:]
+    finally:
+        if endpoint.process.poll() is None:
+            endpoint.process.kill()
+            endpoint.process.communicate()

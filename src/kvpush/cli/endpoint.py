@@ -26,7 +26,7 @@ from typing import Any
 from kvpush import __version__
 from kvpush.bench.endpoint_service import BENCH_KINDS, BenchService
 from kvpush.config import SideChannelConfig, load_token
-from kvpush.errors import ConfigError
+from kvpush.errors import ConfigError, SideChannelError
 from kvpush.geometry import CacheGeometry
 from kvpush.net import zmq_address
 from kvpush.runtime import PushRuntime, RuntimeIdentity, SideChannelPeerDirectory
@@ -248,13 +248,15 @@ class _Endpoint:
         return handle
 
     def serve_until(self, stop: threading.Event) -> None:
-        if not self._runtimes:
-            while not stop.wait(3600):
-                pass
-            return
-        # Each runtime reports every transfer it ends, once; nobody else takes them.
-        wait_s = 0.2 / len(self._runtimes)
+        """Serve until `stop` is set; raises `SideChannelError` if the side channel
+        stops on its own (a dead side channel must not look like a live endpoint)."""
+        wait_s = 0.2 / max(1, len(self._runtimes))
         while not stop.is_set():
+            self._check_side_channel()
+            if not self._runtimes:
+                stop.wait(0.5)
+                continue
+            # Each runtime reports every transfer it ends, once; nobody else takes them.
             for runtime in self._runtimes:
                 results = runtime.wait(timeout=wait_s)
                 for r in results:
@@ -264,6 +266,11 @@ class _Endpoint:
                         self.failed += 1
                 if self._bench is not None and runtime is self._runtimes[0]:
                     self._bench.record(results)
+
+    def _check_side_channel(self) -> None:
+        server = self._server
+        if server is not None and not server.healthy:
+            raise SideChannelError(f"the side channel stopped serving: {server.failure}")
 
     def _stop(self) -> None:
         errors: list[BaseException] = []

@@ -57,6 +57,31 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help="shared secret for the side channel (default: $KVPUSH_TOKEN, else none)",
     )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=512,
+        help="requests that may wait for KV blocks; one more is refused with 429 (default 512)",
+    )
+    p.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        default=30.0,
+        help="a request waiting for KV blocks longer is refused with 503 (default 30)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 * 1024 * 1024,
+        help="larger request bodies are refused with 413 (default 8 MiB)",
+    )
+    p.add_argument(
+        "--transfer-deadline-s",
+        type=float,
+        default=60.0,
+        help="a KV transfer not finished by then fails (default 60); keep it above the "
+        "decode servers' --queue-timeout-s",
+    )
     p.set_defaults(run=run)
 
 
@@ -89,5 +114,9 @@ def run(args: argparse.Namespace) -> int:
             idle_poll_ms=args.idle_poll_ms,
             token_file=args.token_file,
             log_level=args.verbose,
+            max_waiting=args.max_waiting,
+            queue_timeout_s=args.queue_timeout_s,
+            max_body_bytes=args.max_body_bytes,
+            transfer_deadline_s=args.transfer_deadline_s,
         )
     )

@@ -8,6 +8,7 @@ and the side channel, each with its own deadline.
 from __future__ import annotations
 
 import argparse
+import urllib.parse
 
 from kvpush.config import load_token
 from kvpush.errors import ConfigError
@@ -48,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.http is not None:
+        _check_http_url(args.http)
     side_channel = parse_host_port(args.side_channel) if args.side_channel else None
     token = load_token(args.token_file) if side_channel else None
     report = wait_ready(
@@ -73,3 +76,14 @@ def run(args: argparse.Namespace) -> int:
         )
     print(f"ready after {report.elapsed_s:.2f} s ({report.rounds} rounds): " + "; ".join(parts))
     return 0
+
+
+def _check_http_url(url: str) -> None:
+    """A URL that can never answer is refused now, not waited for until the deadline."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port  # noqa: B018 (raises on a bad port)
+    except ValueError:
+        raise ConfigError(f"--http {url!r}: bad port: expected http://HOST:PORT/PATH") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"--http {url!r} is not an HTTP URL: expected http://HOST:PORT/PATH")

@@ -6,13 +6,15 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpush.config import TimingConfig
 from kvpush.errors import ConfigError
 from kvpush.net import check_port, unbracket_host
 from kvpush.serving.checkpoint import load_model
 from kvpush.serving.engine import Engine, SpecConfig
+from kvpush.serving.http import DEFAULT_MAX_BODY_BYTES, Terminated, stopped_by_sigterm
 from kvpush.serving.metrics import serving_registry
 from kvpush.serving.server import create_app
-from kvpush.serving.worker import EngineWorker
+from kvpush.serving.worker import AdmissionConfig, EngineWorker
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,14 @@ class ServeOptions:
     idle_poll_ms: float = 5.0
     token_file: str | None = None  # side-channel secret; else $KVPUSH_TOKEN, else none
     log_level: int = 0
+    max_waiting: int = 512  # requests queued for KV blocks; one more gets 429
+    queue_timeout_s: float = 30.0  # a request queued longer gets 503
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
+    # A transfer not finished by then fails; keep it above the other side's queue timeout.
+    transfer_deadline_s: float = TimingConfig().transfer_deadline_s
+
+    def admission(self) -> AdmissionConfig:
+        return AdmissionConfig(max_waiting=self.max_waiting, queue_timeout_s=self.queue_timeout_s)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -48,6 +58,14 @@ class ServeOptions:
         for name in ("block_size", "num_blocks", "max_batch_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_waiting < 0 or self.queue_timeout_s <= 0 or self.max_body_bytes <= 0:
+            raise ConfigError(
+                "max_waiting must be 0 or more, queue_timeout_s and max_body_bytes positive"
+            )
+        if self.transfer_deadline_s <= 0:
+            raise ConfigError(
+                f"transfer_deadline_s must be positive, got {self.transfer_deadline_s}"
+            )
         if self.idle_poll_ms <= 0:
             raise ConfigError(f"idle_poll_ms must be positive, got {self.idle_poll_ms}")
         if self.speculative_tokens < 0:
@@ -89,7 +107,7 @@ def serve(options: ServeOptions) -> int:
 
         worker, bridge, prepare, health_extra = build_role(options, engine, registry)
     else:
-        worker = EngineWorker(engine)
+        worker = EngineWorker(engine, admission=options.admission())
     app = create_app(
         worker,
         loaded.tokenizer,
@@ -100,6 +118,8 @@ def serve(options: ServeOptions) -> int:
         max_model_len=loaded.config.max_position_embeddings,
         prepare=prepare,
         health_extra=health_extra,
+        max_body_bytes=options.max_body_bytes,
+        chat_template=loaded.chat_template,
     )
     config = uvicorn.Config(
         app,
@@ -112,10 +132,11 @@ def serve(options: ServeOptions) -> int:
     server = uvicorn.Server(config)
     worker.start()
     try:
-        server.run()
-    except KeyboardInterrupt:
-        # uvicorn re-raises the SIGINT it captured once it has shut down gracefully:
-        # being stopped is this command's normal end.
+        with stopped_by_sigterm():
+            server.run()
+    except (KeyboardInterrupt, Terminated):
+        # uvicorn re-raises the SIGINT or SIGTERM it captured once it has shut down
+        # gracefully: being stopped is this command's normal end.
         pass
     finally:
         worker.close()

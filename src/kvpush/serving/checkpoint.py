@@ -63,6 +63,7 @@ class LoadedModel:
     config: ModelConfig
     model: LlamaModel
     tokenizer: Tokenizer
+    chat_template: str | None = None  # from tokenizer_config.json, when it has one
 
 
 def load_model(path: str | Path) -> LoadedModel:
@@ -96,8 +97,33 @@ def load_model(path: str | Path) -> LoadedModel:
     if not tok_path.exists():
         raise ConfigError(f"no tokenizer.json in {root}: expected a `tokenizers` tokenizer")
     return LoadedModel(
-        root, config, LlamaModel(config, weights), Tokenizer.from_file(tok_path, config)
+        root,
+        config,
+        LlamaModel(config, weights),
+        Tokenizer.from_file(tok_path, config),
+        _chat_template(root / "tokenizer_config.json"),
     )
+
+
+def _chat_template(path: Path) -> str | None:
+    """The checkpoint's chat template (Hugging Face's `chat_template` key), if any."""
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    template = raw.get("chat_template") if isinstance(raw, dict) else None
+    if template is not None and not isinstance(template, str):
+        raise ConfigError(f"{path}: chat_template must be a string (one template)")
+    return template
+
+
+# The tiny model's template: plain role tags, in the style of many small chat models.
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def _build_tokenizer() -> object:
@@ -185,7 +211,12 @@ def make_model(
     tok.save(str(root / "tokenizer.json"))  # type: ignore[attr-defined]
     (root / "tokenizer_config.json").write_text(
         json.dumps(
-            {"bos_token": BOS, "eos_token": EOS, "model_max_length": max_position_embeddings}
+            {
+                "bos_token": BOS,
+                "eos_token": EOS,
+                "model_max_length": max_position_embeddings,
+                "chat_template": TINY_CHAT_TEMPLATE,
+            }
         )
         + "\n"
     )

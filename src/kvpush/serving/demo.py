@@ -92,6 +92,9 @@ class DemoOptions:
     seed: int = 0
     ready_timeout_s: float = 120.0
     request_timeout_s: float = 120.0
+    decode_num_blocks: int | None = None  # the decode server's KV cache; None: its default
+    prefill_num_blocks: int | None = None  # the prefill server's KV cache; None: its default
+    queue_timeout_s: float | None = None  # how long servers queue a request; None: default
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +191,16 @@ def make_prompts(n: int, seed: int) -> list[str]:
     return out
 
 
+def make_load_prompts(n: int, seed: int) -> list[str]:
+    """Prompts for a burst: lengths from a few tokens to several hundred, mixed."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.choice((1, 3, 8, 16, 30, 45))
+        out.append(" ".join(rng.choice(_WORDS) for _ in range(length)))
+    return out
+
+
 def metric_values(text: str) -> dict[str, float]:
     values: dict[str, float] = {}
     for line in text.splitlines():
@@ -266,7 +279,7 @@ def run_workload(
     return asyncio.run(_workload(url, prompts, max_tokens, concurrency, timeout_s))
 
 
-def _pct(values: Sequence[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return 0.0
     ordered = sorted(values)
@@ -286,12 +299,19 @@ class Stack:
         host = options.host
         model = str(options.model_dir)
         self._common = ["--model", model, "--host", host, "--block-size", str(options.block_size)]
+        if options.queue_timeout_s is not None:
+            # A transfer must outlive the longest wait in the decode server's queue.
+            self._common += ["--queue-timeout-s", str(options.queue_timeout_s)]
+            deadline = max(60.0, options.queue_timeout_s + 30)
+            self._common += ["--transfer-deadline-s", str(deadline)]
         spec = ["--speculative-tokens", str(options.speculative_tokens)]
         self.layerwise = options.layerwise
         self.prefill = self._prefill("prefill", layerwise=options.layerwise)
         d_port, d_side = free_port(host), free_port(host)
         decode_args = ["serve", "--role", "decode", "--port", str(d_port)]
         decode_args += ["--side-channel-port", str(d_side), *self._common, *spec]
+        if options.decode_num_blocks is not None:
+            decode_args += ["--num-blocks", str(options.decode_num_blocks)]
         self.decode = ServerProcess(
             "decode",
             decode_args,
@@ -322,6 +342,8 @@ class Stack:
         port, side = free_port(host), free_port(host)
         args = ["serve", "--role", "prefill", "--port", str(port)]
         args += ["--side-channel-port", str(side), *self._common]
+        if self.options.prefill_num_blocks is not None:
+            args += ["--num-blocks", str(self.options.prefill_num_blocks)]
         if layerwise:
             args.append("--layerwise")
         return ServerProcess(
@@ -433,11 +455,11 @@ def _exercise(options: DemoOptions, stack: Stack, say: Say) -> DemoReport:
         )
     ttfts = [r.ttft_s for r in pd if r.ttft_s is not None]
     itls = [r.itl_s for r in pd if r.itl_s is not None]
-    report.ttft_p50_s, report.ttft_p99_s = _pct(ttfts, 0.5), _pct(ttfts, 0.99)
+    report.ttft_p50_s, report.ttft_p99_s = percentile(ttfts, 0.5), percentile(ttfts, 0.99)
     report.itl_mean_s = statistics.fmean(itls) if itls else 0.0
     single_ttfts = [r.ttft_s for r in single if r.ttft_s is not None]
-    report.ttft_single_p50_s = _pct(single_ttfts, 0.5)
-    report.ttft_single_p99_s = _pct(single_ttfts, 0.99)
+    report.ttft_single_p50_s = percentile(single_ttfts, 0.5)
+    report.ttft_single_p99_s = percentile(single_ttfts, 0.99)
     report.kv_bytes = metric_sum(d_metrics, "kvpush_transfer_bytes_total", "receiver")
     report.kv_transfer_s = metric_sum(d_metrics, "kvpush_transfer_latency_seconds_sum", "receiver")
     report.transfers_finished = metric_sum(d_metrics, "kvpush_transfers_total", "finished")
@@ -461,8 +483,8 @@ def _exercise(options: DemoOptions, stack: Stack, say: Say) -> DemoReport:
                     f"request {a.index} (layer-wise switched): {a.error or 'tokens differ'}"
                 )
         other_ttfts = [r.ttft_s for r in other if r.ttft_s is not None]
-        report.ttft_other_p50_s = _pct(other_ttfts, 0.5)
-        report.ttft_other_p99_s = _pct(other_ttfts, 0.99)
+        report.ttft_other_p50_s = percentile(other_ttfts, 0.5)
+        report.ttft_other_p99_s = percentile(other_ttfts, 0.99)
     if options.inject == "kill-prefill":
         _kill_prefill(options, stack=stack, say=say, report=report, prompts=prompts, single=single)
     return report

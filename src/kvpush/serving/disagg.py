@@ -20,9 +20,13 @@ ended, so no late write can land in a reused block.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import time
 import uuid
+from array import array
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -30,14 +34,20 @@ from typing import TYPE_CHECKING
 from kvpush.config import SideChannelConfig, TimingConfig, load_token
 from kvpush.errors import FailureReason, KVPushError
 from kvpush.kvcache import KVLayout, register_kv_cache
-from kvpush.serving.engine import Engine, FinishReason, RequestRejected, SamplingParams
+from kvpush.serving.engine import (
+    Engine,
+    EngineStats,
+    FinishReason,
+    RequestRejected,
+    SamplingParams,
+)
 from kvpush.serving.metrics import Registry
 from kvpush.serving.paged import KV_LAYOUT
 from kvpush.serving.server import BadRequest, CompletionRequest, Prepare
-from kvpush.serving.worker import Accepted, Done, EngineWorker, Job, Rejected
+from kvpush.serving.worker import Accepted, AdmissionConfig, Done, EngineWorker, Job, Rejected
 
 if TYPE_CHECKING:
-    from kvpush.runtime import PushRuntime, TransferResult
+    from kvpush.runtime import PeerAddress, PushRuntime, TransferResult
     from kvpush.serving.app import ServeOptions
     from kvpush.sidechannel import MetadataServer
 
@@ -50,10 +60,17 @@ log = logging.getLogger(__name__)
 _TRANSFER_POLL_S = 0.001
 
 
+_MAX_PARAM_CHARS = 256
+
+
 def _str_param(params: dict[str, object], key: str) -> str:
     value = params.get(key)
-    if not isinstance(value, str) or not value:
-        raise BadRequest(f"kv_transfer_params.{key} must be a non-empty string, got {value!r}")
+    if not isinstance(value, str) or not value or len(value) > _MAX_PARAM_CHARS:
+        shown = value if not isinstance(value, str) else value[:40]
+        raise BadRequest(
+            f"kv_transfer_params.{key} must be a non-empty string of at most "
+            f"{_MAX_PARAM_CHARS} characters, got {shown!r}"
+        )
     return value
 
 
@@ -64,11 +81,30 @@ def _int_param(params: dict[str, object], key: str) -> int:
     return value
 
 
+def prompt_fingerprint(prompt_token_ids: Sequence[int]) -> str:
+    """A short digest of a prompt's token ids: both legs of a transfer must agree on it."""
+    digest = hashlib.sha256(array("q", prompt_token_ids).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def runtime_transfer_id(transfer_id: str, prompt_token_ids: Sequence[int]) -> str:
+    """The id the runtime knows a transfer by: the client's id bound to the prompt's
+    fingerprint. Two legs that share a `transfer_id` but not a prompt can never be paired,
+    so a mismatch fails (and is named) instead of decoding from another prompt's KV."""
+    return f"{transfer_id}#{prompt_fingerprint(prompt_token_ids)}"
+
+
+# Ids the proxy cancelled before their prefill request arrived: refused when it does.
+_CANCELLED_KEPT = 4096
+_CANCELLED_TTL_S = 120.0
+
+
 @dataclass(slots=True)
 class _Outgoing:
     """A prefill request whose blocks go to a decode server."""
 
-    transfer_id: str
+    transfer_id: str  # the runtime's id (bound to the prompt)
+    client_transfer_id: str  # the id in kv_transfer_params
     request_id: str
     num_blocks: int
     started: float
@@ -88,9 +124,25 @@ class _Incoming:
     aborted: bool = False
 
 
+@dataclass(slots=True)
+class _Queued:
+    """A decode request waiting for blocks before it can register with the sender."""
+
+    transfer_id: str
+    sender: PeerAddress
+    job: Job
+
+
 class _TransferWorker(EngineWorker):
-    def __init__(self, engine: Engine, runtime: PushRuntime, registry: Registry) -> None:
-        super().__init__(engine)
+    def __init__(
+        self,
+        engine: Engine,
+        runtime: PushRuntime,
+        registry: Registry,
+        *,
+        admission: AdmissionConfig | None = None,
+    ) -> None:
+        super().__init__(engine, admission=admission)
         self.runtime = runtime
         self.registry = registry
 
@@ -103,6 +155,7 @@ class _TransferWorker(EngineWorker):
 
     def _pump(self) -> None:
         for result in self.runtime.poll():
+            self._stalled = False  # blocks may have come back
             self._transfer_ended(result)
 
     def _transfer_ended(self, result: TransferResult) -> None:
@@ -126,12 +179,20 @@ class _TransferWorker(EngineWorker):
 
 class PrefillWorker(_TransferWorker):
     def __init__(
-        self, engine: Engine, runtime: PushRuntime, registry: Registry, *, layerwise: bool
+        self,
+        engine: Engine,
+        runtime: PushRuntime,
+        registry: Registry,
+        *,
+        layerwise: bool,
+        admission: AdmissionConfig | None = None,
     ) -> None:
-        super().__init__(engine, runtime, registry)
+        super().__init__(engine, runtime, registry, admission=admission)
         self.layerwise = layerwise
         self._outgoing: dict[str, _Outgoing] = {}  # by request id
-        self._by_transfer: dict[str, _Outgoing] = {}
+        self._by_transfer: dict[str, _Outgoing] = {}  # by the runtime's id
+        self._by_client_id: dict[str, _Outgoing] = {}  # by the id in kv_transfer_params
+        self._cancelled: OrderedDict[str, float] = OrderedDict()
         if layerwise:
             engine.on_layer_done = self._layer_done
 
@@ -143,9 +204,16 @@ class PrefillWorker(_TransferWorker):
         if not kvp.get("do_remote_decode"):
             super()._accept(job)
             return
-        tid = str(kvp["transfer_id"])
-        if tid in self._by_transfer:
-            job.sink(Rejected(409, f"transfer_id {tid!r} is already in flight here"))
+        client_tid = str(kvp["transfer_id"])
+        if client_tid in self._by_client_id:
+            job.sink(Rejected(409, f"transfer_id {client_tid!r} is already in flight here"))
+            return
+        if self._was_cancelled(client_tid):
+            job.sink(Rejected(409, f"transfer {client_tid!r} was cancelled before it started"))
+            return
+        full = self._queue_full(job)
+        if full is not None:
+            job.sink(full)
             return
         try:
             self.engine.add_request(
@@ -157,17 +225,25 @@ class PrefillWorker(_TransferWorker):
         except RequestRejected as exc:
             job.sink(Rejected(400, str(exc)))
             return
+        tid = runtime_transfer_id(client_tid, job.prompt_token_ids)
         log.debug("transfer %s: prefill request accepted", tid)
         out = _Outgoing(
             tid,
+            client_tid,
             job.request_id,
             self.engine.transfer_block_count(len(job.prompt_token_ids)),
             time.monotonic(),
         )
         self._outgoing[job.request_id] = out
         self._by_transfer[tid] = out
+        self._by_client_id[client_tid] = out
         self._jobs[job.request_id] = job
-        job.sink(Accepted())
+
+    def _was_cancelled(self, client_tid: str) -> bool:
+        now = time.monotonic()
+        while self._cancelled and next(iter(self._cancelled.values())) < now - _CANCELLED_TTL_S:
+            self._cancelled.popitem(last=False)
+        return self._cancelled.pop(client_tid, None) is not None
 
     def _layer_done(self, layer: int, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
@@ -200,8 +276,9 @@ class PrefillWorker(_TransferWorker):
                 stats,
                 kv_transfer_params={
                     "do_remote_decode": True,
-                    "transfer_id": out.transfer_id,
+                    "transfer_id": out.client_transfer_id,
                     "num_blocks": out.num_blocks,
+                    "prompt_fingerprint": prompt_fingerprint(job.prompt_token_ids),
                 },
             )
         )
@@ -211,20 +288,62 @@ class PrefillWorker(_TransferWorker):
         if out is None:
             super()._abort_job(job)
             return
+        self._end_early(out, "aborted: the client went away")
+
+    def _end_early(self, out: _Outgoing, why: str) -> None:
+        """Stop a transfer whose request ended early. Blocks a write may still read stay
+        held until the runtime reports the transfer ended (fencing); others go at once."""
         if out.sent:
-            self.runtime.abort(out.transfer_id)  # blocks are freed when it is reported
+            if not out.ended:
+                self.engine.stop_and_hold(out.request_id)
+                self.runtime.abort(out.transfer_id)
+        else:
+            self._forget(out)
+        log.debug("transfer %s ended early: %s", out.transfer_id, why)
+
+    def _abort_transfer(self, transfer_id: str) -> None:
+        out = self._by_client_id.get(transfer_id)
+        if out is None:
+            self._cancelled[transfer_id] = time.monotonic()
+            while len(self._cancelled) > _CANCELLED_KEPT:
+                self._cancelled.popitem(last=False)
+            return
+        job = self._jobs.pop(out.request_id, None)
+        self._end_early(out, "cancelled by the client")
+        if job is not None:
+            job.sink(
+                Done(
+                    FinishReason.ERROR,
+                    None,
+                    error=f"transfer {transfer_id!r} was cancelled",
+                    status=409,
+                )
+            )
+
+    def _drop_queued(self, job: Job) -> None:
+        out = self._outgoing.get(job.request_id)
+        if out is None:
+            super()._drop_queued(job)
         else:
             self._forget(out)
 
     def _fail_all(self, message: str) -> None:
+        # A layer-wise request may be half computed with its first layers' writes in
+        # flight: its blocks stay held until the runtime reports the transfer ended.
         for out in list(self._outgoing.values()):
-            if out.sent and not out.ended:
-                self.runtime.abort(out.transfer_id)
+            job = self._jobs.pop(out.request_id, None)
+            if job is None:
+                if out.sent and not out.ended:
+                    self.runtime.abort(out.transfer_id)
+                continue
+            self._end_early(out, message)
+            job.sink(Done(FinishReason.ERROR, None, error=message))
         super()._fail_all(message)
 
     def _forget(self, out: _Outgoing) -> None:
         self._outgoing.pop(out.request_id, None)
         self._by_transfer.pop(out.transfer_id, None)
+        self._by_client_id.pop(out.client_transfer_id, None)
         self.engine.release(out.request_id)
 
     def _transfer_ended(self, result: TransferResult) -> None:
@@ -235,7 +354,7 @@ class PrefillWorker(_TransferWorker):
         out.ended = True
         self._count(result, out.started, out.num_blocks * self.engine.kv_cache.bytes_per_block)
         if not result.ok:
-            log.warning(
+            log.info(
                 "transfer %s failed (%s): %s", result.transfer_id, result.reason, result.detail
             )
         job = self._jobs.pop(out.request_id, None)
@@ -252,51 +371,134 @@ class PrefillWorker(_TransferWorker):
             )
 
 
+def _sender_of(kvp: dict[str, object]) -> PeerAddress | None:
+    from kvpush.runtime import PeerAddress
+
+    host, port = kvp.get("remote_host"), kvp.get("remote_port")
+    if not isinstance(host, str) or not host or isinstance(port, bool):
+        return None
+    if not isinstance(port, int) or not 0 < port < 65536:
+        return None
+    return PeerAddress(host, port)
+
+
 class DecodeWorker(_TransferWorker):
-    def __init__(self, engine: Engine, runtime: PushRuntime, registry: Registry) -> None:
-        super().__init__(engine, runtime, registry)
+    def __init__(
+        self,
+        engine: Engine,
+        runtime: PushRuntime,
+        registry: Registry,
+        *,
+        admission: AdmissionConfig | None = None,
+    ) -> None:
+        super().__init__(engine, runtime, registry, admission=admission)
         self._incoming: dict[str, _Incoming] = {}  # by transfer id
         self._transfer_of: dict[str, str] = {}  # request id -> transfer id
+        self._queued: deque[_Queued] = deque()  # FIFO, waiting for blocks
+        self._queued_ids: set[str] = set()
 
     def _has_pending(self) -> bool:
-        return bool(self._incoming)
+        return bool(self._incoming) or bool(self._queued)
+
+    def _num_queued(self) -> int:
+        return super()._num_queued() + len(self._queued)
+
+    def _snapshot(self) -> EngineStats:
+        stats = super()._snapshot()
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + len(self._queued))
 
     def _accept(self, job: Job) -> None:
-        from kvpush.runtime import PeerAddress
-
         kvp = job.kv_transfer_params or {}
         if not kvp.get("do_remote_prefill"):
             super()._accept(job)
             return
-        tid = str(kvp["transfer_id"])
-        sender = PeerAddress(str(kvp["remote_host"]), int(str(kvp["remote_port"])))
-        if tid in self._incoming:
-            job.sink(Rejected(409, f"transfer_id {tid!r} is already in flight here"))
+        tid = runtime_transfer_id(str(kvp["transfer_id"]), job.prompt_token_ids)
+        sender = _sender_of(kvp)
+        assert sender is not None  # checked by the HTTP layer's prepare
+        if tid in self._incoming or tid in self._queued_ids:
+            job.sink(Rejected(409, f"transfer_id {kvp['transfer_id']!r} is already in flight here"))
             return
+        try:
+            self.engine.check_request(job.request_id, job.prompt_token_ids, job.params)
+        except RequestRejected as exc:
+            self._refuse(job, tid, sender, Rejected(400, str(exc)))
+            return
+        if not self._queued and self._place(job, tid, sender):
+            return
+        full = self._queue_full(job)
+        if full is not None:
+            self._refuse(job, tid, sender, full)
+            return
+        self._queued.append(_Queued(tid, sender, job))
+        self._queued_ids.add(tid)
+        self._jobs[job.request_id] = job
+
+    def _refuse(self, job: Job, tid: str, sender: PeerAddress, why: Rejected) -> None:
+        """Refuse before allocating: the sender frees its blocks at once."""
+        self.runtime.reject(tid, sender, why.message)
+        self.registry.inc("kvpush_transfers_rejected_total", labels={"status": str(why.status)})
+        job.sink(why)
+
+    def _place(self, job: Job, tid: str, sender: PeerAddress) -> bool:
+        """Give the request blocks and register them with the sender; False: no room yet."""
         try:
             where = self.engine.add_remote_request(job.request_id, job.prompt_token_ids, job.params)
         except RequestRejected as exc:
-            self.runtime.reject(tid, sender, str(exc))
-            job.sink(Rejected(400, str(exc)))
-            return
+            self._refuse(job, tid, sender, Rejected(400, str(exc)))
+            return True
         if where is None:
-            detail = "no free KV blocks on the decode server"
-            self.runtime.reject(tid, sender, detail)
-            job.sink(Rejected(503, f"{detail}: retry later"))
-            return
+            return False
         try:
             self.runtime.receive(tid, sender, where.blocks, sender_offset=where.sender_offset)
         except KVPushError as exc:
             self.engine.release(job.request_id)
-            job.sink(Rejected(400, f"cannot receive transfer {tid!r}: {exc}"))
-            return
+            self._refuse(job, tid, sender, Rejected(400, f"cannot receive transfer {tid!r}: {exc}"))
+            return True
         log.debug("transfer %s: %d blocks registered", tid, len(where.blocks))
         self._incoming[tid] = _Incoming(tid, job, len(where.blocks), time.monotonic())
         self._transfer_of[job.request_id] = tid
         self._jobs[job.request_id] = job
         job.sink(Accepted())
+        return True
+
+    def _pump(self) -> None:
+        super()._pump()
+        while self._queued:
+            head = self._queued[0]
+            if self._place(head.job, head.transfer_id, head.sender):
+                self._queued.popleft()
+                self._queued_ids.discard(head.transfer_id)
+            else:
+                break
+
+    def _expire_queued(self, now: float) -> None:
+        super()._expire_queued(now)
+        timeout = self.admission.queue_timeout_s
+        while self._queued and now - self._queued[0].job.submitted_at > timeout:
+            q = self._queued.popleft()
+            self._queued_ids.discard(q.transfer_id)
+            self._jobs.pop(q.job.request_id, None)
+            self._refuse(q.job, q.transfer_id, q.sender, self._queue_timeout())
+
+    def _refuse_transfer(
+        self, kv_transfer_params: dict[str, object], prompt_token_ids: list[int] | None, why: str
+    ) -> None:
+        kvp = kv_transfer_params
+        tid, sender = kvp.get("transfer_id"), _sender_of(kvp)
+        if not kvp.get("do_remote_prefill") or not isinstance(tid, str) or not tid:
+            return
+        if sender is None or prompt_token_ids is None:
+            return  # nobody to tell, or a prompt no prefill server could have computed
+        self.runtime.reject(runtime_transfer_id(tid, prompt_token_ids), sender, why)
+        self.registry.inc("kvpush_transfers_rejected_total", labels={"status": "400"})
 
     def _abort_job(self, job: Job) -> None:
+        for q in self._queued:
+            if q.job is job:
+                self._queued.remove(q)
+                self._queued_ids.discard(q.transfer_id)
+                self.runtime.reject(q.transfer_id, q.sender, "the client went away")
+                return
         tid = self._transfer_of.get(job.request_id)
         if tid is None or tid not in self._incoming:
             self._transfer_of.pop(job.request_id, None)
@@ -306,6 +508,12 @@ class DecodeWorker(_TransferWorker):
         self.runtime.abort(tid)  # blocks are freed when the runtime reports the end
 
     def _fail_all(self, message: str) -> None:
+        while self._queued:
+            q = self._queued.popleft()
+            self._queued_ids.discard(q.transfer_id)
+            self._jobs.pop(q.job.request_id, None)
+            self.runtime.reject(q.transfer_id, q.sender, message)
+            q.job.sink(Done(FinishReason.ERROR, None, error=message, status=503))
         for tid in list(self._incoming):
             self.runtime.abort(tid)
         waiting = {inc.job.request_id for inc in self._incoming.values()}
@@ -379,7 +587,7 @@ class KVBridge:
             geometry,
             identity,
             SideChannelPeerDirectory(token=token, expect_compat_hash=geometry.compat_hash()),
-            timing=TimingConfig(),
+            timing=TimingConfig(transfer_deadline_s=opts.transfer_deadline_s),
             # NIXL cannot wake the runtime when a registration arrives: an idle runtime
             # finds it at its next poll, so this bounds the delay a request sees.
             idle_poll_s=opts.idle_poll_ms / 1000,
@@ -399,11 +607,22 @@ class KVBridge:
             self.runtime.close()
 
     def health(self) -> dict[str, object]:
-        return {
+        """What `/health` adds for this role; `healthy: False` makes it answer 503."""
+        side = self.side_channel
+        side_ok = side is not None and side.healthy
+        out: dict[str, object] = {
             "engine_id": self.engine_id,
             "side_channel_host": self.options.host,
             "side_channel_port": self.options.side_channel_port,
+            "side_channel": "ok" if side_ok else "down",
+            "healthy": side_ok,
         }
+        if side is not None and side.failure is not None:
+            out["side_channel_failure"] = side.failure
+        if side is not None:
+            stats = side.statistics()
+            out["side_channel_internal_errors"] = stats.internal_errors
+        return out
 
 
 def _prepare_for(role: str) -> Prepare:
@@ -436,10 +655,13 @@ def build_role(
     runtime = bridge.start()
     try:
         worker: EngineWorker
+        admission = options.admission()
         if options.role == "prefill":
-            worker = PrefillWorker(engine, runtime, registry, layerwise=options.layerwise)
+            worker = PrefillWorker(
+                engine, runtime, registry, layerwise=options.layerwise, admission=admission
+            )
         else:
-            worker = DecodeWorker(engine, runtime, registry)
+            worker = DecodeWorker(engine, runtime, registry, admission=admission)
     except BaseException:
         bridge.close()
         raise

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import math
+import secrets
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -37,12 +38,49 @@ class RequestRejected(KVPushError):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """`temperature` 0 decodes greedily; above it, tokens are sampled (nucleus `top_p`)
+    from a generator seeded with `seed`, so one seed gives one output wherever the
+    request runs (a single instance, or the decode side of disaggregated serving)."""
+
     max_tokens: int = 16
     ignore_eos: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise RequestRejected(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0 <= self.temperature <= 2 or not math.isfinite(self.temperature):
+            raise RequestRejected(f"temperature must be in 0..2, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RequestRejected(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self) -> torch.Generator | None:
+        """A fresh generator for one request; None when decoding greedily."""
+        if self.greedy:
+            return None
+        gen = torch.Generator()
+        gen.manual_seed(self.seed % 2**63 if self.seed is not None else secrets.randbits(63))
+        return gen
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    """One token from one row of logits."""
+    if gen is None:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1:
+        ordered, order = probs.sort(descending=True)
+        # Keep the smallest head whose mass reaches top_p (the first token always).
+        drop = ordered.cumsum(-1) - ordered >= params.top_p
+        ordered[drop] = 0
+        probs = torch.zeros_like(probs).scatter_(-1, order, ordered)
+    return int(torch.multinomial(probs, 1, generator=gen))
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +187,7 @@ class _Seq:
     drafts: int = 0
     draft_tokens: int = 0
     accepted: int = 0
+    generator: torch.Generator | None = None
 
     @property
     def num_output(self) -> int:
@@ -262,7 +301,9 @@ class Engine:
         """Queue a request; `hold_blocks` keeps its KV blocks after it finishes."""
         prompt = [int(t) for t in prompt_token_ids]
         self._check_new(request_id, prompt, params)
-        self._seqs[request_id] = _Seq(request_id, len(prompt), prompt, params, hold_blocks)
+        self._seqs[request_id] = _Seq(
+            request_id, len(prompt), prompt, params, hold_blocks, generator=params.generator()
+        )
         self._waiting.append(request_id)
 
     def add_remote_request(
@@ -285,7 +326,14 @@ class Engine:
         if need - len(cached) > self.allocator.num_free:
             self.allocator.free(cached)
             return None
-        seq = _Seq(request_id, len(prompt), prompt, params, hold_blocks=False)
+        seq = _Seq(
+            request_id,
+            len(prompt),
+            prompt,
+            params,
+            hold_blocks=False,
+            generator=params.generator(),
+        )
         seq.blocks = cached + self.allocator.allocate(need - len(cached))
         seq.hashes = hashes[: len(cached)]
         seq.num_cached = len(cached) * self.block_size
@@ -334,6 +382,35 @@ class Engine:
         seq.state = _State.FINISHED
 
     abort = release
+
+    def stop_and_hold(self, request_id: str) -> None:
+        """Stop computing a request but keep its blocks (a transfer may still read them):
+        it becomes held, like a finished prefill, until `release()`."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.state is _State.FINISHED:
+            return
+        if seq.state is _State.WAITING:
+            self._waiting.remove(request_id)
+        seq.state = _State.HELD
+
+    def is_waiting(self, request_id: str) -> bool:
+        """Whether a request is queued, not yet given blocks."""
+        seq = self._seqs.get(request_id)
+        return seq is not None and seq.state is _State.WAITING
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def check_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        """Raises `RequestRejected` if the request could never be served here."""
+        self._check_new(request_id, [int(t) for t in prompt_token_ids], params)
+
+    def waiting_ids(self) -> list[str]:
+        """Queued requests, first come first."""
+        return list(self._waiting)
 
     def request_stats(self, request_id: str) -> RequestStats:
         return self._get(request_id).stats()
@@ -454,7 +531,8 @@ class Engine:
             remaining = seq.params.max_tokens - seq.num_output
             drafts = (
                 propose_ngram(seq.tokens, self.spec, remaining - 1)
-                if self.spec is not None and seq.num_output > 0
+                # Drafts are checked against greedy choices: a sampled request has none.
+                if self.spec is not None and seq.num_output > 0 and seq.params.greedy
                 else []
             )
             new = seq.tokens[seq.num_computed :] + drafts
@@ -476,7 +554,10 @@ class Engine:
         for seq, sl, drafts in zip(batch, slices, drafts_of, strict=True):
             # Rows of the last real token and of each draft predict the next token.
             first = row + sl.num_new - len(drafts) - 1
-            targets = logits[first : first + len(drafts) + 1].argmax(dim=-1).tolist()
+            if seq.generator is None:
+                targets = logits[first : first + len(drafts) + 1].argmax(dim=-1).tolist()
+            else:
+                targets = [sample(logits[first], seq.params, seq.generator)]
             row += sl.num_new
             accepted = 0
             while accepted < len(drafts) and drafts[accepted] == targets[accepted]:

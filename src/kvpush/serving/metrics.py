@@ -132,5 +132,9 @@ def serving_registry() -> Registry:
     r.histogram("kvpush_e2e_request_latency_seconds", "Request latency.", LATENCY_BUCKETS)
     r.counter("kvpush_transfers_total", "KV transfers ended, by outcome and failure reason.")
     r.counter("kvpush_transfer_bytes_total", "KV bytes moved by transfers.")
+    r.counter(
+        "kvpush_transfers_rejected_total",
+        "Transfers refused before allocating (the sender was told), by HTTP status.",
+    )
     r.histogram("kvpush_transfer_latency_seconds", "KV transfer latency.", LATENCY_BUCKETS)
     return r

@@ -7,6 +7,12 @@ work (so requests that arrive mid-generation join the next step: continuous batc
 and sleeps on the queue when idle. An exception inside a step fails every request in
 flight with the error and the thread keeps serving the next ones.
 
+Admission, as vLLM's scheduler does it: a request the engine cannot place yet waits in a
+FIFO queue for blocks, bounded in length (`AdmissionConfig.max_waiting`: one more is
+refused with 429) and in time (`queue_timeout_s`: then 503). Both refusals carry a
+retry hint. A request says it started with its first `Tokens` (or `Accepted`, for one
+that waits for its KV from elsewhere), so a refusal can still come first.
+
 Subclasses (the prefill and decode roles) add work through `_pump()`, which runs on the
 engine thread before every step.
 """
@@ -34,6 +40,24 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """How many requests may wait for KV blocks, and for how long."""
+
+    max_waiting: int = 512
+    queue_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be 0 or more, got {self.max_waiting}")
+        if self.queue_timeout_s <= 0:
+            raise ValueError(f"queue_timeout_s must be positive, got {self.queue_timeout_s}")
+
+
+# How soon a refused client should try again: about when blocks are likely to be free.
+RETRY_AFTER_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
 class Accepted:
     """The engine took the request; tokens follow."""
 
@@ -42,6 +66,7 @@ class Accepted:
 class Rejected:
     status: int
     message: str
+    retry_after_s: float | None = None  # set when trying again later may succeed
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +100,19 @@ class Job:
 class EngineWorker:
     """Runs an engine on its own thread; `start()` and `close()` own that thread."""
 
-    def __init__(self, engine: Engine, *, name: str = "kvpush-engine") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        name: str = "kvpush-engine",
+        admission: AdmissionConfig | None = None,
+    ) -> None:
         self.engine = engine
+        self.admission = admission or AdmissionConfig()
         self._name = name
+        # Set when a step placed and ran nothing (every block held): waiting requests
+        # then wait for a command or a transfer's end instead of spinning.
+        self._stalled = False
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -118,6 +153,19 @@ class EngineWorker:
         if not self._closed:
             self._commands.put(("abort", request_id))
 
+    def refuse_transfer(
+        self, kv_transfer_params: dict[str, object], prompt_token_ids: list[int] | None, why: str
+    ) -> None:
+        """A request carrying `kv_transfer_params` was refused before it reached the engine:
+        the role tells the other side at once (the decode role: the prefill server)."""
+        if not self._closed:
+            self._commands.put(("refuse", (kv_transfer_params, prompt_token_ids, why)))
+
+    def abort_transfer(self, transfer_id: str) -> None:
+        """Cancel the transfer a client names (the proxy, when the other leg failed)."""
+        if not self._closed:
+            self._commands.put(("abort_transfer", transfer_id))
+
     def statistics(self) -> EngineStats:
         """The engine's statistics as of its last step (a snapshot; no locking)."""
         return self._stats
@@ -130,13 +178,20 @@ class EngineWorker:
             # `_idle_wait()` slices: a zero-timeout get never drops the GIL, so spinning
             # here would hold off the push runtime's thread (which must poll NIXL to move
             # this very transfer) by the interpreter's 5 ms switch interval per pass.
-            busy = self.engine.has_work
+            busy = self.engine.has_work and not self._stalled
             try:
                 cmd = self._commands.get(timeout=0.0 if busy else self._idle_wait())
             except queue.Empty:
                 cmd = None
             while cmd is not None:
-                self._handle(*cmd)
+                self._stalled = False
+                try:
+                    self._handle(*cmd)
+                except Exception as exc:  # a bug: that command fails, the thread serves on
+                    log.exception("engine command %r failed", cmd[0])
+                    if cmd[0] == "submit" and isinstance(cmd[1], Job):
+                        self._jobs.pop(cmd[1].request_id, None)
+                        cmd[1].sink(Rejected(500, f"internal error: {type(exc).__name__}"))
                 try:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
@@ -145,12 +200,13 @@ class EngineWorker:
                 break
             try:
                 self._pump()
-                if self.engine.has_work:
+                self._expire_queued(time.monotonic())
+                if self.engine.has_work and not self._stalled:
                     self._step()
             except Exception as exc:  # a bug: fail what is in flight, keep serving
                 log.exception("engine step failed")
                 self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
-            self._stats = self.engine.statistics()
+            self._stats = self._snapshot()
             if self.on_stats is not None:
                 self.on_stats(self._stats)
         self._fail_all("server shutting down")
@@ -169,21 +225,76 @@ class EngineWorker:
             job = self._jobs.pop(arg, None)
             if job is not None:
                 self._abort_job(job)
+        elif kind == "refuse":
+            assert isinstance(arg, tuple)
+            self._refuse_transfer(*arg)
+        elif kind == "abort_transfer":
+            assert isinstance(arg, str)
+            self._abort_transfer(arg)
+
+    def _num_queued(self) -> int:
+        return self.engine.num_waiting
+
+    def _queue_full(self, job: Job) -> Rejected | None:
+        n = self._num_queued()
+        if n < self.admission.max_waiting:
+            return None
+        return Rejected(
+            429,
+            f"too many requests waiting for KV blocks ({n}, the limit is "
+            f"{self.admission.max_waiting}): retry later",
+            RETRY_AFTER_S,
+        )
+
+    def _queue_timeout(self) -> Rejected:
+        return Rejected(
+            503,
+            f"no KV blocks became free for this request within "
+            f"{self.admission.queue_timeout_s:g} s: the server is overloaded, retry later",
+            RETRY_AFTER_S,
+        )
 
     def _accept(self, job: Job) -> None:
+        full = self._queue_full(job)
+        if full is not None:
+            job.sink(full)
+            return
         try:
             self.engine.add_request(job.request_id, job.prompt_token_ids, job.params)
         except RequestRejected as exc:
             job.sink(Rejected(400, str(exc)))
             return
         self._jobs[job.request_id] = job
-        job.sink(Accepted())
+
+    def _expire_queued(self, now: float) -> None:
+        """Refuse requests that waited for blocks longer than the queue timeout."""
+        timeout = self.admission.queue_timeout_s
+        for rid in self.engine.waiting_ids():
+            job = self._jobs.get(rid)
+            if job is not None and now - job.submitted_at > timeout:
+                del self._jobs[rid]
+                self._drop_queued(job)
+                job.sink(self._queue_timeout())
+
+    def _drop_queued(self, job: Job) -> None:
+        """Forget a request that never got blocks (it timed out in the queue)."""
+        self.engine.release(job.request_id)
+
+    def _refuse_transfer(
+        self, kv_transfer_params: dict[str, object], prompt_token_ids: list[int] | None, why: str
+    ) -> None:
+        """Hook for roles (see `refuse_transfer`)."""
+
+    def _abort_transfer(self, transfer_id: str) -> None:
+        """Hook for roles (see `abort_transfer`)."""
 
     def _abort_job(self, job: Job) -> None:
         self.engine.release(job.request_id)
 
     def _step(self) -> None:
-        for out in self.engine.step():
+        outputs = self.engine.step()
+        self._stalled = not outputs
+        for out in outputs:
             job = self._jobs.get(out.request_id)
             if job is None:
                 continue
@@ -206,6 +317,9 @@ class EngineWorker:
                 self.engine.release(job.request_id)
             finally:
                 job.sink(Done(FinishReason.ERROR, None, error=message))
+
+    def _snapshot(self) -> EngineStats:
+        return self.engine.statistics()
 
     def _pump(self) -> None:
         """Hook for roles: run on the engine thread before each step."""

@@ -4,7 +4,12 @@ Theory of operation. `start()` binds the ROUTER in the caller's thread (so a bad
 or a port in use raises there, at once) and hands it to one server thread, which owns it
 from then on. The thread waits on the ROUTER and on an inproc wake-up socket, never on a
 timer, so an idle server costs nothing and `close()` takes effect at once. Each request
-is answered, refused with a reason, or dropped; nothing a client sends can stop the loop.
+is answered, refused with a reason, or dropped; nothing a client sends can stop the loop:
+any exception raised while decoding or answering one request (a `RecursionError` from a
+deeply nested array included) is contained there, counted as `internal_errors`, and
+answered as UNAVAILABLE when a reply can still be built. Should the thread itself ever
+stop on its own, `healthy` turns false and `failure` says why, so an owner's health check
+shows it; `close()` never waits on a thread that is gone.
 
 A host that is a name is resolved here and every address it names is bound (ZeroMQ binds
 only interfaces and addresses); `::1` and other IPv6 literals need the socket's IPV6
@@ -20,6 +25,7 @@ kind means: `kvpush endpoint` is where the bench's kinds live.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hmac
 import itertools
@@ -70,6 +76,8 @@ class SideChannelStats:
     unavailable: int = 0  # refusals: the rank source raised
     control_served: int = 0  # control requests answered by their handler
     control_rejected: int = 0  # control requests refused (auth, malformed, handler refused)
+    internal_errors: int = 0  # requests whose handling raised: answered UNAVAILABLE or dropped
+    healthy: bool = True  # False once the server thread has stopped on its own
 
     @property
     def refused(self) -> int:
@@ -105,7 +113,9 @@ class MetadataServer:
         self._endpoints: list[str] = []
         self._closed = False
         self._stats_lock = threading.Lock()
-        self._counts = {f.name: 0 for f in dataclasses.fields(SideChannelStats)}
+        self._counts = {
+            f.name: 0 for f in dataclasses.fields(SideChannelStats) if f.type in ("int", int)
+        }
         self._failure: BaseException | None = None
         # rank -> (metadata object, encoded reply): encoding is skipped while it is unchanged
         self._cache: dict[int, tuple[PeerMetadata, tuple[bytes, bytes]]] = {}
@@ -149,23 +159,25 @@ class MetadataServer:
         log.info("side channel serving on %s", ", ".join(self._endpoints))
 
     def close(self) -> None:
-        """Stop serving and release the port. Idempotent; joins the thread."""
+        """Stop serving and release the port. Idempotent; never blocks for long.
+
+        Joins the thread (at most a few seconds). A thread that stopped on its own is not
+        an error here: its `failure` was shown by `healthy` while it was gone."""
         if self._closed:
             return
         self._closed = True
         thread, wake, context = self._thread, self._wake, self._context
         if thread is not None and wake is not None:
-            wake.send(b"stop")
-            thread.join(_JOIN_TIMEOUT_S)
             if thread.is_alive():
-                log.error("side channel thread did not stop within %.0f s", _JOIN_TIMEOUT_S)
+                # NOBLOCK: a PAIR whose peer is gone would block a plain send forever.
+                with contextlib.suppress(zmq.ZMQError):
+                    wake.send(b"stop", zmq.NOBLOCK)
+                thread.join(_JOIN_TIMEOUT_S)
+                if thread.is_alive():
+                    log.error("side channel thread did not stop within %.0f s", _JOIN_TIMEOUT_S)
             wake.close(linger=0)
         if context is not None and (thread is None or not thread.is_alive()):
             context.term()
-        if self._failure is not None:
-            raise SideChannelError(
-                f"the side channel thread failed: {self._failure!r}"
-            ) from self._failure
 
     def __enter__(self) -> MetadataServer:
         self.start()
@@ -188,9 +200,23 @@ class MetadataServer:
         """The ZeroMQ addresses bound, one per address the host names."""
         return list(self._endpoints)
 
+    @property
+    def healthy(self) -> bool:
+        """True while started and serving; False before start, after close, or when the
+        server thread stopped on its own (then `failure` says why)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive() and not self._closed
+
+    @property
+    def failure(self) -> str | None:
+        """Why the server thread stopped on its own; None if it did not."""
+        failure = self._failure
+        return None if failure is None else f"{type(failure).__name__}: {failure}"
+
     def statistics(self) -> SideChannelStats:
         with self._stats_lock:
-            return SideChannelStats(**self._counts)
+            counts = dict(self._counts)
+        return SideChannelStats(**counts, healthy=self._failure is None)
 
     # --- inside ---------------------------------------------------------------------
 
@@ -231,8 +257,9 @@ class MetadataServer:
                     except zmq.Again:
                         break
                     self._handle(router, frames)
-        except Exception as exc:
-            # A bug, not a client's fault: serving stops, and close() re-raises it.
+        except BaseException as exc:
+            # Not a client's fault (each request's errors stay in _handle): a bug or the
+            # process going down. Serving stops; `healthy` and `failure` show it.
             log.exception("side channel thread stopped by an unexpected error")
             self._failure = exc
         finally:
@@ -252,7 +279,21 @@ class MetadataServer:
         if len(body) > self._config.max_frame_bytes:
             self._count("dropped")
             return
-        reply = self._reply_to(body)
+        try:
+            reply = self._reply_to(body)
+        except Exception as exc:
+            # One request's failure is contained here, whatever it is: it is counted and
+            # answered, and the loop serves the next one.
+            log.warning("side channel request not handled: %s", _describe(exc))
+            self._count("internal_errors")
+            try:
+                reply = encode_refusal(
+                    Refusal.UNAVAILABLE,
+                    f"the server could not handle this request ({type(exc).__name__})",
+                    __version__,
+                )
+            except Exception:
+                return
         try:
             router.send_multipart([identity, *delimiter, *reply], zmq.NOBLOCK)
         except zmq.Again:
@@ -334,6 +375,13 @@ class MetadataServer:
             )
         self._count("control_served")
         return reply
+
+
+def _describe(exc: BaseException) -> str:
+    try:
+        return f"{type(exc).__name__}: {exc}"[:300]
+    except Exception:
+        return type(exc).__name__
 
 
 def _ranks_text(ranks: list[int]) -> str:

@@ -85,6 +85,20 @@ class MalformedRequest(Exception):
     """A request that is not `REQUEST_FORM`; the message says what was wrong."""
 
 
+def _decode_items(frame: bytes, form: str) -> tuple[Any, ...]:
+    """The top-level array of a request. Anything the decoder raises is the sender's
+    fault, not only `DecodeError`: a 1000-deep array raises `RecursionError`, a huge
+    declared length may raise `MemoryError`. All of them become `MalformedRequest`."""
+    try:
+        return _request_decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise MalformedRequest(f"not a msgpack {form}: {exc}") from None
+    except RecursionError:
+        raise MalformedRequest(f"not a msgpack {form}: nested too deeply") from None
+    except (MemoryError, ValueError, TypeError, OverflowError) as exc:
+        raise MalformedRequest(f"not a msgpack {form}: {type(exc).__name__}") from None
+
+
 _encoder = msgspec.msgpack.Encoder()
 # Requests are at most max_frame_bytes, so decoding any msgpack in them is cheap and
 # bounded; the element types are checked by hand to give a precise reason.
@@ -101,10 +115,7 @@ def encode_request(rank: int, token: str | None = None) -> bytes:
 
 def decode_request(frame: bytes) -> tuple[int, str | None]:
     """(rank, token) of a request, or `MalformedRequest` saying what is wrong with it."""
-    try:
-        items = _request_decoder.decode(frame)
-    except msgspec.DecodeError as exc:
-        raise MalformedRequest(f"not a msgpack {REQUEST_FORM}: {exc}") from None
+    items = _decode_items(frame, REQUEST_FORM)
     if len(items) not in (2, 3):
         raise MalformedRequest(f"expected {REQUEST_FORM}, got an array of {len(items)}")
     if items[0] != GET_META_MSG:
@@ -119,7 +130,10 @@ def decode_request(frame: bytes) -> tuple[int, str | None]:
 
 
 def _short(value: object) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except RecursionError:
+        return f"a deeply nested {type(value).__name__}"
     return text if len(text) <= 40 else text[:37] + "..."
 
 
@@ -201,8 +215,8 @@ def control_kind(frame: bytes) -> bytes | None:
     """The first element of a request when it is bytes other than `GET_META_MSG`, else None
     (so the metadata path keeps its own, precise diagnostics)."""
     try:
-        items = _request_decoder.decode(frame)
-    except msgspec.DecodeError:
+        items = _decode_items(frame, CONTROL_FORM)
+    except MalformedRequest:
         return None
     if not items or not isinstance(items[0], bytes) or items[0] == GET_META_MSG:
         return None
@@ -211,10 +225,7 @@ def control_kind(frame: bytes) -> bytes | None:
 
 def decode_control_request(frame: bytes) -> tuple[bytes, Any, str | None]:
     """(kind, body, token), or `MalformedRequest` saying what is wrong."""
-    try:
-        items = _request_decoder.decode(frame)
-    except msgspec.DecodeError as exc:
-        raise MalformedRequest(f"not a msgpack {CONTROL_FORM}: {exc}") from None
+    items = _decode_items(frame, CONTROL_FORM)
     if len(items) not in (2, 3) or not isinstance(items[0], bytes):
         raise MalformedRequest(f"expected {CONTROL_FORM}, got an array of {len(items)}")
     token = items[2] if len(items) == 3 else None
