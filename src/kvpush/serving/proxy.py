@@ -15,6 +15,8 @@ with the fewest requests in flight.
 
 The prefill servers' side-channel addresses come from their `/health` answers, fetched
 when first needed and again after a failure (a restarted server may have a new engine id).
+Servers whose `/health` says nothing of it (vLLM's, running `KvpushConnector`) have their
+side channels given to the proxy, one per prefill server (`prefill_side_channels`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class _Instance:
     url: str
     in_flight: int = 0
     info: dict[str, Any] | None = None
+    # Given up front (a vLLM server's /health tells no side channel): never refetched.
+    fixed_info: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -71,11 +75,24 @@ def _error_text(resp: httpx.Response) -> str:
 
 
 def create_proxy_app(
-    prefill_urls: Sequence[str], decode_urls: Sequence[str], *, timeout_s: float = 300.0
+    prefill_urls: Sequence[str],
+    decode_urls: Sequence[str],
+    *,
+    timeout_s: float = 300.0,
+    prefill_side_channels: Sequence[tuple[str, int]] | None = None,
 ) -> FastAPI:
     if not prefill_urls or not decode_urls:
         raise ValueError("a proxy needs at least one prefill and one decode server")
+    if prefill_side_channels is not None and len(prefill_side_channels) != len(prefill_urls):
+        raise ValueError(
+            f"{len(prefill_side_channels)} prefill side channels for {len(prefill_urls)} "
+            "prefill servers: give one per server, in the same order"
+        )
     prefill = _Pool("prefill", [_Instance(u.rstrip("/")) for u in prefill_urls])
+    for inst, (sc_host, sc_port) in zip(
+        prefill.instances, prefill_side_channels or (), strict=False
+    ):
+        inst.fixed_info = {"side_channel_host": sc_host, "side_channel_port": sc_port}
     decode = _Pool("decode", [_Instance(u.rstrip("/")) for u in decode_urls])
     state: dict[str, httpx.AsyncClient] = {}
 
@@ -89,6 +106,8 @@ def create_proxy_app(
     app = FastAPI(title="kvpush proxy", docs_url=None, redoc_url=None, lifespan=lifespan)
 
     async def prefill_info(inst: _Instance) -> dict[str, Any]:
+        if inst.fixed_info is not None:
+            return inst.fixed_info
         if inst.info is None:
             resp = await state["client"].get(f"{inst.url}/health", timeout=5.0)
             body = resp.json()
@@ -276,12 +295,19 @@ class _LegFailed(Exception):
         self.message = message
 
 
-def run_proxy(prefill_urls: Sequence[str], decode_urls: Sequence[str], host: str, port: int) -> int:
+def run_proxy(
+    prefill_urls: Sequence[str],
+    decode_urls: Sequence[str],
+    host: str,
+    port: int,
+    *,
+    prefill_side_channels: Sequence[tuple[str, int]] | None = None,
+) -> int:
     import uvicorn
 
     from kvpush.net import unbracket_host
 
-    app = create_proxy_app(prefill_urls, decode_urls)
+    app = create_proxy_app(prefill_urls, decode_urls, prefill_side_channels=prefill_side_channels)
     server = uvicorn.Server(
         uvicorn.Config(app, host=unbracket_host(host), port=port, log_config=None, access_log=False)
     )

@@ -38,10 +38,16 @@ class ConnectorConfig:
     dcp_size: int
     block_size_tokens: int
     # How long an idle engine step (nothing scheduled, a transfer in flight) may wait
-    # for a transfer to end, so an engine that only waits for KV does not spin a core.
-    idle_wait_s: float = 0.005
+    # for a transfer to end. It returns as soon as one ends, so transfers lose nothing;
+    # a request arriving meanwhile waits up to this long. Without it vLLM's loop comes
+    # straight back, and its worker busy-polls its queue holding the GIL, starving the
+    # runtime's thread (heartbeats late enough, on a loaded host, to look like death).
+    idle_wait_s: float = 0.02
     # How long one side-channel lookup may take before the handshake fails.
     handshake_timeout_ms: int = 2000
+    # NIXL cannot wake the runtime when a registration arrives: an idle runtime finds it
+    # at its next poll, so this bounds the delay a transfer sees (as `kvpush serve`).
+    idle_poll_ms: float = 5.0
     allow_untested_vllm: bool = False
 
     @classmethod
@@ -62,6 +68,7 @@ class ConnectorConfig:
             "idle_wait_s",
             "handshake_timeout_ms",
             "allow_untested_vllm",
+            "idle_poll_ms",
             *TIMING_KEYS,
         }
         unknown = sorted(set(extra) - known)
@@ -89,8 +96,9 @@ class ConnectorConfig:
             pp_size=int(parallel.pipeline_parallel_size),
             dcp_size=int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
             block_size_tokens=int(vllm_config.cache_config.block_size),
-            idle_wait_s=float(extra.get("idle_wait_s", 0.005)),
+            idle_wait_s=float(extra.get("idle_wait_s", 0.02)),
             handshake_timeout_ms=int(extra.get("handshake_timeout_ms", 2000)),
+            idle_poll_ms=float(extra.get("idle_poll_ms", 5.0)),
             allow_untested_vllm=bool(extra.get("allow_untested_vllm", False)),
         )
 

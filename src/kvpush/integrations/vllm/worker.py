@@ -83,6 +83,7 @@ class WorkerSide:
                 expect_compat_hash=geometry.compat_hash(),
             ),
             timing=cfg.timing,
+            idle_poll_s=cfg.idle_poll_ms / 1000,
         )
         runtime.start()
         self._runtime = runtime
