@@ -17,6 +17,7 @@ of two paths:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -241,10 +242,8 @@ class VllmServer:
     def _signal_group(self, sig: int) -> None:
         if self._process is None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self._process.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def _reap(self, timeout_s: float) -> bool:
         assert self._process is not None
