@@ -13,9 +13,24 @@ builds, forwarding only), `scheduler` (which requests move KV, their blocks, the
 channel), `worker` (one `PushRuntime` per rank), `kvcache` (vLLM's packed KV tensors as
 regions), `metadata` (what the halves send each other), `params` (`kv_transfer_params`
 and settings), `stats` (logging and Prometheus), `compat` (supported vLLM releases).
-docs/vllm.md is the user's guide. Importing this package imports vLLM.
+docs/vllm.md is the user's guide. `KvpushConnector` imports vLLM when first named
+(vLLM's loader does `getattr(module, "KvpushConnector")`); `kvcache` and `params` do not,
+so they are usable, and tested, without vLLM.
 """
 
-from kvpush.integrations.vllm.connector import KvpushConnector
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvpush.integrations.vllm.connector import KvpushConnector
 
 __all__ = ["KvpushConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KvpushConnector":
+        from kvpush.integrations.vllm.connector import KvpushConnector
+
+        return KvpushConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
