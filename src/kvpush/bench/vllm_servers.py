@@ -261,13 +261,15 @@ class VllmServer:
             time.sleep(0.1)
         return False
 
-    def cpu_seconds(self) -> float:
-        """User + system CPU time of every live process in the server's group."""
+    def cpu_times(self) -> dict[int, float]:
+        """User + system CPU seconds of each live process in the server's group, by pid
+        (diff two snapshots over the pids in both: a process that came or went between
+        them would otherwise count its whole life)."""
         if self._process is None:
-            return 0.0
+            return {}
         pgid = self._process.pid
         tick = os.sysconf("SC_CLK_TCK")
-        total = 0.0
+        out: dict[int, float] = {}
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -276,8 +278,13 @@ class VllmServer:
             except OSError:
                 continue
             if int(fields[2]) == pgid:  # fields[2] is the process group id
-                total += (int(fields[11]) + int(fields[12])) / tick
-        return total
+                out[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+        return out
+
+
+def cpu_used(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds spent between two `cpu_times` snapshots by the processes in both."""
+    return sum(after[pid] - before[pid] for pid in before.keys() & after.keys())
 
 
 # --------------------------------------------------------------------------- requests
