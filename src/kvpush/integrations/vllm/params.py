@@ -49,6 +49,10 @@ class ConnectorConfig:
     # at its next poll, so this bounds the delay a transfer sees (as `kvpush serve`).
     idle_poll_ms: float = 5.0
     allow_untested_vllm: bool = False
+    # The worker process's thread switch interval (sys.setswitchinterval), when set:
+    # vLLM's worker spins on its queue holding the GIL, and the runtime's thread waits
+    # up to one interval (5 ms by default) for it at every wake-up. None: vLLM's.
+    switch_interval_ms: float | None = None
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
@@ -69,6 +73,7 @@ class ConnectorConfig:
             "handshake_timeout_ms",
             "allow_untested_vllm",
             "idle_poll_ms",
+            "switch_interval_ms",
             *TIMING_KEYS,
         }
         unknown = sorted(set(extra) - known)
@@ -100,6 +105,9 @@ class ConnectorConfig:
             handshake_timeout_ms=int(extra.get("handshake_timeout_ms", 2000)),
             idle_poll_ms=float(extra.get("idle_poll_ms", 5.0)),
             allow_untested_vllm=bool(extra.get("allow_untested_vllm", False)),
+            switch_interval_ms=(
+                float(extra["switch_interval_ms"]) if "switch_interval_ms" in extra else None
+            ),
         )
 
     @property

@@ -21,6 +21,7 @@ cannot be used) ends that one request the same way, on the next results.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -63,6 +64,8 @@ class WorkerSide:
 
         cfg = self._config
         geometry = register_vllm_kv_caches(kv_caches, cfg.block_size_tokens)
+        if cfg.switch_interval_ms is not None:
+            sys.setswitchinterval(cfg.switch_interval_ms / 1000)
         self._bytes_per_block = geometry.bytes_per_block
         incarnation = uuid.uuid4().hex
         identity = RuntimeIdentity(
