@@ -27,6 +27,7 @@ from kvpush.bench.vllm_servers import (
     ServerSpec,
     VllmServer,
     batch,
+    client,
     complete,
     completion_body,
     make_tiny_model,
@@ -103,7 +104,9 @@ def _kvpush_spec(name: str, host: str, role: str) -> ServerSpec:
         connector="KvpushConnector",
         kv_role=role,
         side_channel_port=free_port(host),
-        extra_config=TIMING,
+        # The side channel answers from vLLM's engine-core process, busy stepping: 2 s
+        # went by unanswered under load; a lookup that times out fails its transfer.
+        extra_config={**TIMING, "handshake_timeout_ms": 10000},
     )
 
 
@@ -141,9 +144,9 @@ def _start_proxy(
 
 def _reference(model: Path, server: VllmServer) -> None:
     async def run() -> list[Outcome]:
-        async with httpx.AsyncClient() as client:
+        async with client() as http:
             return [
-                await complete(client, server.url, completion_body(p, str(model), MAX_TOKENS))
+                await complete(http, server.url, completion_body(p, str(model), MAX_TOKENS))
                 for p in PROMPTS
             ]
 
@@ -157,12 +160,9 @@ def _warm_up(model: Path, servers: list[VllmServer]) -> None:
     would otherwise land inside the first transfer's liveness window."""
 
     async def run() -> list[Outcome]:
-        async with httpx.AsyncClient() as client:
+        async with client() as http:
             return await batch(
-                [
-                    complete(client, s.url, completion_body("warm up", str(model), 2))
-                    for s in servers
-                ]
+                [complete(http, s.url, completion_body("warm up", str(model), 2)) for s in servers]
             )
 
     for outcome in asyncio.run(run()):
@@ -229,12 +229,12 @@ def _bodies(fam: Family) -> list[dict[str, object]]:
     return [completion_body(p, fam.model, MAX_TOKENS) for p in PROMPTS]
 
 
-async def _metrics(fam: Family, client: httpx.AsyncClient) -> dict[str, float]:
+async def _metrics(fam: Family, http: httpx.AsyncClient) -> dict[str, float]:
     return {
-        "hits": await metric(client, fam.decode.url, "vllm:prefix_cache_hits_total"),
-        "received": await metric(client, fam.decode.url, "vllm:kvpush_transfers_total"),
-        "waiting": await metric(client, fam.decode.url, "vllm:num_requests_waiting"),
-        "running": await metric(client, fam.decode.url, "vllm:num_requests_running"),
+        "hits": await metric(http, fam.decode.url, "vllm:prefix_cache_hits_total"),
+        "received": await metric(http, fam.decode.url, "vllm:kvpush_transfers_total"),
+        "waiting": await metric(http, fam.decode.url, "vllm:num_requests_waiting"),
+        "running": await metric(http, fam.decode.url, "vllm:num_requests_running"),
     }
 
 
@@ -242,14 +242,14 @@ def test_rounds_through_kvpush_proxy_match_a_single_instance(family: Family) -> 
     """20 rounds through `kvpush proxy` (both legs at once): every token identical."""
 
     async def run() -> tuple[dict[str, float], dict[str, float]]:
-        async with httpx.AsyncClient() as client:
-            before = await _metrics(family, client)
+        async with client() as http:
+            before = await _metrics(family, http)
             for i in range(20):
                 outcomes = await batch(
-                    [complete(client, family.proxy_url, b) for b in _bodies(family)]
+                    [complete(http, family.proxy_url, b) for b in _bodies(family)]
                 )
                 _check_identical(outcomes, f"round {i + 1} via kvpush proxy")
-            return before, await _metrics(family, client)
+            return before, await _metrics(family, http)
 
     before, after = asyncio.run(run())
     # Every request's KV came through kvpush (metrics are exported every few seconds,
@@ -264,11 +264,11 @@ def test_rounds_through_a_sequential_proxy_match_a_single_instance(family: Famil
     with the prefill's kv_transfer_params (transfer_id among them)."""
 
     async def run() -> None:
-        async with httpx.AsyncClient() as client:
+        async with client() as http:
             for i in range(10):
                 outcomes = await batch(
                     [
-                        sequential(client, family.prefill.url, family.decode.url, b)
+                        sequential(http, family.prefill.url, family.decode.url, b)
                         for b in _bodies(family)
                     ]
                 )
@@ -289,7 +289,7 @@ def test_prefill_killed_mid_batch_fails_the_waiting_requests_in_bound_then_recov
     half = len(bodies) // 2
 
     async def run() -> tuple[list[Outcome], float]:
-        async with httpx.AsyncClient() as client:
+        async with client() as http:
             decode_legs = []
             prefill_legs = []
             for i, body in enumerate(bodies):
@@ -304,16 +304,14 @@ def test_prefill_killed_mid_batch_fails_the_waiting_requests_in_bound_then_recov
                         "transfer_id": tid,
                     },
                 }
-                decode_legs.append(
-                    asyncio.ensure_future(complete(client, family.decode.url, d_body))
-                )
+                decode_legs.append(asyncio.ensure_future(complete(http, family.decode.url, d_body)))
                 if i < half:
                     p_body = {
                         **body,
                         "max_tokens": 1,
                         "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid},
                     }
-                    prefill_legs.append(complete(client, family.prefill.url, p_body))
+                    prefill_legs.append(complete(http, family.prefill.url, p_body))
             for p in await batch(prefill_legs):
                 assert p.ok, f"prefill leg before the kill failed: {p.error}"
             first_half = await batch(decode_legs[:half])
@@ -329,8 +327,8 @@ def test_prefill_killed_mid_batch_fails_the_waiting_requests_in_bound_then_recov
     assert waited < LIVENESS_BOUND_S, f"the waiting requests took {waited:.1f}s to fail"
 
     async def decode_drained() -> dict[str, float]:
-        async with httpx.AsyncClient() as client:
-            return await _metrics(family, client)
+        async with client() as http:
+            return await _metrics(family, http)
 
     m = asyncio.run(decode_drained())
     assert m["waiting"] + m["running"] == 0, f"decode server still holds requests: {m}"
@@ -339,11 +337,11 @@ def test_prefill_killed_mid_batch_fails_the_waiting_requests_in_bound_then_recov
     family.prefill.wait_ready()
 
     async def after_restart() -> None:
-        async with httpx.AsyncClient() as client:
-            outcomes = await batch([complete(client, family.proxy_url, b) for b in bodies])
+        async with client() as http:
+            outcomes = await batch([complete(http, family.proxy_url, b) for b in bodies])
             _check_identical(outcomes, "first round after the restart")
             outcomes = await batch(
-                [sequential(client, family.prefill.url, family.decode.url, b) for b in bodies]
+                [sequential(http, family.prefill.url, family.decode.url, b) for b in bodies]
             )
             _check_identical(outcomes, "sequential round after the restart")
 

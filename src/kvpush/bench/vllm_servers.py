@@ -306,6 +306,13 @@ class Outcome:
         return self.error is None
 
 
+def client() -> httpx.AsyncClient:
+    """A client that opens a connection per request: a kept-alive connection that the
+    server closes after its idle timeout, just as the next request goes out on it,
+    fails that request with ReadError (seen after a slow round)."""
+    return httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0))
+
+
 def completion_body(prompt: str, model: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
     return {
         "model": model,

@@ -43,8 +43,10 @@ class ConnectorConfig:
     # straight back, and its worker busy-polls its queue holding the GIL, starving the
     # runtime's thread (heartbeats late enough, on a loaded host, to look like death).
     idle_wait_s: float = 0.02
-    # How long one side-channel lookup may take before the handshake fails.
-    handshake_timeout_ms: int = 2000
+    # How long one side-channel lookup may take before the handshake fails. The side
+    # channel is served from vLLM's busy engine-core process: 2 s went by unanswered
+    # there on a loaded host.
+    handshake_timeout_ms: int = 5000
     # NIXL cannot wake the runtime when a registration arrives: an idle runtime finds it
     # at its next poll, so this bounds the delay a transfer sees (as `kvpush serve`).
     idle_poll_ms: float = 5.0
@@ -102,7 +104,7 @@ class ConnectorConfig:
             dcp_size=int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
             block_size_tokens=int(vllm_config.cache_config.block_size),
             idle_wait_s=float(extra.get("idle_wait_s", 0.02)),
-            handshake_timeout_ms=int(extra.get("handshake_timeout_ms", 2000)),
+            handshake_timeout_ms=int(extra.get("handshake_timeout_ms", 5000)),
             idle_poll_ms=float(extra.get("idle_poll_ms", 5.0)),
             allow_untested_vllm=bool(extra.get("allow_untested_vllm", False)),
             switch_interval_ms=(
