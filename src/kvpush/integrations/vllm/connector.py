@@ -1,0 +1,192 @@
+"""`KvpushConnector`: the class vLLM instantiates, twice per engine.
+
+vLLM builds one in the scheduler's process (`KVConnectorRole.SCHEDULER`) and one in each
+worker (`KVConnectorRole.WORKER`); each forwards to its half (`SchedulerSide` or
+`WorkerSide`) and nothing else. The protocol, its timeouts and its failure handling are
+kvpush's (`PushRuntime`); this class only translates vLLM's calls.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from kvpush.errors import ConfigError
+from kvpush.integrations.vllm.compat import check_vllm
+from kvpush.integrations.vllm.metadata import RankMetadata, StepPlan
+from kvpush.integrations.vllm.params import ConnectorConfig
+from kvpush.integrations.vllm.scheduler import SchedulerSide
+from kvpush.integrations.vllm.stats import KvpushPromMetrics, TransferStats
+from kvpush.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
+    """Push-mode KV transfer through kvpush. See `kvpush.integrations.vllm`."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        if len(groups) > 1:
+            raise ConfigError(
+                f"KvpushConnector moves one KV cache group (full attention); this model "
+                f"has {len(groups)} groups (hybrid or sliding-window layers)"
+            )
+        self._config = ConnectorConfig.from_vllm(vllm_config)
+        check_vllm(
+            vllm.__version__, KVConnectorBase_V1, allow_untested=self._config.allow_untested_vllm
+        )
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self._config)
+        else:
+            from vllm.distributed.parallel_state import get_tp_group
+
+            self._worker = WorkerSide(self._config, get_tp_group().rank_in_group)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33+: sleep mode remaps the KV cache, and the runtime's NIXL
+        registrations live as long as the engine, so it is refused."""
+        return False
+
+    def _sched(self) -> SchedulerSide:
+        assert self._scheduler is not None, "a scheduler-side call on a worker connector"
+        return self._scheduler
+
+    def _work(self) -> WorkerSide:
+        assert self._worker is not None, "a worker-side call on a scheduler connector"
+        return self._worker
+
+    # ----------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        # We move the request's own blocks, every group of them.
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched().update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, list(block_ids[0]) if block_ids else [])
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        ranks: dict[int, RankMetadata] = {}
+        for rank, meta in metadata.items():
+            if not isinstance(meta, RankMetadata):
+                raise ConfigError(
+                    f"rank {rank} handed handshake metadata of type {type(meta).__name__}: "
+                    "expected KvpushConnector's (are all workers running KvpushConnector?)"
+                )
+            ranks[rank] = meta
+        self._sched().serve_ranks(ranks)
+
+    # ----------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work().register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._worker.handshake_metadata() if self._worker is not None else None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        plan = self._connector_metadata
+        assert isinstance(plan, StepPlan)
+        self._work().start_step(plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """KV arrives before the request is scheduled at all: nothing to wait for."""
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """Blocks are offered once the request finished its prefill (`request_finished`)."""
+
+    def wait_for_save(self) -> None:
+        """Writes read the blocks asynchronously; vLLM keeps them until finished_sending."""
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._work().transfer_results()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return TransferStats(data=data) if data is not None else TransferStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KvpushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()

@@ -1,0 +1,210 @@
+"""vLLM's KV cache as kvpush registers it: one region per layer, read from the tensors.
+
+vLLM hands `register_kv_caches` one tensor per attention layer. Its logical shape is
+`[blocks, heads, tokens, head_size + head_size_v]` (K and V packed side by side in the
+last axis, as the CPU backend and the layouts of vLLM's `KVCacheLayout` have it); its
+physical order is whatever the resolved layout made of it (`LBHNC` on CPU: each layer
+compact, each block one run of `[heads, tokens, K|V]`). Other backends hand
+`[2, blocks, ...]` or `[blocks, 2, ...]` tensors: those kvpush's own layouts cover.
+
+Nothing is assumed from the layout's name: the block axis is axis 0 of the view, and a
+block must be one contiguous run of bytes (the other axes dense, in any order); the
+order they are stored in becomes part of the geometry's layout string, so two engines
+with different physical orders are refused as incompatible. Errors are kvpush's own
+`KVLayoutError`, naming the layer, the expected and actual block counts, shape, strides,
+dtype and device, the way `kvpush.kvcache.register_kv_cache` names them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from kvpush.errors import KVLayoutError
+from kvpush.geometry import CacheGeometry, Region
+from kvpush.kvcache import KVLayout, dtype_name, register_kv_cache
+
+if TYPE_CHECKING:
+    import torch
+
+# Logical axis letters of one packed layer view, in vLLM's own naming (RFC 42082).
+_AXES = "BHNC"
+LAYOUT_PREFIX = "vllm_packed/"
+
+
+def register_vllm_kv_caches(
+    kv_caches: Mapping[str, torch.Tensor], block_size_tokens: int
+) -> CacheGeometry:
+    """The geometry of vLLM's KV cache, from the tensors' own shapes, strides and storage.
+
+    Packed per-layer tensors (`[B, H, N, C]`) become one region per layer; tensors of
+    kvpush's 5-D layouts (`[2, B, N, H, D]`, `[B, 2, ...]`) go to
+    `kvpush.kvcache.register_kv_cache`."""
+    if not kv_caches:
+        raise KVLayoutError("vLLM handed an empty KV cache: expected at least one layer")
+    first = next(iter(kv_caches.values()))
+    if first.dim() == 5:
+        return register_kv_cache(
+            kv_caches, _five_d_layout(first, block_size_tokens), block_size_tokens
+        )
+    regions: list[Region] = []
+    reference: _Packed | None = None
+    for index, (name, tensor) in enumerate(kv_caches.items()):
+        facts = _Packed(name, index, tensor, block_size_tokens)
+        facts.check(reference)
+        reference = reference or facts
+        regions.append(facts.region())
+    assert reference is not None
+    return CacheGeometry(
+        layout=LAYOUT_PREFIX + reference.physical_order(),
+        block_size_tokens=block_size_tokens,
+        dtype=dtype_name(reference.tensor.dtype),
+        regions=tuple(regions),
+    )
+
+
+def _five_d_layout(tensor: torch.Tensor, block_size_tokens: int) -> KVLayout:
+    """Which of kvpush's layouts a 5-D vLLM tensor is: K/V axis first or second, and
+    whether tokens come before heads (found from the axis holding block_size tokens)."""
+    kv_first = int(tensor.shape[0]) == 2 and int(tensor.shape[1]) != 2
+    token_order = "NHD" if int(tensor.shape[2]) == block_size_tokens else "HND"
+    if kv_first:
+        return KVLayout.parse(f"kv_first/{token_order}")
+    return KVLayout.parse(f"blocks_first/{token_order}")
+
+
+class _Packed:
+    """One packed layer tensor, read once, with everything an error message needs."""
+
+    def __init__(self, name: str, index: int, tensor: object, block_size_tokens: int) -> None:
+        import torch
+
+        if not isinstance(tensor, torch.Tensor):
+            raise KVLayoutError(
+                f"layer {name!r} (index {index}): expected a torch.Tensor "
+                f"[blocks, heads, tokens, head_size + head_size_v], got a {type(tensor).__name__}"
+            )
+        self.name = name
+        self.index = index
+        self.tensor = tensor
+        self.block_size_tokens = block_size_tokens
+
+    def describe(self, expected_blocks: int | None) -> str:
+        t = self.tensor
+        actual = int(t.shape[0]) if t.dim() else "none"
+        expected = actual if expected_blocks is None else expected_blocks
+        return (
+            f"expected blocks {expected}, actual blocks {actual}; shape {tuple(t.shape)}, "
+            f"strides {tuple(t.stride())} (elements), dtype {dtype_name(t.dtype)}, device "
+            f"{t.device}; declared layout vLLM packed [B, H, N, C] (C = head_size + "
+            f"head_size_v), blocks first: yes, block_size_tokens {self.block_size_tokens}"
+        )
+
+    def fail(self, problem: str, expected_blocks: int | None = None) -> None:
+        raise KVLayoutError(
+            f"layer {self.name!r} (index {self.index}): {problem} "
+            f"[{self.describe(expected_blocks)}]"
+        )
+
+    def check(self, first: _Packed | None) -> None:
+        t = self.tensor
+        expected = None if first is None else int(first.tensor.shape[0])
+        if t.dim() != 4:
+            self.fail(
+                f"wrong rank: expected 4 dimensions [B, H, N, C] (or 5 for a split K/V "
+                f"layout), got {t.dim()}",
+                expected,
+            )
+        if any(int(s) <= 0 for s in t.shape):
+            self.fail("every axis must have a positive size", expected)
+        if int(t.shape[2]) != self.block_size_tokens:
+            self.fail(
+                f"the token axis (axis 2) holds {t.shape[2]} tokens per block, expected "
+                f"block_size_tokens={self.block_size_tokens}",
+                expected,
+            )
+        if t.device.type == "meta":
+            self.fail("tensor on the meta device has no memory to register", expected)
+        if first is not None:
+            f = first.tensor
+            if int(t.shape[0]) != int(f.shape[0]):
+                self.fail(
+                    f"different block count: expected {f.shape[0]} blocks (as in layer "
+                    f"{first.name!r}), got {t.shape[0]}",
+                    expected,
+                )
+            if t.dtype != f.dtype:
+                self.fail(
+                    f"mixed dtypes: expected {dtype_name(f.dtype)} (as in layer "
+                    f"{first.name!r}), got {dtype_name(t.dtype)}",
+                    expected,
+                )
+            if t.device != f.device:
+                self.fail(
+                    f"mixed devices: expected {f.device} (as in layer {first.name!r}), "
+                    f"got {t.device}",
+                    expected,
+                )
+            if tuple(t.shape[1:]) != tuple(f.shape[1:]) or self.physical_order() != (
+                first.physical_order()
+            ):
+                self.fail(
+                    f"different block shape or order: expected {tuple(f.shape)} stored "
+                    f"{first.physical_order()} (as in layer {first.name!r})",
+                    expected,
+                )
+        self._check_block_is_one_run(expected)
+        self._check_storage(expected)
+
+    def physical_order(self) -> str:
+        """The logical axes from outermost to innermost in memory, e.g. `BHNC`."""
+        strides = tuple(self.tensor.stride())
+        axes = sorted(range(4), key=lambda a: (-strides[a], a))
+        return "".join(_AXES[a] for a in axes)
+
+    def _check_block_is_one_run(self, expected: int | None) -> None:
+        t = self.tensor
+        strides = tuple(t.stride())
+        inner = sorted((1, 2, 3), key=lambda a: strides[a])
+        run = 1
+        for axis in inner:
+            if int(t.shape[axis]) != 1 and int(t.stride(axis)) != run:
+                self.fail(
+                    f"non-contiguous block: axis {axis} ({_AXES[axis]}) has stride "
+                    f"{t.stride(axis)}, expected {run} for a block to be one run of bytes "
+                    "(a layout with heads outside blocks, such as LHBNC, is not supported)",
+                    expected,
+                )
+            run *= int(t.shape[axis])
+        if int(t.shape[0]) > 1 and int(t.stride(0)) < run:
+            self.fail(
+                f"blocks overlap: the block axis has stride {t.stride(0)}, expected at "
+                f"least {run} elements",
+                expected,
+            )
+
+    def _check_storage(self, expected: int | None) -> None:
+        t = self.tensor
+        elem = t.element_size()
+        span = sum((int(n) - 1) * int(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+        needed = (t.storage_offset() + span) * elem
+        have = t.untyped_storage().nbytes()
+        if needed > have:
+            self.fail(
+                f"tensor too small for its geometry: it needs {needed} bytes of storage, "
+                f"its storage holds {have}",
+                expected,
+            )
+
+    def region(self) -> Region:
+        t = self.tensor
+        elem = t.element_size()
+        return Region(
+            name=f"{self.name}.kv",
+            layer=self.index,
+            base_addr=int(t.data_ptr()),
+            block_bytes=int(t.shape[1]) * int(t.shape[2]) * int(t.shape[3]) * elem,
+            block_stride=int(t.stride(0)) * elem,
+            num_blocks=int(t.shape[0]),
+            device=str(t.device),
+        )

@@ -1,0 +1,204 @@
+"""`kv_transfer_params` in and out, and the connector's settings: read once, typed.
+
+Requests reach vLLM with `kv_transfer_params` the way vLLM's NIXL connectors expect them
+(a proxy written for `NixlConnector` sends the same fields), plus `transfer_id`, which is
+what pairs the prefill's and the decode's halves of one transfer end to end (never a
+request-id suffix). The prefill's answer keeps every field the NIXL connectors return,
+so routers that forward it to the decode server route kvpush unchanged.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpush.config import TimingConfig, load_token
+from kvpush.errors import ConfigError
+from kvpush.net import unbracket_host
+
+ROLES = {"kv_producer": "sender", "kv_consumer": "receiver", "kv_both": "both"}
+TIMING_KEYS = ("heartbeat_interval_s", "liveness_timeout_s", "lease_s", "transfer_deadline_s")
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """Everything the connector reads from vLLM's `KVTransferConfig`, checked once."""
+
+    engine_id: str
+    role: str  # the runtime's: "sender" | "receiver" | "both"
+    side_channel_host: str
+    side_channel_port: int
+    token: str | None
+    timing: TimingConfig
+    tp_size: int
+    pp_size: int
+    dcp_size: int
+    block_size_tokens: int
+    # How long an idle engine step (nothing scheduled, a transfer in flight) may wait
+    # for a transfer to end. It returns as soon as one ends, so transfers lose nothing;
+    # a request arriving meanwhile waits up to this long. Without it vLLM's loop comes
+    # straight back, and its worker busy-polls its queue holding the GIL, starving the
+    # runtime's thread (heartbeats late enough, on a loaded host, to look like death).
+    idle_wait_s: float = 0.02
+    # How long one side-channel lookup may take before the handshake fails. The side
+    # channel is served from vLLM's busy engine-core process: 2 s went by unanswered
+    # there on a loaded host.
+    handshake_timeout_ms: int = 5000
+    # NIXL cannot wake the runtime when a registration arrives: an idle runtime finds it
+    # at its next poll, so this bounds the delay a transfer sees (as `kvpush serve`).
+    idle_poll_ms: float = 5.0
+    allow_untested_vllm: bool = False
+    # The worker process's thread switch interval (sys.setswitchinterval), when set:
+    # vLLM's worker spins on its queue holding the GIL, and the runtime's thread waits
+    # up to one interval (5 ms by default) for it at every wake-up. None: vLLM's.
+    switch_interval_ms: float | None = None
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
+        from vllm import envs
+
+        kv = vllm_config.kv_transfer_config
+        if kv.kv_role not in ROLES:
+            raise ConfigError(
+                f"kv_role {kv.kv_role!r} is not supported by KvpushConnector: expected "
+                f"one of {', '.join(ROLES)}"
+            )
+        extra: Mapping[str, Any] = kv.kv_connector_extra_config or {}
+        known = {
+            "side_channel_host",
+            "side_channel_port",
+            "token_file",
+            "idle_wait_s",
+            "handshake_timeout_ms",
+            "allow_untested_vllm",
+            "idle_poll_ms",
+            "switch_interval_ms",
+            *TIMING_KEYS,
+        }
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(
+                f"kv_connector_extra_config has unknown keys {unknown}: expected any of "
+                f"{sorted(known)}"
+            )
+        timing = TimingConfig(**{k: float(extra[k]) for k in TIMING_KEYS if k in extra})
+        parallel = vllm_config.parallel_config
+        # vLLM's NIXL connectors take the side channel from these variables; so do we,
+        # so a deployment keeps its ports when it switches connector. Each data-parallel
+        # engine gets its own port, as there.
+        port = int(extra.get("side_channel_port", envs.VLLM_NIXL_SIDE_CHANNEL_PORT))
+        port += int(getattr(parallel, "data_parallel_index", 0) or 0)
+        token_file = extra.get("token_file")
+        return cls(
+            engine_id=str(kv.engine_id),
+            role=ROLES[kv.kv_role],
+            side_channel_host=str(extra.get("side_channel_host", envs.VLLM_NIXL_SIDE_CHANNEL_HOST)),
+            side_channel_port=port,
+            token=load_token(Path(token_file) if token_file else None),
+            timing=timing,
+            tp_size=int(parallel.tensor_parallel_size),
+            pp_size=int(parallel.pipeline_parallel_size),
+            dcp_size=int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
+            block_size_tokens=int(vllm_config.cache_config.block_size),
+            idle_wait_s=float(extra.get("idle_wait_s", 0.02)),
+            handshake_timeout_ms=int(extra.get("handshake_timeout_ms", 5000)),
+            idle_poll_ms=float(extra.get("idle_poll_ms", 5.0)),
+            allow_untested_vllm=bool(extra.get("allow_untested_vllm", False)),
+            switch_interval_ms=(
+                float(extra["switch_interval_ms"]) if "switch_interval_ms" in extra else None
+            ),
+        )
+
+    @property
+    def sends(self) -> bool:
+        return self.role in ("sender", "both")
+
+    @property
+    def receives(self) -> bool:
+        return self.role in ("receiver", "both")
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePrefill:
+    """What a decode request says about where its KV comes from."""
+
+    transfer_id: str
+    host: str
+    port: int
+    tp_size: int
+
+
+class BadTransferParams(ConfigError):
+    """A request's `kv_transfer_params` cannot be used; the message says which field."""
+
+
+def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
+    return bool(params and params.get("do_remote_prefill"))
+
+
+def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
+    return bool(params and params.get("do_remote_decode"))
+
+
+def parse_remote_prefill(params: Mapping[str, Any], our_tp_size: int) -> RemotePrefill:
+    """The sender of a decode request's KV, from the prefill's answer (or the proxy)."""
+    tid = params.get("transfer_id")
+    if not isinstance(tid, str) or not tid:
+        raise BadTransferParams(
+            "kv_transfer_params.transfer_id must be a non-empty string (the prefill "
+            f"server's answer carries it), got {tid!r}"
+        )
+    host = params.get("remote_host")
+    if not isinstance(host, str) or not host:
+        raise BadTransferParams(f"kv_transfer_params.remote_host must be a host, got {host!r}")
+    port = params.get("remote_port")
+    if isinstance(port, str) and port.isdigit():
+        port = int(port)
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise BadTransferParams(
+            f"kv_transfer_params.remote_port must be a port number, got {port!r}"
+        )
+    tp = params.get("tp_size", our_tp_size)
+    if not isinstance(tp, int) or tp != our_tp_size:
+        raise BadTransferParams(
+            f"kv_transfer_params.tp_size is {tp!r} but this engine runs tensor parallel "
+            f"size {our_tp_size}: KvpushConnector moves KV between equal TP sizes only"
+        )
+    return RemotePrefill(tid, unbracket_host(host), port, tp)
+
+
+def prefill_transfer_id(params: Mapping[str, Any], engine_id: str) -> str:
+    """The transfer id of a prefill request: the proxy's, or a fresh one we answer with."""
+    tid = params.get("transfer_id")
+    if isinstance(tid, str) and tid:
+        return tid
+    return f"{engine_id}-{uuid.uuid4().hex}"
+
+
+def prefill_answer(
+    config: ConnectorConfig,
+    *,
+    transfer_id: str,
+    request_id: str,
+    block_ids: list[int],
+    num_tokens: int,
+) -> dict[str, Any]:
+    """What the prefill server returns: the NIXL connectors' fields, plus transfer_id."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": list(block_ids),
+        "remote_engine_id": config.engine_id,
+        "remote_request_id": request_id,
+        "remote_host": config.side_channel_host,
+        "remote_port": config.side_channel_port,
+        "tp_size": config.tp_size,
+        "dcp_size": config.dcp_size,
+        "pp_size": config.pp_size,
+        "remote_num_tokens": num_tokens,
+        "transfer_mode": "push",
+        "transfer_id": transfer_id,
+    }

@@ -1,0 +1,222 @@
+"""The scheduler half of `KvpushConnector`: which requests move KV, and their blocks.
+
+It runs in vLLM's engine-core process, next to the scheduler, and does no transfer
+itself: each engine step it hands the workers a `StepPlan` (what to receive, send,
+refuse or abort), and it learns from vLLM's aggregated worker output which transfers
+ended. It also serves the engine's side channel: one `MetadataServer` for every rank,
+fed with the ranks' metadata that vLLM collects from the workers at start-up.
+
+Decode side (`do_remote_prefill`): the request waits for remote KV (`get_num_new_matched_tokens`
+answers "the rest of the prompt, asynchronously"); once vLLM allocated its blocks, the
+blocks after its own prefix-cache hit are registered with the prefill's rank of the same
+number (`Receive`, `sender_offset` = the blocks it already had). vLLM frees them when the
+worker reports the request in `finished_recving` (failed ones also in `failed_recving`,
+so vLLM's `kv_load_failure_policy` decides: fail the request or recompute it). A decode
+request aborted while it waits has its transfer aborted; vLLM keeps its blocks until
+the runtime reports that transfer ended, so no late write lands in reused blocks.
+
+Prefill side (`do_remote_decode`): when the request finishes, its blocks are offered
+(`Send`) and kept (`request_finished` -> delay free) until the worker reports the
+transfer ended in `finished_sending`, whichever way it ended. A request that ended
+without its KV (aborted) still opens and at once aborts its transfer, so a decode server
+that already registered hears of it now rather than at its deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvpush.integrations.vllm.metadata import Receive, Refuse, Send, StepPlan
+from kvpush.integrations.vllm.params import (
+    BadTransferParams,
+    ConnectorConfig,
+    RemotePrefill,
+    parse_remote_prefill,
+    prefill_answer,
+    prefill_transfer_id,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from kvpush.integrations.vllm.metadata import RankMetadata
+    from kvpush.sidechannel import MetadataServer, PeerMetadata
+
+log = logging.getLogger(__name__)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SchedulerSide:
+    def __init__(self, config: ConnectorConfig) -> None:
+        self._config = config
+        self._plan = StepPlan()
+        # Decode: requests waiting for their KV, by request id -> transfer id.
+        self._receiving: dict[str, str] = {}
+        # Decode: local prefix-cache hits seen by get_num_new_matched_tokens.
+        self._local_hits: dict[str, int] = {}
+        # Decode: requests whose remote prefill was already planned (never twice, even
+        # when vLLM asks again after a preemption).
+        self._planned: set[str] = set()
+        # Prefill: requests whose blocks are held for a transfer, request id -> transfer id.
+        self._sending: dict[str, str] = {}
+        self._ranks: dict[int, PeerMetadata] = {}
+        self._server: MetadataServer | None = None
+
+    # ----------------------------------------------------------------- side channel
+
+    def serve_ranks(self, metadata: dict[int, RankMetadata]) -> None:
+        """Start (once) the side channel that answers every rank's metadata."""
+        from kvpush.config import SideChannelConfig
+        from kvpush.sidechannel import MetadataServer
+
+        self._ranks = {rank: meta.decode() for rank, meta in sorted(metadata.items())}
+        if self._server is not None:
+            return
+        cfg = self._config
+        server = MetadataServer(
+            cfg.side_channel_host,
+            cfg.side_channel_port,
+            SideChannelConfig(token=cfg.token),
+            lambda: self._ranks,
+        )
+        server.start()
+        self._server = server
+        log.info(
+            "kvpush side channel for engine %s serving ranks %s on %s",
+            cfg.engine_id,
+            sorted(self._ranks),
+            ", ".join(server.endpoints),
+        )
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    # ----------------------------------------------------------------- decode side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not self._config.receives or not wants_remote_prefill(params):
+            return 0, False
+        if request.request_id in self._planned:
+            return 0, False
+        self._local_hits[request.request_id] = num_computed_tokens
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        rid = request.request_id
+        if not self._config.receives or not wants_remote_prefill(params):
+            return
+        if rid in self._planned:
+            return
+        assert params is not None
+        self._planned.add(rid)
+        try:
+            remote = parse_remote_prefill(params, self._config.tp_size)
+        except BadTransferParams as exc:
+            # vLLM has no way to refuse a request here; it waits for KV that never
+            # comes unless the worker reports it failed: it does, on the next step.
+            log.error("request %s: %s", rid, exc)
+            self._plan.receives.append(Receive(rid, "", "", 0, (), 0))
+            self._receiving[rid] = ""
+            return
+        local_hits = self._local_hits.pop(rid, 0)
+        if num_external_tokens <= 0:
+            self._refuse(remote, "the decode server had every block in its prefix cache")
+            return
+        bs = self._config.block_size_tokens
+        offset = local_hits // bs
+        total = _cdiv(len(request.prompt_token_ids or ()), bs)
+        ours = tuple(blocks.get_block_ids()[0][offset:total])
+        self._plan.receives.append(
+            Receive(rid, remote.transfer_id, remote.host, remote.port, ours, offset)
+        )
+        self._receiving[rid] = remote.transfer_id
+
+    def _refuse(self, remote: RemotePrefill, detail: str) -> None:
+        self._plan.refusals.append(Refuse(remote.transfer_id, remote.host, remote.port, detail))
+
+    # ----------------------------------------------------------------- both
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        params = request.kv_transfer_params
+        self._local_hits.pop(rid, None)
+        planned = rid in self._planned
+        self._planned.discard(rid)
+        if rid in self._receiving:
+            # Finished while its KV is still on the way (aborted): vLLM keeps the blocks
+            # until the worker reports the transfer ended.
+            tid = self._receiving[rid]
+            if tid:
+                self._plan.aborts.append(tid)
+            return False, None
+        if self._config.receives and wants_remote_prefill(params) and not planned:
+            # Never scheduled: tell the sender now instead of letting it wait.
+            assert params is not None
+            try:
+                remote = parse_remote_prefill(params, self._config.tp_size)
+            except BadTransferParams:
+                return False, None
+            self._refuse(remote, "the decode request ended before it was scheduled")
+            return False, None
+        if not self._config.sends or not wants_remote_decode(params):
+            return False, None
+        assert params is not None
+        tid = prefill_transfer_id(params, self._config.engine_id)
+        num_tokens = len(request.prompt_token_ids or ())
+        ours = tuple(block_ids[: _cdiv(num_tokens, self._config.block_size_tokens)])
+        if not ours:
+            return False, None
+        computed = request.status in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        )
+        self._plan.sends.append(Send(rid, tid, ours, cancel=not computed))
+        self._sending[rid] = tid
+        if not computed:
+            return True, None
+        return True, prefill_answer(
+            self._config,
+            transfer_id=tid,
+            request_id=rid,
+            block_ids=list(ours),
+            num_tokens=num_tokens,
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
+        plan, self._plan = self._plan, StepPlan()
+        plan.idle = scheduler_output.total_num_scheduled_tokens == 0
+        return plan
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for rid in output.finished_sending or ():
+            self._sending.pop(rid, None)
+        for rid in output.finished_recving or ():
+            self._receiving.pop(rid, None)
+
+    def has_pending_push_work(self) -> bool:
+        """True only while a prefill's blocks are held for a transfer (vLLM must keep
+        stepping to hear that it ended) or a plan is waiting for the next step."""
+        plan = self._plan
+        return bool(self._sending or plan.sends or plan.aborts or plan.refusals)

@@ -1,0 +1,128 @@
+"""What the connector reports to vLLM's stats logger and Prometheus endpoint.
+
+Workers collect `TransferStats` per logging interval (vLLM ships them to the engine's
+logger process and aggregates them over ranks); `KvpushPromMetrics` turns them into
+counters and histograms on vLLM's `/metrics`:
+
+- `vllm:kvpush_transfers_total{side, outcome, reason}`: transfers ended, by side
+  (sender/receiver), outcome (finished/failed) and failure reason.
+- `vllm:kvpush_transfer_bytes_total{side}`: bytes of finished transfers.
+- `vllm:kvpush_transfer_seconds{side}`: from the step that started a transfer to the
+  step that saw it end.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+if TYPE_CHECKING:
+    from kvpush.runtime import TransferResult
+
+_SECONDS_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+
+
+def _key(side: str, outcome: str, reason: str) -> str:
+    return f"{side}|{outcome}|{reason}"
+
+
+@dataclass
+class TransferStats(KVConnectorStats):
+    """`data`: `ended` {"side|outcome|reason": count}, `bytes` {side: n},
+    `seconds` {side: [durations]} (plain values: vLLM serializes them)."""
+
+    data: dict[str, Any] = field(default_factory=lambda: {"ended": {}, "bytes": {}, "seconds": {}})
+
+    def ended(self, result: TransferResult, seconds: float, nbytes: int) -> None:
+        outcome = "finished" if result.ok else "failed"
+        reason = result.reason.value if result.reason is not None else ""
+        self._count(_key(result.side, outcome, reason))
+        if result.ok:
+            b = self.data["bytes"]
+            b[result.side] = b.get(result.side, 0) + nbytes
+            self.data["seconds"].setdefault(result.side, []).append(seconds)
+
+    def ended_at_once(self, side: str, why: str) -> None:
+        self._count(_key(side, "failed", "local_error"))
+
+    def _count(self, key: str) -> None:
+        ended = self.data["ended"]
+        ended[key] = ended.get(key, 0) + 1
+
+    def reset(self) -> None:
+        self.data = {"ended": {}, "bytes": {}, "seconds": {}}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        mine, theirs = self.data, other.data
+        ended = Counter(mine.get("ended", {}))
+        ended.update(theirs.get("ended", {}))
+        nbytes = Counter(mine.get("bytes", {}))
+        nbytes.update(theirs.get("bytes", {}))
+        seconds: dict[str, list[float]] = {}
+        for src in (mine.get("seconds", {}), theirs.get("seconds", {})):
+            for side, values in src.items():
+                seconds.setdefault(side, []).extend(values)
+        self.data = {"ended": dict(ended), "bytes": dict(nbytes), "seconds": seconds}
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        for key, n in sorted(self.data.get("ended", {}).items()):
+            side, outcome, reason = key.split("|")
+            name = f"{side} {outcome}" + (f" ({reason})" if reason else "")
+            out[name] = n
+        for side, n in sorted(self.data.get("bytes", {}).items()):
+            out[f"{side} MiB"] = round(n / 2**20, 3)
+        for side, values in sorted(self.data.get("seconds", {}).items()):
+            if values:
+                ordered = sorted(values)
+                out[f"{side} p50 ms"] = round(ordered[len(ordered) // 2] * 1000, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not self.data.get("ended")
+
+
+class KvpushPromMetrics(KVConnectorPromMetrics):
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._transfers = self._counter_cls(
+            name="vllm:kvpush_transfers_total",
+            documentation="KV transfers ended through kvpush, by side, outcome and reason.",
+            labelnames=[*labelnames, "side", "outcome", "reason"],
+        )
+        self._bytes = self._counter_cls(
+            name="vllm:kvpush_transfer_bytes_total",
+            documentation="Bytes of KV moved by finished kvpush transfers.",
+            labelnames=[*labelnames, "side"],
+        )
+        self._seconds = self._histogram_cls(
+            name="vllm:kvpush_transfer_seconds",
+            documentation="Time from the step that started a kvpush transfer to its end.",
+            buckets=_SECONDS_BUCKETS,
+            labelnames=[*labelnames, "side"],
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        engine = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
+        for key, n in transfer_stats_data.get("ended", {}).items():
+            side, outcome, reason = key.split("|")
+            self._transfers.labels(*engine, side, outcome, reason).inc(n)
+        for side, n in transfer_stats_data.get("bytes", {}).items():
+            self._bytes.labels(*engine, side).inc(n)
+        for side, values in transfer_stats_data.get("seconds", {}).items():
+            hist = self._seconds.labels(*engine, side)
+            for v in values:
+                hist.observe(v)

@@ -1,0 +1,217 @@
+"""The worker half of `KvpushConnector`: one `PushRuntime` per worker rank.
+
+Each vLLM worker process (one per tensor-parallel rank) registers its own KV cache and
+runs its own runtime over its own NIXL agent; rank r of a decode engine registers with
+rank r of the prefill engine (homogeneous TP), through the prefill engine's one side
+channel, which answers by rank. The worker carries out the scheduler's `StepPlan` on the
+runtime at the start of each step and turns what the runtime reports into vLLM's
+transfer results:
+
+- a receive that ended is in `finished_recving`; a failed one also in `failed_recving`
+  (vLLM then applies `kv_load_failure_policy`). Exactly once, because the runtime
+  reports every transfer exactly once, and only when kvpush no longer touches the
+  blocks (a receiver that gave up waits for the sender's acknowledgement or the fence).
+- a send that ended, either way, is in `finished_sending`: vLLM frees the prefill's
+  blocks then, never while a write still reads them.
+
+Misuse the runtime refuses at the call (a transfer id already in flight, params that
+cannot be used) ends that one request the same way, on the next results.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from kvpush.errors import FailureReason, KVPushError
+from kvpush.integrations.vllm.kvcache import register_vllm_kv_caches
+from kvpush.integrations.vllm.metadata import RankMetadata, StepPlan
+from kvpush.integrations.vllm.stats import TransferStats
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+    from kvpush.integrations.vllm.params import ConnectorConfig
+    from kvpush.runtime import PushRuntime, TransferResult
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, config: ConnectorConfig, rank: int) -> None:
+        self._config = config
+        self._rank = rank
+        self._runtime: PushRuntime | None = None
+        self._bytes_per_block = 0
+        # transfer id -> (request id, when it started, blocks), per side
+        self._receiving: dict[str, tuple[str, float, int]] = {}
+        self._sending: dict[str, tuple[str, float, int]] = {}
+        # Ended at the call, reported with the next results: request id -> reason.
+        self._failed_at_once: dict[str, str] = {}
+        self._sent_at_once: set[str] = set()
+        self._idle = False
+        self._stats = TransferStats()
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from kvpush.runtime import PushRuntime, RuntimeIdentity, SideChannelPeerDirectory
+        from kvpush.transports.nixl import NixlTransport
+
+        cfg = self._config
+        geometry = register_vllm_kv_caches(kv_caches, cfg.block_size_tokens)
+        if cfg.switch_interval_ms is not None:
+            sys.setswitchinterval(cfg.switch_interval_ms / 1000)
+        self._bytes_per_block = geometry.bytes_per_block
+        incarnation = uuid.uuid4().hex
+        identity = RuntimeIdentity(
+            engine_id=cfg.engine_id,
+            incarnation=incarnation,
+            host=cfg.side_channel_host,
+            port=cfg.side_channel_port,
+            rank=self._rank,
+            role=cfg.role,
+        )
+        runtime = PushRuntime(
+            NixlTransport(f"{cfg.engine_id}-r{self._rank}-{incarnation[:8]}"),
+            geometry,
+            identity,
+            SideChannelPeerDirectory(
+                timeout_ms=cfg.handshake_timeout_ms,
+                token=cfg.token,
+                expect_compat_hash=geometry.compat_hash(),
+            ),
+            timing=cfg.timing,
+            idle_poll_s=cfg.idle_poll_ms / 1000,
+        )
+        runtime.start()
+        self._runtime = runtime
+        log.info(
+            "kvpush rank %d: %d layers, %d blocks of %d bytes, layout %s",
+            self._rank,
+            geometry.num_layers,
+            geometry.num_blocks,
+            geometry.bytes_per_block,
+            geometry.layout,
+        )
+
+    def handshake_metadata(self) -> RankMetadata | None:
+        if self._runtime is None:
+            return None
+        return RankMetadata.of(self._runtime.local_metadata())
+
+    def shutdown(self) -> None:
+        if self._runtime is not None:
+            self._runtime.close()
+
+    # ----------------------------------------------------------------- each step
+
+    def start_step(self, plan: StepPlan) -> None:
+        """Carry out the scheduler's plan for this step (called once per step)."""
+        from kvpush.runtime import PeerAddress
+
+        runtime = self._require_runtime()
+        self._idle = plan.idle
+        now = time.monotonic()
+        for rcv in plan.receives:
+            if not rcv.transfer_id:
+                self._failed_at_once[rcv.request_id] = "unusable kv_transfer_params"
+                continue
+            sender = PeerAddress(rcv.host, rcv.port, self._rank)
+            try:
+                runtime.receive(
+                    rcv.transfer_id, sender, rcv.blocks, sender_offset=rcv.sender_offset
+                )
+            except KVPushError as exc:
+                log.error("request %s: cannot receive %s: %s", rcv.request_id, rcv.transfer_id, exc)
+                self._failed_at_once[rcv.request_id] = f"{type(exc).__name__}: {exc}"
+                continue
+            self._receiving[rcv.transfer_id] = (rcv.request_id, now, len(rcv.blocks))
+        for ref in plan.refusals:
+            try:
+                runtime.reject(
+                    ref.transfer_id, PeerAddress(ref.host, ref.port, self._rank), ref.detail
+                )
+            except KVPushError as exc:
+                log.warning("could not refuse transfer %s: %s", ref.transfer_id, exc)
+        for snd in plan.sends:
+            try:
+                runtime.send(snd.transfer_id, snd.blocks, ready_layers=[] if snd.cancel else None)
+                if snd.cancel:
+                    runtime.abort(snd.transfer_id)
+            except KVPushError as exc:
+                log.error("request %s: cannot send %s: %s", snd.request_id, snd.transfer_id, exc)
+                self._sent_at_once.add(snd.request_id)
+                continue
+            self._sending[snd.transfer_id] = (snd.request_id, now, len(snd.blocks))
+        for tid in plan.aborts:
+            if tid in self._receiving or tid in self._sending:
+                runtime.abort(tid)
+
+    def transfer_results(self) -> KVConnectorTransferResults:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        runtime = self._require_runtime()
+        ended = runtime.poll()
+        if not ended and self._idle and (self._receiving or self._sending):
+            # Nothing to compute this step: wait a little for an end instead of letting
+            # vLLM's loop come straight back (that loop would spin a core).
+            ended = runtime.wait(self._config.idle_wait_s)
+        out = KVConnectorTransferResults()
+        for rid, why in self._failed_at_once.items():
+            out.finished_recving.add(rid)
+            out.failed_recving.add(rid)
+            self._stats.ended_at_once("receiver", why)
+        self._failed_at_once.clear()
+        out.finished_sending |= self._sent_at_once
+        self._sent_at_once.clear()
+        for result in ended:
+            self._ended(result, out)
+        return out
+
+    def _ended(self, result: TransferResult, out: KVConnectorTransferResults) -> None:
+        book = self._receiving if result.side == "receiver" else self._sending
+        entry = book.pop(result.transfer_id, None)
+        if entry is None:
+            return
+        rid, started, blocks = entry
+        self._stats.ended(result, time.monotonic() - started, blocks * self._bytes_per_block)
+        if result.side == "sender":
+            out.finished_sending.add(rid)
+            if not result.ok and result.reason is not FailureReason.CANCELLED:
+                log.warning(
+                    "request %s: sending %s failed (%s): %s",
+                    rid,
+                    result.transfer_id,
+                    result.reason,
+                    result.detail,
+                )
+            return
+        out.finished_recving.add(rid)
+        if not result.ok:
+            out.failed_recving.add(rid)
+            log.warning(
+                "request %s: receiving %s failed (%s): %s",
+                rid,
+                result.transfer_id,
+                result.reason,
+                result.detail,
+            )
+
+    def take_stats(self) -> TransferStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, TransferStats()
+        return stats
+
+    def _require_runtime(self) -> PushRuntime:
+        if self._runtime is None:
+            raise KVPushError(
+                "KvpushConnector: the worker has no KV cache registered yet "
+                "(register_kv_caches was not called)"
+            )
+        return self._runtime
