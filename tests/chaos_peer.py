@@ -200,8 +200,10 @@ class AuditedTransport(Transport):
     def metadata(self) -> bytes:
         return self._inner.metadata()
 
-    def add_peer(self, peer: str, metadata: bytes, geometry: CacheGeometry) -> None:
-        self._inner.add_peer(peer, metadata, geometry)
+    def add_peer(
+        self, peer: str, metadata: bytes, geometry: CacheGeometry, *, messages_only: bool = False
+    ) -> None:
+        self._inner.add_peer(peer, metadata, geometry, messages_only=messages_only)
 
     def remove_peer(self, peer: str) -> None:
         with self._lock:

@@ -31,6 +31,7 @@ from kvpush.protocol import (
     PushProtocol,
     ReceiverState,
     Register,
+    Reject,
     SenderState,
     SendMessage,
     TransferEnded,
@@ -910,8 +911,16 @@ def test_an_incompatible_sender_fails_the_transfer_before_anything_is_registered
     assert r.reason is FailureReason.INCOMPATIBLE_PEER and r.blocks == (3,)
     assert "dtype: theirs 'float16', ours 'bfloat16'" in r.detail
     assert "layout: theirs 'kv_separate/HND', ours 'kv_separate/NHD'" in r.detail
-    assert wire.queue == [] and wire.writes == []  # no Register: nothing can be written
+    # No Register, so nothing can be written; only a Reject tells the sender why, from
+    # its own point of view, so that it frees its blocks now and not at its deadline.
+    [reject] = [decode(m) for _, _, m in wire.queue]
+    assert isinstance(reject, Reject) and reject.reason is FailureReason.INCOMPATIBLE_PEER
     assert wire.ends["d-1"].receiver.known_peers() == 0  # and nothing cached for next time
+    wire.settle()
+    s = wire.ended("p-x", "t1")
+    assert s.reason is FailureReason.INCOMPATIBLE_PEER and s.blocks == (1,)
+    assert "dtype: theirs 'bfloat16', ours 'float16'" in s.detail
+    assert wire.writes == [] and wire.write_log == []
 
 
 def test_an_incompatible_receiver_is_never_written_to_even_if_it_registers(
@@ -928,6 +937,10 @@ def test_an_incompatible_receiver_is_never_written_to_even_if_it_registers(
     assert r.reason is FailureReason.INCOMPATIBLE_PEER
     assert "dtype: theirs 'float16', ours 'bfloat16'" in r.detail
     assert wire.write_log == [] and wire.writes == []
+    # The sender's Failed says so at once: the receiver need not wait out its deadline.
+    d = wire.ended("d-x", "t1")
+    assert d.reason is FailureReason.INCOMPATIBLE_PEER and d.blocks == (3,)
+    assert "dtype: theirs 'bfloat16', ours 'float16'" in d.detail
 
 
 def test_fields_an_explicit_policy_allows_may_differ(wire: Wire) -> None:

@@ -635,12 +635,14 @@ def test_caches_that_differ_only_in_dtype_or_layout_never_transfer(
     [rd] = wait_results(d)
     assert rd.reason is FailureReason.INCOMPATIBLE_PEER and rd.blocks == (2,)
     assert named in rd.detail
-    # The receiver refused before registering: the sender never heard of it.
-    stats = p.statistics()
-    assert stats.sending == {"awaiting_register": 1} and stats.bytes_written == 0
+    # The receiver refused before registering, and told the sender why (its Reject
+    # names the same field from the sender's side): the sender frees its blocks now.
+    [rp] = wait_results(p)
+    assert rp.reason is FailureReason.INCOMPATIBLE_PEER and rp.blocks == (1,)
+    field = named.split(":")[0]
+    assert f"{field}: theirs" in rp.detail and rp.detail != rd.detail
+    assert p.statistics().bytes_written == 0 and cluster.fabric.statistics().writes_done == 0
     assert d.statistics().peers == 0  # and nothing was cached for the next transfer
-    p.abort("t1")
-    assert wait_results(p)[0].reason is FailureReason.CANCELLED
 
 
 def test_a_sender_refuses_an_incompatible_receiver_on_its_own_handshake(
@@ -657,6 +659,10 @@ def test_a_sender_refuses_an_incompatible_receiver_on_its_own_handshake(
     assert rp.reason is FailureReason.INCOMPATIBLE_PEER
     assert "dtype: theirs 'float16', ours 'uint8'" in rp.detail
     assert p.statistics().bytes_written == 0 and cluster.fabric.statistics().writes_done == 0
+    # Its Failed tells the receiver at once, in the receiver's own terms.
+    [rd] = wait_results(d)
+    assert rd.reason is FailureReason.INCOMPATIBLE_PEER and rd.blocks == (2,)
+    assert "dtype: theirs 'uint8', ours 'float16'" in rd.detail
 
 
 def test_an_explicit_policy_lets_a_named_field_differ(cluster: Cluster) -> None:

@@ -98,10 +98,15 @@ class Failed(msgspec.Struct, frozen=True, tag_field="type", tag="failed"):
 
 
 class Reject(msgspec.Struct, frozen=True, tag_field="type", tag="reject"):
-    """Receiver to sender: refused before allocating; the sender may free its blocks."""
+    """Receiver to sender: refused before allocating; the sender may free its blocks.
+
+    `reason` says why: REJECTED (the engine refused the request) or INCOMPATIBLE_PEER
+    (the receiver's handshake found the sender's cache incompatible with its own; the
+    detail then names each field that differs from the sender's point of view)."""
 
     transfer_id: TransferId
     detail: Detail = ""
+    reason: FailureReason = FailureReason.REJECTED
 
 
 class Cancel(msgspec.Struct, frozen=True, tag_field="type", tag="cancel"):

@@ -349,6 +349,13 @@ class _Compatibility:
             return None
         return "the peer's KV cache is incompatible with ours: " + "; ".join(differences)
 
+    def their_view(self, theirs: Mapping[str, object]) -> str:
+        """What differs as the peer sees it (its values are "ours" there), to tell it."""
+        allowed = self.policy.may_differ
+        ours = {k: v for k, v in self.ours.items() if k not in allowed}
+        their = {k: v for k, v in theirs.items() if k not in allowed}
+        return "; ".join(describe_compat_differences(ours, their))
+
 
 def _check_blocks(blocks: Sequence[int], what: str) -> tuple[int, ...]:
     out = tuple(blocks)
@@ -630,8 +637,14 @@ class SenderProtocol(_Side["_Outgoing"]):
                 )
                 out += self.peer_lost(now, p.agent, FailureReason.PEER_RESTARTED, detail)
             elif problem is not None:
+                # Nothing was written (writes wait for this handshake): say so with a
+                # Failed, so the receiver gives its blocks back now, not at its deadline.
+                failure = FailureReason.INCOMPATIBLE_PEER
+                view = f"sender refused our KV cache: {self._compat.their_view(info.compat)}"
+                for rec in [r for r in self._transfers.values() if r.peer == p.agent]:
+                    out.append(SendMessage(p.agent, Failed(rec.transfer_id, failure, view)))
                 detail = f"receiver at {address}: {problem}"
-                out += self.peer_lost(now, p.agent, FailureReason.INCOMPATIBLE_PEER, detail)
+                out += self.peer_lost(now, p.agent, failure, detail)
             else:
                 out += self._peer_ready(now, p)
         return out
@@ -706,8 +719,8 @@ class SenderProtocol(_Side["_Outgoing"]):
                 return self._on_register(now, peer, message)
             case Cancel(transfer_id=tid, reason=reason, detail=detail):
                 return self._on_cancel(now, peer, tid, reason, detail)
-            case Reject(transfer_id=tid, detail=detail):
-                return self._on_reject(now, peer, tid, detail)
+            case Reject(transfer_id=tid, detail=detail, reason=reason):
+                return self._on_reject(now, peer, tid, detail, reason)
             case Heartbeat(role="receiver"):
                 return self._on_heartbeat(now, peer, message)
             case _:
@@ -819,10 +832,17 @@ class SenderProtocol(_Side["_Outgoing"]):
             return []
         return self._send(peer, CancelAck(tid)) if peer in self._peers else []
 
-    def _on_reject(self, now: float, peer: str, tid: str, detail: str) -> list[Effect]:
+    def _on_reject(
+        self, now: float, peer: str, tid: str, detail: str, reason: FailureReason
+    ) -> list[Effect]:
         rec = self._transfers.get(tid)
-        why = f"receiver rejected the request: {detail}"
-        failure = FailureReason.REJECTED
+        failure: FailureReason
+        if reason is FailureReason.INCOMPATIBLE_PEER:
+            failure = reason
+            why = f"receiver {peer} refused our KV cache: {detail}"
+        else:
+            failure = FailureReason.REJECTED
+            why = f"receiver rejected the request: {detail}"
         if rec is None:
             if tid not in self._tombstones:
                 self._bury(now, tid, peer, None, (failure, why))
@@ -1390,9 +1410,22 @@ class ReceiverProtocol(_Side["_Incoming"]):
         problem = self._compat.problem(info.compat)
         if problem is not None:
             self._known.pop(address, None)
-            return self._lookup_failed(
+            # Tell the sender, so that it frees its blocks now, not at its deadline:
+            # nothing was registered, so a Reject is the whole truth.
+            view = self._compat.their_view(info.compat)
+            waiting = [
+                tid
+                for tid in lookup.transfers
+                if (rec := self._transfers.get(tid)) is not None
+                and rec.state is ReceiverState.HANDSHAKING
+            ]
+            out = self._lookup_failed(
                 now, address, lookup, FailureReason.INCOMPATIBLE_PEER, problem
             )
+            for tid in [*waiting, *(t for t, _ in lookup.rejects)]:
+                reject = Reject(tid, view, FailureReason.INCOMPATIBLE_PEER)
+                out.append(SendMessage(info.agent, reject))
+            return out
         out = self._restarted(now, info)
         self._known[address] = _Known(info, now)
         for tid, detail in lookup.rejects:

@@ -410,16 +410,26 @@ class Driver:
             meta.agent_name, meta.engine_id, meta.incarnation, meta.geometry.compat_fields()
         )
         ours = meta.agent_name == self._transport.agent_name
-        if not ours and self._protocol.incompatibility(info.compat) is None:
-            # Loaded on the data plane only when the protocol will use it.
+        compatible = self._protocol.incompatibility(info.compat) is None
+        if not ours:
+            # An incompatible peer is loaded for messages only: never written to, but
+            # told at once why its transfers fail, so it frees its blocks now.
             try:
                 if not self._transport.has_peer(meta.agent_name):
-                    self._transport.add_peer(meta.agent_name, meta.agent_metadata, meta.geometry)
+                    self._transport.add_peer(
+                        meta.agent_name,
+                        meta.agent_metadata,
+                        meta.geometry,
+                        messages_only=not compatible,
+                    )
             except KVPushError as exc:
-                reason = handshake_reason(exc)
-                self._apply(self._protocol.handshake_failed(now, address, reason, str(exc)))
-                return
-            self._infos[meta.agent_name] = info
+                if compatible:
+                    reason = handshake_reason(exc)
+                    self._apply(self._protocol.handshake_failed(now, address, reason, str(exc)))
+                    return
+                log.info("could not load incompatible peer %s to tell it: %s", address, exc)
+            if compatible:
+                self._infos[meta.agent_name] = info
         self._apply(self._protocol.handshake_done(now, address, info))
 
     def _lookup(self, now: float, hs: Handshake) -> None:

@@ -83,9 +83,14 @@ class Transport(abc.ABC):
         """What a peer passes to its `add_peer` to reach us (NIXL agent metadata)."""
 
     @abc.abstractmethod
-    def add_peer(self, peer: str, metadata: bytes, geometry: CacheGeometry) -> None:
+    def add_peer(
+        self, peer: str, metadata: bytes, geometry: CacheGeometry, *, messages_only: bool = False
+    ) -> None:
         """Load a peer and prepare descriptors for its regions, once per incarnation.
 
+        `messages_only`: load it only to send it control messages, because the protocol
+        refused its cache (so that it hears why at once); nothing is prepared for writes,
+        `write_blocks` to it raises UNKNOWN_PEER, and its geometry is not checked.
         Raises `TransportError` (HANDSHAKE_FAILED) when the metadata cannot be loaded.
         """
 

@@ -435,6 +435,7 @@ class _Peer:
     name: str
     incarnation: str
     geometry: CacheGeometry
+    writable: bool = True  # False: added for messages only
 
 
 @dataclasses.dataclass(slots=True)
@@ -563,7 +564,9 @@ class LoopbackTransport(Transport):
             )
         return _METADATA_PREFIX + f"{self._name}\n{ep.incarnation}".encode()
 
-    def add_peer(self, peer: str, metadata: bytes, geometry: CacheGeometry) -> None:
+    def add_peer(
+        self, peer: str, metadata: bytes, geometry: CacheGeometry, *, messages_only: bool = False
+    ) -> None:
         self._check_open()
         if self._geometry is None:
             raise LocalProtocolError(
@@ -592,16 +595,17 @@ class LoopbackTransport(Transport):
                 FailureReason.HANDSHAKE_FAILED,
                 f"agent {peer} is not reachable on the loopback fabric (gone or restarted)",
             )
-        check_region_fits(self._geometry, geometry, peer)
-        for region in geometry.regions:
-            if not _region_inside(region, ep.geometry):
-                raise TransportError(
-                    FailureReason.HANDSHAKE_FAILED,
-                    f"region {region.name} of {peer} is not inside memory {peer} registered",
-                )
+        if not messages_only:
+            check_region_fits(self._geometry, geometry, peer)
+            for region in geometry.regions:
+                if not _region_inside(region, ep.geometry):
+                    raise TransportError(
+                        FailureReason.HANDSHAKE_FAILED,
+                        f"region {region.name} of {peer} is not inside memory {peer} registered",
+                    )
         if peer in self._peers:
             self.remove_peer(peer)
-        self._peers[peer] = _Peer(peer, incarnation, geometry)
+        self._peers[peer] = _Peer(peer, incarnation, geometry, writable=not messages_only)
         self._fabric._note_added(self._name, peer, True)
 
     def remove_peer(self, peer: str) -> None:
@@ -637,6 +641,11 @@ class LoopbackTransport(Transport):
         if target is None or self._geometry is None:
             raise TransportError(
                 FailureReason.UNKNOWN_PEER, f"write to {peer}: peer was not added (add_peer)"
+            )
+        if not target.writable:
+            raise TransportError(
+                FailureReason.UNKNOWN_PEER,
+                f"write to {peer}: peer was added for messages only (its cache is incompatible)",
             )
         if write_id in self._write_ids:
             raise TransportError(

@@ -109,8 +109,8 @@ def merged_descriptor_count(
 class _Peer:
     name: str
     geometry: CacheGeometry
-    descriptors: npt.NDArray[np.uint64]
-    dlist: Any  # NIXL prepared descriptor list for the peer's blocks
+    descriptors: npt.NDArray[np.uint64] | None  # None: loaded for messages only
+    dlist: Any  # NIXL prepared descriptor list for the peer's blocks, or None
 
 
 @dataclasses.dataclass(slots=True)
@@ -210,7 +210,8 @@ class NixlTransport(Transport):
             _release_quietly(w.handle)
         self._in_flight.clear()
         for peer in list(self._peers.values()):
-            _release_quietly(peer.dlist)
+            if peer.dlist is not None:
+                _release_quietly(peer.dlist)
             _quietly(agent.remove_remote_agent, peer.name)
         self._peers.clear()
         if self._our_dlist is not None:
@@ -273,14 +274,16 @@ class NixlTransport(Transport):
             )
         return bytes(agent.get_agent_metadata())
 
-    def add_peer(self, peer: str, metadata: bytes, geometry: CacheGeometry) -> None:
+    def add_peer(
+        self, peer: str, metadata: bytes, geometry: CacheGeometry, *, messages_only: bool = False
+    ) -> None:
         agent = self._live_agent()
         if self._geometry is None:
             raise LocalProtocolError(
                 f"NIXL endpoint {self._name}: register_memory() before add_peer()"
             )
-        check_region_fits(self._geometry, geometry, peer)
-        their_type = geometry_memory_type(geometry)
+        if not messages_only:
+            check_region_fits(self._geometry, geometry, peer)
         if peer in self._peers:
             self.remove_peer(peer)
         try:
@@ -298,8 +301,12 @@ class NixlTransport(Transport):
                 FailureReason.HANDSHAKE_FAILED,
                 f"metadata names agent {loaded_name!r}, expected {peer!r}",
             )
+        if messages_only:
+            self._peers[peer] = _Peer(peer, geometry, None, None)
+            return
         descriptors = block_descriptors(geometry)
         try:
+            their_type = geometry_memory_type(geometry)
             dlist = agent.prep_xfer_dlist(peer, descriptors, their_type, [self._backend])
         except Exception as exc:
             _quietly(agent.remove_remote_agent, peer)
@@ -321,7 +328,8 @@ class NixlTransport(Transport):
                 self._events.append(
                     WriteFailed(write_id, FailureReason.PEER_GONE, f"peer {peer} was removed")
                 )
-        _release_quietly(state.dlist)
+        if state.dlist is not None:
+            _release_quietly(state.dlist)
         if self._agent is not None:
             _quietly(self._agent.remove_remote_agent, peer)
 
@@ -343,6 +351,11 @@ class NixlTransport(Transport):
         if target is None or self._geometry is None:
             raise TransportError(
                 FailureReason.UNKNOWN_PEER, f"write to {peer}: peer was not added (add_peer)"
+            )
+        if target.dlist is None or target.descriptors is None:
+            raise TransportError(
+                FailureReason.UNKNOWN_PEER,
+                f"write to {peer}: peer was added for messages only (its cache is incompatible)",
             )
         if write_id in self._in_flight:
             raise TransportError(
