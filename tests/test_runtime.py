@@ -639,7 +639,7 @@ def test_caches_that_differ_only_in_dtype_or_layout_never_transfer(
     # names the same field from the sender's side): the sender frees its blocks now.
     [rp] = wait_results(p)
     assert rp.reason is FailureReason.INCOMPATIBLE_PEER and rp.blocks == (1,)
-    field = named.split(":")[0]
+    field = named.split(":", maxsplit=1)[0]
     assert f"{field}: theirs" in rp.detail and rp.detail != rd.detail
     assert p.statistics().bytes_written == 0 and cluster.fabric.statistics().writes_done == 0
     assert d.statistics().peers == 0  # and nothing was cached for the next transfer
