@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvpush.config import TimingConfig
-from kvpush.errors import FailureReason, LocalProtocolError, RemoteProtocolError
+from kvpush.config import CompatibilityPolicy, TimingConfig
+from kvpush.errors import ConfigError, FailureReason, LocalProtocolError, RemoteProtocolError
 from kvpush.protocol import (
     Cancel,
     CancelAck,
@@ -26,6 +26,8 @@ from kvpush.protocol import (
     Handshake,
     Heartbeat,
     LocalIdentity,
+    PeerAddress,
+    PeerInfo,
     PushProtocol,
     ReceiverState,
     Register,
@@ -42,6 +44,16 @@ TIMING = TimingConfig(
 )
 NUM_LAYERS = 2
 NUM_BLOCKS = 16
+# What every endpoint's cache agrees on unless a test says otherwise (the fields of
+# CacheGeometry.compat_fields()).
+COMPAT: dict[str, object] = {
+    "protocol_version": 2,
+    "layout": "kv_separate/NHD",
+    "block_size_tokens": 16,
+    "dtype": "bfloat16",
+    "mode": "push",
+    "regions": [("L0", 0, 64), ("L1", 1, 64)],
+}
 
 
 @dataclass
@@ -75,14 +87,36 @@ class Wire:
         self.expected: dict[tuple[str, str], tuple[str, int]] = {}  # (d, tid) -> (p, offset)
         self.submitted: dict[tuple[str, str], tuple[int, ...]] = {}  # (p, tid) -> blocks
         self.renewed: dict[tuple[str, str], float] = {}  # (p, tid) -> last lease renewal
+        # Side channels: an engine keeps its address across restarts; the agent serving
+        # an address is the one added there last.
+        self.address_of: dict[str, PeerAddress] = {}
+        self.serving: dict[PeerAddress, str] = {}
+        self.info_of: dict[str, PeerInfo] = {}
 
     # ----- endpoints
 
-    def add(self, agent: str, engine_id: str, incarnation: str = "1") -> PushProtocol:
-        ident = LocalIdentity(engine_id, incarnation, "127.0.0.1", 5000 + len(self.ends), 0)
-        proto = PushProtocol(ident, self.timing, self.num_layers)
+    def add(
+        self,
+        agent: str,
+        engine_id: str,
+        incarnation: str = "1",
+        compat: dict[str, object] | None = None,
+        compatibility: CompatibilityPolicy | None = None,
+    ) -> PushProtocol:
+        same_engine = [a for a, e in self.engine_of.items() if e == engine_id]
+        if same_engine:  # a restart: the same side channel address, a new agent
+            address = self.address_of[same_engine[-1]]
+        else:
+            address = PeerAddress("127.0.0.1", 5000 + len(self.ends), 0)
+        ident = LocalIdentity(engine_id, incarnation, address.host, address.port, 0)
+        compat = COMPAT if compat is None else compat
+        policy = compatibility or CompatibilityPolicy()
+        proto = PushProtocol(ident, self.timing, self.num_layers, compat, compatibility=policy)
         self.ends[agent] = proto
         self.engine_of[agent] = engine_id
+        self.address_of[agent] = address
+        self.serving[address] = agent
+        self.info_of[agent] = PeerInfo(agent, engine_id, incarnation, compat)
         # Block b of layer l holds a pattern naming its owner, so content checks are exact.
         self.memory[agent] = [
             [f"{agent}:L{layer}:B{b}".encode() for b in range(NUM_BLOCKS)]
@@ -114,43 +148,45 @@ class Wire:
                 case Handshake():
                     self.handshakes.append((src, eff))
                     if self.auto_handshake:
-                        self.apply(src, self.ends[src].sender.peer_ready(self.now, eff.peer))
+                        self.answer_handshake(src, eff)
                 case DropPeer():
                     self.dropped_peers[src].append(eff)
                 case TransferEnded():
                     seen = [r for r in self.results[src] if r.transfer_id == eff.transfer_id]
                     assert not [r for r in seen if r.side == eff.side], f"reported twice: {eff}"
                     self.results[src].append(eff)
+                    if eff.side == "sender":
+                        # The engine reuses the blocks the moment they are handed back,
+                        # so a write still reading them copies something else.
+                        for layer in self.memory[src]:
+                            for b in eff.blocks:
+                                layer[b] = f"{src}:reused:{eff.transfer_id}".encode()
                     if eff.side == "receiver":
                         if eff.ok:
                             self.check_content(src, eff.transfer_id, eff.blocks)
                         for b in eff.blocks:
                             assert self.owner[src].pop(b, None) == eff.transfer_id
 
+    def answer_handshake(self, src: str, hs: Handshake) -> None:
+        """The side channel at the address answers, as the agent serving it now."""
+        agent = self.serving.get(hs.address)
+        proto = self.ends[src]
+        if agent is None or agent in self.dead:
+            effects = proto.handshake_failed(
+                self.now, hs.address, FailureReason.HANDSHAKE_FAILED, "nobody answers there"
+            )
+        else:
+            effects = proto.handshake_done(self.now, hs.address, self.info_of[agent])
+        self.apply(src, effects)
+
     # ----- engine calls, as effects applied at once
 
-    def expect(
-        self,
-        d: str,
-        tid: str,
-        p: str,
-        blocks: Sequence[int],
-        offset: int = 0,
-        first_attempt: bool = True,
-    ) -> None:
+    def expect(self, d: str, tid: str, p: str, blocks: Sequence[int], offset: int = 0) -> None:
         for b in blocks:
             owner = self.owner[d].get(b)
-            assert owner is None or (not first_attempt and owner == tid), (
-                f"test bug: block {b} of {d} is in use"
-            )
+            assert owner is None, f"test bug: block {b} of {d} is in use"
         effects = self.ends[d].receiver.expect(
-            self.now,
-            tid,
-            p,
-            self.engine_of[p],
-            blocks,
-            sender_offset=offset,
-            first_attempt=first_attempt,
+            self.now, tid, self.address_of[p], blocks, sender_offset=offset
         )
         self.expected[(d, tid)] = (p, offset)
         for b in blocks:
@@ -161,6 +197,9 @@ class Wire:
         self, p: str, tid: str, blocks: Sequence[int], layers: Sequence[int] | None = None
     ) -> None:
         self.submitted[(p, tid)] = tuple(blocks)
+        for layer, memory in enumerate(self.memory[p]):  # the engine computed them anew
+            for b in blocks:
+                memory[b] = f"{p}:L{layer}:B{b}".encode()
         self.apply(p, self.ends[p].sender.submit(self.now, tid, blocks, layers))
 
     # ----- the network
@@ -178,6 +217,14 @@ class Wire:
             case _:
                 pass
         self.apply(dst, self.ends[dst].receive_message(self.now, src, payload))
+
+    def deliver_register(self) -> None:
+        """Deliver the first queued Register, then the heartbeat round trip a first
+        contact takes before any write (the echo that bounds the receiver's clock)."""
+        [i, *_] = [i for i, m in enumerate(self.queue) if isinstance(decode(m[2]), Register)]
+        self.deliver(i)
+        while hb := [i for i, m in enumerate(self.queue) if isinstance(decode(m[2]), Heartbeat)]:
+            self.deliver(hb[0])
 
     def complete_write(self, index: int = 0, ok: bool = True) -> None:
         w = self.writes.pop(index)
@@ -228,6 +275,16 @@ class Wire:
         end = self.now + seconds
         while self.now < end:
             self.advance(step)
+
+    def run_only(self, agent: str, seconds: float, step: float = 0.25) -> None:
+        """Time passes and only `agent` runs: every other endpoint is stopped (SIGSTOP),
+        so it neither ticks nor reads its inbox, and no write lands or fails."""
+        end = self.now + seconds
+        while self.now < end:
+            self.now += step
+            self.apply(agent, self.ends[agent].tick(self.now))
+            while mine := [i for i, m in enumerate(self.queue) if m[1] == agent]:
+                self.deliver(mine[0])
 
     def check_content(self, d: str, tid: str, blocks: tuple[int, ...]) -> None:
         """A receiver that finished holds exactly the sender's blocks, layer by layer."""
@@ -347,7 +404,7 @@ def test_prefix_mapping_that_does_not_add_up_fails_both_sides(wire: Wire) -> Non
 
 def test_receiver_rejects_before_allocating_and_the_sender_frees_at_once(wire: Wire) -> None:
     wire.submit("p-1", "t1", [1, 2])
-    wire.apply("d-1", wire.ends["d-1"].receiver.reject(wire.now, "t1", "p-1", "out of memory"))
+    wire.apply("d-1", wire.ends["d-1"].receiver.reject(wire.now, "t1", wire.address_of["p-1"], "out of memory"))
     wire.settle()
     r = wire.ended("p-1", "t1")
     assert r.reason is FailureReason.REJECTED and "out of memory" in r.detail
@@ -356,7 +413,7 @@ def test_receiver_rejects_before_allocating_and_the_sender_frees_at_once(wire: W
 
 
 def test_reject_that_arrives_before_submit_fails_the_submit_at_once(wire: Wire) -> None:
-    wire.apply("d-1", wire.ends["d-1"].receiver.reject(wire.now, "t1", "p-1", "busy"))
+    wire.apply("d-1", wire.ends["d-1"].receiver.reject(wire.now, "t1", wire.address_of["p-1"], "busy"))
     wire.settle()
     wire.submit("p-1", "t1", [1])
     assert wire.ended("p-1", "t1").reason is FailureReason.REJECTED
@@ -387,7 +444,7 @@ def test_lost_register_is_sent_again(wire: Wire) -> None:
 def test_lost_done_is_sent_again_when_the_receiver_still_waits(wire: Wire) -> None:
     wire.submit("p-1", "t1", [1])
     wire.expect("d-1", "t1", "p-1", [2])
-    wire.deliver()  # Register
+    wire.deliver_register()  # Register
     wire.complete_write()
     assert wire.ended("p-1", "t1").ok
     wire.queue = [m for m in wire.queue if not isinstance(decode(m[2]), Done)]
@@ -458,7 +515,7 @@ def test_done_from_another_peer_than_the_registered_sender_is_ignored(wire: Wire
 def test_receiver_abort_mid_write_fences_its_blocks_until_the_sender_acks(wire: Wire) -> None:
     wire.submit("p-1", "t1", [1, 2])
     wire.expect("d-1", "t1", "p-1", [3, 4])
-    wire.deliver()  # Register: the write is now in flight
+    wire.deliver_register()  # Register: the write is now in flight
     assert len(wire.writes) == 1
     wire.apply("d-1", wire.ends["d-1"].receiver.abort(wire.now, "t1"))
     assert wire.ends["d-1"].receiver.state_of("t1") is ReceiverState.FENCING
@@ -473,7 +530,7 @@ def test_receiver_abort_mid_write_fences_its_blocks_until_the_sender_acks(wire: 
 def test_cancel_ack_is_sent_only_after_the_in_flight_write_finished(wire: Wire) -> None:
     wire.submit("p-1", "t1", [1])
     wire.expect("d-1", "t1", "p-1", [3])
-    wire.deliver()
+    wire.deliver_register()
     wire.apply("d-1", wire.ends["d-1"].receiver.abort(wire.now, "t1"))
     wire.deliver()  # the Cancel, while the write is still in flight
     assert wire.sent("p-1", CancelAck) == []
@@ -490,7 +547,7 @@ def test_sender_abort_tells_the_receiver_which_frees_at_once(wire: Wire) -> None
     # Layer 0 only: the write in flight is not the last one, so it carries no Done.
     wire.submit("p-1", "t1", [1], layers=[0])
     wire.expect("d-1", "t1", "p-1", [3])
-    wire.deliver()
+    wire.deliver_register()
     wire.apply("p-1", wire.ends["p-1"].sender.abort(wire.now, "t1"))
     assert wire.results["p-1"] == []  # waits for the in-flight write
     wire.settle()
@@ -501,7 +558,7 @@ def test_sender_abort_tells_the_receiver_which_frees_at_once(wire: Wire) -> None
 def test_done_rides_on_the_last_write_and_arrives_after_its_data(wire: Wire) -> None:
     wire.submit("p-1", "t1", [1, 2])
     wire.expect("d-1", "t1", "p-1", [3, 4])
-    wire.deliver()  # Register: one write for every layer, carrying Done
+    wire.deliver_register()  # Register: one write for every layer, carrying Done
     [w] = wire.writes
     assert w.write.notification == Done("t1", 2)
     assert wire.queue == []  # nothing else travels: no round trip after the data
@@ -515,7 +572,7 @@ def test_done_rides_on_the_last_write_and_arrives_after_its_data(wire: Wire) -> 
 def test_done_waits_for_every_write_when_the_last_one_is_not_alone(wire: Wire) -> None:
     wire.submit("p-1", "t1", [1], layers=[0])
     wire.expect("d-1", "t1", "p-1", [3])
-    wire.deliver()  # layer 0 in flight
+    wire.deliver_register()  # layer 0 in flight
     wire.apply("p-1", wire.ends["p-1"].sender.layers_ready(wire.now, "t1", [1]))
     assert [w.write.notification for w in wire.writes] == [None, None]
     wire.complete_write(1)  # the last layer lands first: still no Done
@@ -529,7 +586,7 @@ def test_done_waits_for_every_write_when_the_last_one_is_not_alone(wire: Wire) -
 def test_only_the_last_layer_write_carries_done(wire: Wire) -> None:
     wire.submit("p-1", "t1", [1], layers=[0])
     wire.expect("d-1", "t1", "p-1", [3])
-    wire.deliver()
+    wire.deliver_register()
     wire.complete_write()  # layer 0 landed, alone and without Done
     assert wire.queue == [] and wire.results["p-1"] == []
     wire.apply("p-1", wire.ends["p-1"].sender.layers_ready(wire.now, "t1", [1]))
@@ -542,7 +599,7 @@ def test_only_the_last_layer_write_carries_done(wire: Wire) -> None:
 def test_failed_last_write_delivers_no_done_and_the_sender_says_failed(wire: Wire) -> None:
     wire.submit("p-1", "t1", [1])
     wire.expect("d-1", "t1", "p-1", [3])
-    wire.deliver()
+    wire.deliver_register()
     wire.complete_write(ok=False)
     assert wire.sent("p-1", Done) == [] and len(wire.sent("p-1", Failed)) == 1
     wire.settle()
@@ -555,7 +612,7 @@ def test_sender_abort_too_late_to_stop_the_write_carrying_done_finishes_both(
     # The receiver gets Done with the data, so the transfer did finish: both sides say so.
     wire.submit("p-1", "t1", [1])
     wire.expect("d-1", "t1", "p-1", [3])
-    wire.deliver()
+    wire.deliver_register()
     wire.apply("p-1", wire.ends["p-1"].sender.abort(wire.now, "t1"))
     wire.settle()
     assert wire.ended("p-1", "t1").ok and wire.ended("d-1", "t1").ok
@@ -565,7 +622,7 @@ def test_sender_abort_too_late_to_stop_the_write_carrying_done_finishes_both(
 def test_failed_write_is_told_to_the_receiver(wire: Wire) -> None:
     wire.submit("p-1", "t1", [1])
     wire.expect("d-1", "t1", "p-1", [3])
-    wire.deliver()
+    wire.deliver_register()
     wire.complete_write(ok=False)
     wire.settle()
     assert wire.ended("p-1", "t1").reason is FailureReason.WRITE_ERROR
@@ -598,35 +655,48 @@ def test_sender_certainly_gone_ends_receiver_transfers_at_once(wire: Wire) -> No
 def test_a_first_register_that_reached_no_live_sender_is_withdrawn_and_registered_again(
     wire: Wire,
 ) -> None:
-    wire.expect("d-1", "t1", "p-1", [3])
+    wire.submit("p-1", "t0", [0])
+    wire.expect("d-1", "t0", "p-1", [0])
+    wire.settle()  # d-1 now has p-1's address cached
     wire.kill("p-1")
+    wire.add("p-2", "engine-p", incarnation="2")  # restarted there within revalidate_after_s
+    wire.expect("d-1", "t1", "p-1", [3])  # registered from the cache: to dead p-1
     receiver = wire.ends["d-1"].receiver
-    assert receiver.withdraw(wire.now, "t1")
-    assert receiver.state_of("t1") is None and receiver.held_blocks() == {}
+    assert receiver.state_of("t1") is ReceiverState.WAITING
+    assert receiver.withdraw(wire.now, "t1", "p-2") is None  # not the peer it went to
+    effects = receiver.withdraw(wire.now, "t1", "p-1")
+    assert effects is not None and receiver.state_of("t1") is ReceiverState.HANDSHAKING
     wire.apply("d-1", wire.ends["d-1"].peer_lost(wire.now, "p-1", FailureReason.PEER_GONE, "x"))
-    assert wire.results["d-1"] == []  # withdrawn: nothing to report
-    wire.add("p-2", "engine-p", incarnation="2")
-    wire.expect("d-1", "t1", "p-2", [3], first_attempt=False)
+    wire.apply("d-1", effects)  # looks the address up again: p-2 answers there now
+    wire.expected[("d-1", "t1")] = ("p-2", 0)
+    assert [r.transfer_id for r in wire.results["d-1"]] == ["t0"]  # nothing for t1
+    assert receiver.state_of("t1") is ReceiverState.WAITING
     wire.submit("p-2", "t1", [5])
     wire.settle()
     assert wire.ended("d-1", "t1").ok
     assert_block_copied(wire, "p-2", 5, "d-1", 3)
 
 
-def test_a_register_is_not_withdrawn_once_the_sender_spoke_or_on_its_retry(wire: Wire) -> None:
-    wire.submit("p-1", "t0", [1], layers=[])
-    wire.expect("d-1", "t0", "p-1", [2])
-    wire.expect("d-1", "t1", "p-1", [3])
+def test_a_register_is_not_withdrawn_after_a_lookup_once_the_sender_spoke_or_on_its_retry(
+    wire: Wire,
+) -> None:
     receiver = wire.ends["d-1"].receiver
-    wire.run_for(TIMING.heartbeat_interval_s * 2)  # p-1 heartbeats, listing t0
-    assert not receiver.withdraw(wire.now, "t0")
-    assert not receiver.withdraw(wire.now, "t1")  # p-1 was alive after t1's Register
-    wire.add("d-2", "engine-d2")
-    wire.expect("d-2", "t2", "p-1", [4])
-    assert wire.ends["d-2"].receiver.withdraw(wire.now, "t2")
-    wire.expect("d-2", "t2", "p-1", [4], first_attempt=False)
-    assert not wire.ends["d-2"].receiver.withdraw(wire.now, "t2")  # one retry, no more
-    assert receiver.withdraw(wire.now, "unknown") is False
+    wire.expect("d-1", "t0", "p-1", [2])  # after a fresh lookup, which found p-1 alive
+    assert receiver.withdraw(wire.now, "t0", "p-1") is None
+    wire.expect("d-1", "t1", "p-1", [3])  # from the cache
+    # p-1 handshakes back at 0.25 s (when the Register arrives), then heartbeats every
+    # 0.5 s, listing t0 and t1: it is heard at 1.25 s.
+    wire.run_for(TIMING.heartbeat_interval_s * 2 + 0.25)
+    assert receiver.withdraw(wire.now, "t1", "p-1") is None  # p-1 spoke after t1's Register
+    lookups = len(wire.handshakes)
+    wire.expect("d-1", "t2", "p-1", [4])  # from the cache: p-1 was heard just now
+    assert len(wire.handshakes) == lookups
+    effects = receiver.withdraw(wire.now, "t2", "p-1")
+    assert effects is not None
+    wire.apply("d-1", effects)  # looked up again: p-1 answers, registered once more
+    assert receiver.state_of("t2") is ReceiverState.WAITING
+    assert receiver.withdraw(wire.now, "t2", "p-1") is None  # one retry, no more
+    assert receiver.withdraw(wire.now, "unknown", "p-1") is None
 
 
 def test_receiver_dies_the_sender_frees_its_blocks_within_liveness(wire: Wire) -> None:
@@ -645,7 +715,8 @@ def test_sender_restart_fails_old_transfers_and_new_ones_work(wire: Wire) -> Non
     wire.expect("d-1", "t1", "p-1", [3])
     wire.settle()
     wire.kill("p-1")
-    wire.add("p-2", "engine-p", incarnation="2")  # same engine id, new incarnation
+    wire.add("p-2", "engine-p", incarnation="2")  # same engine and address, new incarnation
+    wire.advance(0.2)  # past revalidate_after_s: the next expect looks the address up again
     wire.submit("p-2", "t2", [4])
     wire.expect("d-1", "t2", "p-2", [5])
     r = wire.ended("d-1", "t1")
@@ -667,7 +738,7 @@ def test_receiver_restart_fails_old_transfers_and_new_ones_work(wire: Wire) -> N
     wire.settle()
     assert wire.ended("p-1", "t1").reason is FailureReason.PEER_RESTARTED
     assert wire.ended("p-1", "t2").ok and wire.ended("d-2", "t2").ok
-    assert [h.peer for _, h in wire.handshakes] == ["d-1", "d-2"]
+    assert [h.peer for _, h in wire.handshakes if h.peer] == ["d-1", "d-2"]
     assert_block_copied(wire, "p-1", 2, "d-2", 6)
 
 
@@ -691,14 +762,15 @@ def test_deadline_fails_a_receiver_whose_sender_never_submits(wire: Wire) -> Non
 
 
 def test_handshake_back_failure_fails_the_sender_side(wire: Wire) -> None:
-    wire.auto_handshake = False
     wire.submit("p-1", "t1", [1])
     wire.expect("d-1", "t1", "p-1", [3])
+    wire.auto_handshake = False
     wire.deliver()
-    [(src, hs)] = wire.handshakes
-    assert (src, hs.peer, hs.port) == ("p-1", "d-1", wire.ends["d-1"].identity.port)
-    effects = wire.ends["p-1"].sender.peer_unreachable(
-        wire.now, "d-1", FailureReason.HANDSHAKE_FAILED, "connection refused"
+    [(src, hs)] = [(src, hs) for src, hs in wire.handshakes if src == "p-1"]
+    assert (hs.peer, hs.address) == ("d-1", wire.address_of["d-1"])
+    assert hs.port == wire.ends["d-1"].identity.port
+    effects = wire.ends["p-1"].handshake_failed(
+        wire.now, hs.address, FailureReason.HANDSHAKE_FAILED, "connection refused"
     )
     wire.apply("p-1", effects)
     assert wire.ended("p-1", "t1").reason is FailureReason.HANDSHAKE_FAILED
@@ -746,9 +818,9 @@ def test_engine_misuse_raises_local_protocol_error(wire: Wire) -> None:
         sender.layers_ready(wire.now, "nope", [0])
     receiver = wire.ends["d-1"].receiver
     with pytest.raises(LocalProtocolError, match="non-negative"):
-        receiver.expect(wire.now, "t9", "p-1", "engine-p", [-1])
+        receiver.expect(wire.now, "t9", wire.address_of["p-1"], [-1])
     with pytest.raises(LocalProtocolError, match="sender_offset"):
-        receiver.expect(wire.now, "t9", "p-1", "engine-p", [1], sender_offset=-2)
+        receiver.expect(wire.now, "t9", wire.address_of["p-1"], [1], sender_offset=-2)
 
 
 def test_heartbeats_renew_the_lease_so_a_long_transfer_survives(wire: Wire) -> None:
@@ -812,3 +884,197 @@ def test_ended_transfers_are_remembered_for_their_bound_then_forgotten_in_order(
         sender.submit(wire.now, "t2", [10])
     wire.advance(3.0, settle=False)
     assert sender.submit(wire.now, "t2", [10]) == []
+
+
+# --------------------------------------------------------------------------- never wrong
+
+
+def test_an_incompatible_sender_fails_the_transfer_before_anything_is_registered(
+    wire: Wire,
+) -> None:
+    theirs = COMPAT | {"dtype": "float16", "layout": "kv_separate/HND"}
+    wire.add("p-x", "engine-px", compat=theirs)
+    wire.submit("p-x", "t1", [1])
+    wire.expect("d-1", "t1", "p-x", [3])
+    r = wire.ended("d-1", "t1")
+    assert r.reason is FailureReason.INCOMPATIBLE_PEER and r.blocks == (3,)
+    assert "dtype: theirs 'float16', ours 'bfloat16'" in r.detail
+    assert "layout: theirs 'kv_separate/HND', ours 'kv_separate/NHD'" in r.detail
+    assert wire.queue == [] and wire.writes == []  # no Register: nothing can be written
+    assert wire.ends["d-1"].receiver.known_peers() == 0  # and nothing cached for next time
+
+
+def test_an_incompatible_receiver_is_never_written_to_even_if_it_registers(
+    wire: Wire,
+) -> None:
+    # This receiver was told (explicitly, typed) that a different dtype is fine; the
+    # sender was not: the sender's own check refuses it when it handshakes back.
+    lenient = CompatibilityPolicy(frozenset({"dtype"}), reason="test: a lenient receiver")
+    wire.add("d-x", "engine-dx", compat=COMPAT | {"dtype": "float16"}, compatibility=lenient)
+    wire.submit("p-1", "t1", [1])
+    wire.expect("d-x", "t1", "p-1", [3])
+    wire.settle()
+    r = wire.ended("p-1", "t1")
+    assert r.reason is FailureReason.INCOMPATIBLE_PEER
+    assert "dtype: theirs 'float16', ours 'bfloat16'" in r.detail
+    assert wire.write_log == [] and wire.writes == []
+
+
+def test_fields_an_explicit_policy_allows_may_differ(wire: Wire) -> None:
+    policy = CompatibilityPolicy(frozenset({"block_size_tokens"}), reason="test mapping")
+    wire.add("p-x", "engine-px", compat=COMPAT | {"block_size_tokens": 32}, compatibility=policy)
+    wire.add("d-x", "engine-dx", compatibility=policy)
+    wire.submit("p-x", "t1", [1])
+    wire.expect("d-x", "t1", "p-x", [3])
+    wire.settle()
+    assert wire.ended("p-x", "t1").ok and wire.ended("d-x", "t1").ok
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason", "match"),
+    [
+        ({"colour"}, "x", "unknown fields"),
+        ({"protocol_version"}, "x", "can never differ"),
+        ({"dtype"}, "", "say why"),
+    ],
+)
+def test_a_compatibility_policy_is_an_explicit_decision(
+    fields: set[str], reason: str, match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        CompatibilityPolicy(frozenset(fields), reason=reason)
+
+
+def test_a_silent_receiver_is_not_dead_the_sender_holds_its_blocks_until_the_write_reports(
+    wire: Wire,
+) -> None:
+    wire.submit("p-1", "t1", [1])
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.deliver_register()
+    [stalled] = wire.writes  # in flight, with Done riding on it, when d-1 stops
+    wire.writes.clear()
+    wire.run_only("p-1", TIMING.liveness_timeout_s + TIMING.lease_s + 10.0)
+    sender = wire.ends["p-1"].sender
+    # Silence, then the lease: the outcome is decided, but the write may still read
+    # block 1, so it is not handed back (the engine would reuse it at once).
+    assert sender.state_of("t1") is SenderState.ENDING
+    assert sender.held_blocks() == {"t1": (1,)} and wire.results["p-1"] == []
+    wire.writes.append(stalled)  # d-1 resumes: the write lands, from block 1 as it is
+    wire.complete_write()
+    wire.settle()
+    # Done landed with the data, so both sides finished, with the sender's bytes.
+    assert wire.ended("p-1", "t1").ok
+    assert wire.ended("d-1", "t1").ok  # the Wire compared the bytes
+    assert_block_copied(wire, "p-1", 1, "d-1", 3)
+
+
+def test_a_sender_that_is_aborted_holds_its_blocks_for_as_long_as_a_write_is_out(
+    wire: Wire,
+) -> None:
+    wire.submit("p-1", "t1", [1], layers=[0])
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.deliver_register()
+    wire.apply("p-1", wire.ends["p-1"].sender.abort(wire.now, "t1"))
+    [stalled] = wire.writes
+    wire.writes.clear()
+    wire.run_only("p-1", 4 * TIMING.liveness_timeout_s)  # no drain time-out any more
+    assert wire.results["p-1"] == [] and wire.ends["p-1"].sender.held_blocks() == {"t1": (1,)}
+    wire.writes.append(stalled)
+    wire.complete_write(ok=False)
+    wire.settle()
+    assert wire.ended("p-1", "t1").reason is FailureReason.CANCELLED
+    assert wire.ended("d-1", "t1").reason is FailureReason.CANCELLED
+
+
+def warm_up(wire: Wire) -> None:
+    """One transfer p-1 -> d-1, so that the two have talked (the sender's clock bound)."""
+    wire.submit("p-1", "t0", [0])
+    wire.expect("d-1", "t0", "p-1", [0])
+    wire.settle()
+    assert wire.ended("d-1", "t0").ok
+
+
+def stall_sender_past_the_fence(wire: Wire) -> None:
+    """p-1 stops; d-1 gives up on t1 and, after its fence, hands block 3 back (which its
+    engine reuses at once: the Wire then refuses any write into it)."""
+    receiver = wire.ends["d-1"].receiver
+    wire.run_only("d-1", TIMING.liveness_timeout_s + receiver.fence_s + 1.0)
+    r = wire.ended("d-1", "t1")
+    assert r.reason is FailureReason.PEER_TIMEOUT and r.blocks == (3,)
+
+
+def test_a_register_that_waited_in_a_stalled_senders_inbox_is_refused(wire: Wire) -> None:
+    warm_up(wire)
+    wire.expect("d-1", "t1", "p-1", [3])  # p-1 stops before it reads this Register
+    stall_sender_past_the_fence(wire)
+    wire.submit("p-1", "t1", [1])  # p-1 resumes: its engine submits, then it reads...
+    wire.settle()  # ...the Register (then the Cancel): it looks fresh on p-1's clock
+    assert wire.write_log == [("p-1", "d-1", "t0", (0,))]  # nothing written for t1
+    r = wire.ended("p-1", "t1")
+    assert r.reason is FailureReason.PEER_TIMEOUT and "Register" in r.detail
+    assert wire.ends["p-1"].sender.stale_registers == 1
+
+
+def test_a_submit_queued_during_a_stall_writes_nothing_once_the_lease_ran_out(
+    wire: Wire,
+) -> None:
+    warm_up(wire)
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.settle()  # p-1 read the Register: its lease runs on d-1's clock; then p-1 stops
+    stall_sender_past_the_fence(wire)
+    wire.submit("p-1", "t1", [1])  # runs before any tick on resume
+    wire.settle()
+    assert [w[2] for w in wire.write_log] == ["t0"]
+    assert wire.ended("p-1", "t1").reason is FailureReason.PEER_TIMEOUT
+
+
+def test_a_first_contact_register_from_a_stall_is_never_written(wire: Wire) -> None:
+    # No earlier contact, so p-1 has no bound on d-1's clock when the old Register comes.
+    wire.expect("d-1", "t1", "p-1", [3])
+    stall_sender_past_the_fence(wire)
+    wire.queue = [m for m in wire.queue if not isinstance(decode(m[2]), Cancel)]  # lost
+    wire.submit("p-1", "t1", [1])
+    wire.run_for(TIMING.liveness_timeout_s + 1.0)
+    assert wire.write_log == []  # no echo from d-1, so no proof of a lease: no write
+    assert wire.ended("p-1", "t1").reason is FailureReason.PEER_TIMEOUT
+
+
+def test_writes_wait_for_the_first_echo_then_flow_without_one_per_transfer(wire: Wire) -> None:
+    wire.submit("p-1", "t1", [1])
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.deliver()  # the Register: p-1 handshakes back and sends its heartbeat
+    assert wire.writes == [] and len(wire.sent("p-1", Heartbeat)) == 1
+    wire.deliver()  # d-1 answers at once, echoing p-1's clock
+    assert wire.writes == []
+    wire.deliver()  # the echo: now p-1 can prove the lease holds
+    assert len(wire.writes) == 1
+    wire.settle()
+    wire.submit("p-1", "t2", [2])
+    wire.expect("d-1", "t2", "p-1", [4])
+    wire.deliver()  # the Register alone starts the write: the bound is kept
+    assert len(wire.writes) == 1 and wire.queue == []
+    wire.settle()
+    assert wire.ended("d-1", "t2").ok
+
+
+def test_receiver_lookups_are_per_address_and_the_deadline_runs_from_expect(
+    wire: Wire,
+) -> None:
+    wire.auto_handshake = False
+    wire.add("p-2", "engine-p2")
+    wire.expect("d-1", "t1", "p-1", [1])
+    wire.expect("d-1", "t2", "p-1", [2])
+    wire.expect("d-1", "t3", "p-2", [3])
+    assert [(s, h.address) for s, h in wire.handshakes] == [
+        ("d-1", wire.address_of["p-1"]),
+        ("d-1", wire.address_of["p-2"]),
+    ]
+    receiver = wire.ends["d-1"].receiver
+    assert receiver.states() == dict.fromkeys(["t1", "t2", "t3"], ReceiverState.HANDSHAKING)
+    wire.answer_handshake("d-1", wire.handshakes[1][1])  # p-2 answers first
+    assert receiver.state_of("t3") is ReceiverState.WAITING
+    wire.apply("d-1", receiver.abort(wire.now, "t2"))
+    assert wire.ended("d-1", "t2").reason is FailureReason.CANCELLED  # nothing registered
+    wire.run_only("d-1", TIMING.transfer_deadline_s + 0.25, step=1.0)
+    r = wire.ended("d-1", "t1")
+    assert r.reason is FailureReason.DEADLINE_EXCEEDED and "handshake" in r.detail

@@ -144,7 +144,9 @@ class PushProtocolMachine(RuleBasedStateMachine):
             return
         plan = self.plans[i]
         plan.d = ""  # rejected: nothing registered
-        effects = self.wire.ends[self.d].receiver.reject(self.wire.now, plan.tid, self.p, "no")
+        effects = self.wire.ends[self.d].receiver.reject(
+            self.wire.now, plan.tid, self.wire.address_of[self.p], "no"
+        )
         self.wire.apply(self.d, effects)
 
     @precondition(lambda self: bool(self.plans))

@@ -39,6 +39,45 @@ class TimingConfig:
             )
 
 
+# The fields of `CacheGeometry.compat_fields()`: what two peers' caches must agree on.
+COMPAT_FIELDS = ("protocol_version", "layout", "block_size_tokens", "dtype", "mode", "regions")
+
+
+@dataclass(frozen=True, slots=True)
+class CompatibilityPolicy:
+    """Which compatibility fields of a peer's cache may differ from ours.
+
+    Checked on every handshake, on both sides, by the protocol itself: a peer whose
+    `CacheGeometry.compat_fields()` differ from ours in any field not listed here fails
+    the transfers that needed it with INCOMPATIBLE_PEER, the detail naming each field
+    that differs, theirs and ours. The default allows nothing. Allowing a field is a
+    decision the caller writes down, with `reason`, for a mapping that really handles the
+    difference (a later heterogeneous tensor-parallel layout, say); never a way to skip
+    the check. `protocol_version` can never be allowed to differ.
+    """
+
+    may_differ: frozenset[str] = frozenset()
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.may_differ) - set(COMPAT_FIELDS))
+        if unknown:
+            raise ConfigError(
+                f"CompatibilityPolicy.may_differ: unknown fields {unknown}; expected some "
+                f"of {list(COMPAT_FIELDS)}"
+            )
+        if "protocol_version" in self.may_differ:
+            raise ConfigError("CompatibilityPolicy: protocol_version can never differ")
+        if self.may_differ and not self.reason.strip():
+            raise ConfigError(
+                "CompatibilityPolicy: say why the fields "
+                f"{sorted(self.may_differ)} may differ (reason=...)"
+            )
+
+
+STRICT_COMPATIBILITY = CompatibilityPolicy()
+
+
 @dataclass(frozen=True, slots=True)
 class SideChannelConfig:
     token: str | None = None  # shared secret; None disables authentication

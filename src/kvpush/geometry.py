@@ -13,11 +13,15 @@ same token slots in every region.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
 # Bumped whenever the meaning of any wire message or the geometry changes.
-PROTOCOL_VERSION = 1
+# 2: leases are measured on the receiver's clock (Register/Heartbeat `sent_at`, `echo`);
+# a version-1 sender would grant leases by arrival time, which a stall makes unsafe.
+PROTOCOL_VERSION = 2
 
 
 class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -68,3 +72,33 @@ class CacheGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     def compat_hash(self) -> str:
         encoded = msgspec.json.encode(self.compat_fields())
         return hashlib.sha256(encoded).hexdigest()[:32]
+
+
+def describe_compat_differences(
+    theirs: Mapping[str, object], ours: Mapping[str, object]
+) -> list[str]:
+    """What differs between two `CacheGeometry.compat_fields()`, one phrase per field,
+    each naming theirs and ours (regions: the first region that differs)."""
+    out: list[str] = []
+    for key in sorted(set(ours) | set(theirs)):
+        ours_value, their_value = ours.get(key), theirs.get(key)
+        if their_value == ours_value:
+            continue
+        if key == "regions":
+            out.append(_describe_region_difference(their_value, ours_value))
+        else:
+            out.append(f"{key}: theirs {their_value!r}, ours {ours_value!r}")
+    return out
+
+
+def _describe_region_difference(theirs: Any, ours: Any) -> str:
+    theirs, ours = list(theirs or ()), list(ours or ())
+    if len(theirs) != len(ours):
+        return f"regions: theirs {len(theirs)}, ours {len(ours)}"
+    for i, (a, b) in enumerate(zip(theirs, ours, strict=True)):
+        if tuple(a) != tuple(b):
+            return (
+                f"regions differ first at #{i}: theirs (name, layer, block_bytes) = "
+                f"{tuple(a)}, ours {tuple(b)}"
+            )
+    return "regions differ"

@@ -19,10 +19,13 @@ from kvpush.protocol.messages import (
     encode,
 )
 from kvpush.protocol.state import (
+    REVALIDATE_AFTER_S,
     DropPeer,
     Effect,
     Handshake,
     LocalIdentity,
+    PeerAddress,
+    PeerInfo,
     PushProtocol,
     ReceiverProtocol,
     ReceiverState,
@@ -36,6 +39,7 @@ from kvpush.protocol.state import (
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "REVALIDATE_AFTER_S",
     "Cancel",
     "CancelAck",
     "Done",
@@ -46,6 +50,8 @@ __all__ = [
     "Heartbeat",
     "LocalIdentity",
     "Message",
+    "PeerAddress",
+    "PeerInfo",
     "PushProtocol",
     "ReceiverProtocol",
     "ReceiverState",

@@ -10,6 +10,13 @@ peer keeps decoding what a newer one sends; a change in meaning bumps
 and `Register` carries again so a sender can refuse a mismatched receiver.
 
 Transfers are paired by `transfer_id`, carried end to end and never rewritten.
+
+Clocks: `Register.sent_at` and `Heartbeat.sent_at` are the sender of the message's own
+monotonic clock when it sent it, and a receiver's `Heartbeat.echo` repeats the newest
+`sent_at` it has read from that sender. From these a sender bounds the receiver's clock
+from below and measures every lease on the receiver's clock, so that a message that
+waited in a stalled process's inbox cannot pass for a fresh one (see
+`kvpush.protocol.state`, "Leases measured on the receiver's clock").
 """
 
 from __future__ import annotations
@@ -60,6 +67,10 @@ class Register(msgspec.Struct, frozen=True, tag_field="type", tag="register"):
     block_ids: tuple[BlockId, ...]
     sender_offset: Count = 0
     protocol_version: int = PROTOCOL_VERSION
+    # The receiver's monotonic clock when it sent this (again, for a resend): the lease
+    # this grants runs `lease_s` from here, on the receiver's clock. None (an old peer):
+    # the Register grants no lease, so nothing is written for it.
+    sent_at: float | None = None
 
 
 class Done(msgspec.Struct, frozen=True, tag_field="type", tag="done"):
@@ -113,13 +124,21 @@ class Heartbeat(msgspec.Struct, frozen=True, tag_field="type", tag="heartbeat"):
     From a receiver, `transfer_ids` are the transfers it still waits for: each listed one
     has its sender-side lease extended, and a finished one has its `Done` sent again.
     From a sender, they are the transfers it knows from that receiver: a receiver that
-    misses one of its registrations there sends the `Register` again.
+    misses one of its registrations there sends the `Register` again, and answers with
+    its own heartbeat at once (so that the sender learns a fresh `echo`).
+
+    `sent_at` is the sending side's monotonic clock; `echo` (from a receiver only) is the
+    newest sender `sent_at` the receiver had read when it sent this one. The sender's
+    lease arithmetic rests on the pair: the receiver's clock read `sent_at` only after
+    the sender's clock had passed `echo`.
     """
 
     role: Literal["sender", "receiver"]
     engine_id: str
     incarnation: str
     transfer_ids: tuple[TransferId, ...] = ()
+    sent_at: float | None = None
+    echo: float | None = None
 
 
 Message = Register | Reject | Done | Failed | Cancel | CancelAck | Heartbeat

@@ -5,23 +5,46 @@ Theory of operation
 
 Two machines per rank: `SenderProtocol` (the side whose engine computed the KV blocks,
 usually prefill) and `ReceiverProtocol` (the side that allocated blocks for them, usually
-decode). `PushProtocol` holds both and is the one inbound entry point for wire bytes.
-They take engine calls, decoded messages, transport events and the current time `now`
-(monotonic seconds, fed by the caller), and return lists of *effects*: `SendMessage`,
-`WriteBlocks`, `Handshake`, `DropPeer`, `TransferEnded`. They import no socket, thread or
-clock; the runtime carries out the effects.
+decode). `PushProtocol` holds both and is the one inbound entry point for wire bytes and
+handshake results. They take engine calls, decoded messages, transport events, handshake
+results and the current time `now` (monotonic seconds, fed by the caller), and return
+lists of *effects*: `SendMessage`, `WriteBlocks`, `Handshake`, `DropPeer`,
+`TransferEnded`. They import no socket, thread or clock; the runtime carries out the
+effects. Every `TransferEnded` comes from here: the runtime only passes them on.
 
 A transfer is named by its `transfer_id`, end to end. Peers are named by data-plane agent
 name, which is new for every process incarnation, so a restarted peer is a new peer.
+Side channels are named by `PeerAddress` (host, port, rank); a handshake looks one up
+and yields a `PeerInfo` (agent, engine id, incarnation, the peer's compatibility
+fields).
 
 The happy path::
 
     receiver                                 sender
-    expect(T, blocks)  --Register(T)-->      (handshake back if new peer)
+    expect(T, address, blocks)
+      (Handshake(address) unless known)
+    handshake_done(address, info)
+                       --Register(T)-->      (Handshake back if new peer, then a
+                       <--Heartbeat--         heartbeat whose echo sets the clock bound)
+                       --Heartbeat(echo)-->
                                              submit(T, blocks) / layers_ready(T, ...)
                        <==WRITE blocks===    (one write per batch of ready layers)
                        <--Done(T)--          the last write's notification
     TransferEnded(ok)                        TransferEnded(ok) on its WriteDone
+
+Handshakes are keyed by address: every transfer waiting for one address waits for one
+lookup, lookups of different addresses are independent, and one result answers both
+machines (`PushProtocol.handshake_done`). A receiver registers from a cached `PeerInfo`
+without a lookup while the peer was heard from within `revalidate_after_s`; older ones
+are looked up again first, so a peer restarted at the same address is found by the
+lookup, not by a failed transfer. A transfer's deadline runs from `expect`/`submit`,
+handshake included.
+
+Compatibility, on both sides, by default: a `PeerInfo` whose compatibility fields
+(`CacheGeometry.compat_fields()`: protocol version, layout, block size, dtype, mode,
+regions) differ from ours in a field the `CompatibilityPolicy` does not allow fails
+every transfer that waited for it with INCOMPATIBLE_PEER, the detail naming each field,
+theirs and ours; the peer is never registered with or written to.
 
 `Done` rides on the transfer's last write as its data-plane notification, which arrives
 only after that write's bytes (NIXL's guarantee, and the loopback's): no round trip after
@@ -40,30 +63,69 @@ The fencing rules, which make "nothing is written after a failure" hold:
   writes is in flight (a `Done` riding on the last write is delivered only after that
   write landed), and never writes for it afterwards (it keeps a tombstone). So a
   receiver that gets any of these may reuse its blocks at once.
+* Silent is not dead. A sender that ends a transfer for any reason but a certainly gone
+  peer (receiver silence, lease expiry, deadline, engine abort, cancel, runtime
+  shutdown) first waits for every write in flight to report `WriteDone`/`WriteFailed`,
+  however long that takes: the transfer stays ENDING and its blocks stay held (see
+  `statistics()`), because a write that has not reported may still be reading them.
+  Only the data plane's verdict ends a write; a runtime that closes reports its
+  transfers only after its transport is closed (no write can read or land then).
 * A receiver that gives up on its own (engine abort, deadline, silent sender, bad
   message) sends `Cancel` and *fences* its blocks: it keeps them until the sender's
   `CancelAck`/`Failed`/`Done`, or until the sender's lease has certainly run out
-  (`lease_s + 2 * liveness_timeout_s` after it stopped renewing), and reports the
-  transfer only then. `TransferEnded` therefore always means "the blocks are yours".
-* The sender holds its blocks under a lease (`lease_s`) that the receiver's heartbeats
-  renew, per transfer. It starts no write after the lease ran out, and a sender that
-  ends a transfer waits for its in-flight writes (at most `liveness_timeout_s`).
-* A peer whose process is certainly gone (the data plane lost it, or it came back with a
-  new incarnation) can write nothing more: its transfers end at once, and `DropPeer`
-  tells the runtime to forget it, so the next transfer handshakes afresh.
-* A peer silent for `liveness_timeout_s` is declared dead: the sender abandons its
-  transfers with it; the receiver fences them.
+  (`fence_s = lease_s + 2 * liveness_timeout_s` after it stopped renewing it), and
+  reports the transfer only then. `TransferEnded` therefore always means "the blocks
+  are yours".
+* A peer whose process is certainly gone (the data plane lost it, or its side channel
+  now serves a new incarnation: a restart proven by a handshake, never by what a message
+  claims) can write nothing more: its transfers end at once, and `DropPeer` tells the
+  runtime to forget it, so the next transfer handshakes afresh.
 
-One exception to "a lost peer ends its transfers": a receiver's first `Register` that
-certainly reached no live sender (the runtime saw the data plane lose the peer in the
-same pass that sent it, and nothing was heard from the peer since) may be `withdraw`n
-and registered again, once, with a freshly handshaken peer: no byte of it can have been
-written, and nothing is reported for the withdrawn attempt.
+Leases measured on the receiver's clock
+---------------------------------------
+
+The sender holds its blocks for a transfer under a lease that the receiver grants
+(`Register`) and renews (`Heartbeat`s listing it) for `lease_s` *on the receiver's
+clock*, from the message's `sent_at`. A message's arrival time proves nothing about its
+age: it may have waited in the inbox of a sender that was stopped (SIGSTOP, a cgroup
+freeze, swap, a long GIL hold). So the sender bounds the receiver's clock from below by
+round trips: each sender `Heartbeat` carries our `sent_at`, the receiver echoes the
+newest one it has read in its next heartbeat (and answers a sender heartbeat at once),
+and a receiver heartbeat with `sent_at = r` and `echo = t0` proves that the receiver's
+clock read `r` after ours read `t0`, so `skew = ours - theirs >= t0 - r`. The sender
+keeps the latest such bound per peer (`skew_lb`) and holds that a lease granted at the
+receiver's `s` runs out, in our clock, at `s + lease_s + skew_lb`, which is no later
+than the truth however long either process stalled (a stall only makes the bound
+looser, i.e. the lease shorter). The lease is checked where every `WriteBlocks` is
+issued (submit, layers_ready, Register, handshake done, a fresh echo), not only in
+`tick`. Until a peer's first echo there is no bound: writes wait for it (one data-plane
+round trip on first contact with a peer, not per transfer). A Register that is older
+than its lease by that bound is refused with `Failed(PEER_TIMEOUT)`: nothing is written
+for it.
+
+The receiver's fence runs `lease_s + 2 * liveness_timeout_s` from when it gave up, and
+it stopped renewing no later than that, so by the time it reuses the blocks the sender
+has started no write for at least `2 * liveness_timeout_s` (6 s by default). What the
+fence still assumes: a write the sender *issued* before its lease ran out lands (or
+fails) within that margin. A process stopped in the middle of handing a write to the
+data plane, or a data plane that copies in the stopped sender's own process (UCX over
+shared memory or TCP progresses only when the sender polls), can land such a write late,
+after the margin; a NIC doing RDMA does not stop with the process. Monotonic clocks of
+two hosts may also drift apart: the bound is taken afresh from every receiver heartbeat
+(every `heartbeat_interval_s` while transfers flow), so drift counts only over an idle
+spell, far below the margin at common rates (100 ppm is 0.36 ms a second of idleness).
+
+One exception to "a lost peer ends its transfers": a receiver's first `Register` sent
+from a cached `PeerInfo` that certainly reached no live sender (the runtime saw the data
+plane lose the peer in the same pass that sent it, and nothing was heard from the peer
+since) may be `withdraw`n: the transfer goes back to handshaking its address, once. No
+byte of it can have been written, and nothing is reported for the withdrawn attempt.
 
 Every transfer the engine handed in ends with exactly one `TransferEnded`, on each side,
-within `transfer_deadline_s` plus the fence. Tombstones make late, duplicate and
-reordered messages harmless: a late `Register` gets the recorded answer again, a `Cancel`
-that overtakes its `Register` leaves a tombstone that the `Register` then meets.
+within `transfer_deadline_s` plus the fence, except a sender whose data plane never
+reports on a write (above). Tombstones make late, duplicate and reordered messages
+harmless: a late `Register` gets the recorded answer again, a `Cancel` that overtakes its
+`Register` leaves a tombstone that the `Register` then meets.
 
 Errors: engine misuse raises `LocalProtocolError` at the call; bytes that are not a
 message raise `RemoteProtocolError` from `PushProtocol.receive_message` with no state
@@ -74,18 +136,20 @@ sense for its transfer fails that transfer with MALFORMED_MESSAGE.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Literal, Protocol, TypeVar
 
-from kvpush.config import TimingConfig
+import msgspec
+
+from kvpush.config import STRICT_COMPATIBILITY, CompatibilityPolicy, TimingConfig
 from kvpush.errors import (
     FailureReason,
     LocalProtocolError,
     RemoteProtocolError,
     TransferFailed,
 )
-from kvpush.geometry import PROTOCOL_VERSION
+from kvpush.geometry import PROTOCOL_VERSION, describe_compat_differences
 from kvpush.protocol.messages import (
     Cancel,
     CancelAck,
@@ -99,6 +163,41 @@ from kvpush.protocol.messages import (
 )
 
 Side = Literal["sender", "receiver"]
+
+# A peer heard from this recently is still the process we handshaked with: no process
+# restarts (new NIXL agent, side channel bound again) faster. Older entries are looked up
+# again before a Register (~0.9 ms over the side channel on one host, measured; while the
+# sender computes the prefill, in push mode).
+REVALIDATE_AFTER_S = 0.1
+
+
+# --------------------------------------------------------------------------- values
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAddress:
+    """Where a peer's side channel answers, and which of its ranks we mean."""
+
+    host: str
+    port: int
+    rank: int = 0
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port} rank {self.rank}"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PeerInfo:
+    """What a handshake learned from a peer's side channel, as the protocol uses it.
+
+    `compat` is the peer's `CacheGeometry.compat_fields()`; the protocol compares it with
+    ours under its `CompatibilityPolicy` before anything is registered or written."""
+
+    agent: str
+    engine_id: str
+    incarnation: str
+    compat: Mapping[str, object]
 
 
 # --------------------------------------------------------------------------- effects
@@ -129,13 +228,29 @@ class WriteBlocks:
 
 @dataclass(frozen=True, slots=True)
 class Handshake:
-    """Load this peer (its side channel is at host:port, rank) and call `peer_ready`
-    or `peer_unreachable`. Only the sender asks: the receiver handshakes before `expect`."""
+    """Look up the side channel at `address` and answer with
+    `PushProtocol.handshake_done(now, address, info)` or
+    `PushProtocol.handshake_failed(now, address, reason, detail)`.
 
-    peer: str
-    host: str
-    port: int
-    rank: int
+    `peer` is the agent we expect to find there: the agent whose `Register` named this
+    address (the sender handshaking back), or None (the receiver, before it registers).
+    Both machines may ask for the same address; one lookup answers both, and a machine
+    asks again only after the answer came."""
+
+    address: PeerAddress
+    peer: str | None = None
+
+    @property
+    def host(self) -> str:
+        return self.address.host
+
+    @property
+    def port(self) -> int:
+        return self.address.port
+
+    @property
+    def rank(self) -> int:
+        return self.address.rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +308,10 @@ class _Peer:
     outbox: list[Message] = field(default_factory=list)
     known_by_them: frozenset[str] | None = None  # receiver: ids in the sender's last heartbeat
     messages_heard: int = 0  # receiver: how many messages it sent us, ever
+    address: PeerAddress | None = None  # sender: where to handshake back
+    # Sender: lower bound on (our clock - theirs), from their latest echo; None: none yet.
+    skew_lb: float | None = None
+    echo: float | None = None  # receiver: the newest sender `sent_at` we read
 
 
 class _Clock:
@@ -205,6 +324,24 @@ class _Clock:
         return self.now
 
 
+class _Compatibility:
+    """The one compatibility decision, shared by both machines of a rank."""
+
+    def __init__(self, ours: Mapping[str, object], policy: CompatibilityPolicy) -> None:
+        self.ours = dict(ours)
+        self.policy = policy
+
+    def problem(self, theirs: Mapping[str, object]) -> str | None:
+        """None when `theirs` may be used with ours; else what differs, theirs and ours."""
+        allowed = self.policy.may_differ
+        ours = {k: v for k, v in self.ours.items() if k not in allowed}
+        their = {k: v for k, v in theirs.items() if k not in allowed}
+        differences = describe_compat_differences(their, ours)
+        if not differences:
+            return None
+        return "the peer's KV cache is incompatible with ours: " + "; ".join(differences)
+
+
 def _check_blocks(blocks: Sequence[int], what: str) -> tuple[int, ...]:
     out = tuple(blocks)
     for b in out:
@@ -215,12 +352,9 @@ def _check_blocks(blocks: Sequence[int], what: str) -> tuple[int, ...]:
     return out
 
 
-# --------------------------------------------------------------------------- sender
-
-
 class _Record(Protocol):
     @property
-    def peer(self) -> str | None: ...  # None: a sender still waiting for its Register
+    def peer(self) -> str | None: ...  # None: not bound to an agent yet
 
 
 _Rec = TypeVar("_Rec", bound=_Record)
@@ -247,13 +381,33 @@ class _Side(Generic[_Rec]):
             if rec.peer == peer:
                 out += self._end_with_lost_peer(now, rec, reason, detail)
         del self._peers[peer]
+        self._forget(peer)
         out.append(DropPeer(peer, reason, detail))
         return out
+
+    def _restarted(self, now: float, info: PeerInfo) -> list[Effect]:
+        """A handshake proved `info.engine_id` runs as `info.agent` now: every other agent
+        we know for that engine is an earlier incarnation, certainly gone."""
+        out: list[Effect] = []
+        for old in list(self._peers.values()):
+            if old.engine_id == info.engine_id and old.agent != info.agent:
+                detail = (
+                    f"peer engine {info.engine_id} restarted: its side channel now serves "
+                    f"incarnation {info.incarnation} (agent {info.agent}), not agent {old.agent}"
+                )
+                out += self.peer_lost(now, old.agent, FailureReason.PEER_RESTARTED, detail)
+        return out
+
+    def _forget(self, peer: str) -> None:
+        pass
 
     def _end_with_lost_peer(
         self, now: float, rec: _Rec, reason: FailureReason, detail: str
     ) -> list[Effect]:
         raise NotImplementedError
+
+
+# --------------------------------------------------------------------------- sender
 
 
 class SenderState(enum.StrEnum):
@@ -273,12 +427,12 @@ class _Outgoing:
     issued_layers: set[int] = field(default_factory=set)
     peer: str | None = None
     register: Register | None = None
-    lease_until: float = float("inf")
+    # The lease runs out at this time of the *receiver's* clock (see the module docstring).
+    lease_until_theirs: float = float("-inf")
     inflight: set[int] = field(default_factory=set)
     reason: FailureReason | None = None
     detail: str = ""
     reply: Message | None = None
-    drain_until: float = float("inf")
     done_write: int | None = None  # the write that carries our Done as its notification
 
 
@@ -294,12 +448,21 @@ class _Tombstone:
 class SenderProtocol(_Side["_Outgoing"]):
     """The sending side of every transfer of one rank. See the module docstring."""
 
-    def __init__(self, identity: LocalIdentity, timing: TimingConfig, num_layers: int) -> None:
+    def __init__(
+        self,
+        identity: LocalIdentity,
+        timing: TimingConfig,
+        num_layers: int,
+        compat: Mapping[str, object],
+        *,
+        compatibility: CompatibilityPolicy = STRICT_COMPATIBILITY,
+    ) -> None:
         if num_layers < 1:
             raise LocalProtocolError(f"num_layers must be at least 1, got {num_layers}")
         self._me = identity
         self._timing = timing
         self._num_layers = num_layers
+        self._compat = _Compatibility(compat, compatibility)
         self._clock = _Clock()
         self._transfers: dict[str, _Outgoing] = {}
         self._tombstones: dict[str, _Tombstone] = {}
@@ -307,6 +470,7 @@ class SenderProtocol(_Side["_Outgoing"]):
         self._writes: dict[int, str] = {}
         self._next_write_id = 1
         self.ignored_messages = 0
+        self.stale_registers = 0  # Registers refused because their lease had run out
 
     # ----- inspection (read-only; what statistics and tests read)
 
@@ -319,6 +483,21 @@ class SenderProtocol(_Side["_Outgoing"]):
 
     def states(self) -> dict[str, SenderState]:
         return {t: r.state for t, r in self._transfers.items()}
+
+    def writes_in_flight(self) -> int:
+        """Writes issued whose outcome the data plane has not reported yet."""
+        return len(self._writes)
+
+    def lease_expires_at(self, transfer_id: str) -> float | None:
+        """When, on our clock, the transfer's lease certainly runs out; None while the
+        receiver's clock is not bounded yet (or the transfer is unknown or unregistered)."""
+        rec = self._transfers.get(transfer_id)
+        if rec is None or rec.peer is None:
+            return None
+        p = self._peers.get(rec.peer)
+        if p is None or p.skew_lb is None:
+            return None
+        return rec.lease_until_theirs + p.skew_lb
 
     # ----- engine calls
 
@@ -367,7 +546,7 @@ class SenderProtocol(_Side["_Outgoing"]):
             raise LocalProtocolError(f"layers_ready: transfer {transfer_id!r} was not submitted")
         rec.ready_layers |= new
         if rec.state is SenderState.WRITING:
-            return self._issue_writes(rec)
+            return self._issue_writes(now, rec)
         return []
 
     def abort(
@@ -377,7 +556,8 @@ class SenderProtocol(_Side["_Outgoing"]):
         reason: FailureReason = FailureReason.CANCELLED,
         detail: str = "aborted by the sending engine",
     ) -> list[Effect]:
-        """End the transfer as failed. Unknown or already-ended ids are ignored."""
+        """End the transfer as failed (after its writes drained). Unknown or already-ended
+        ids are ignored."""
         now = self._clock.advance(now)
         rec = self._transfers.get(transfer_id)
         if rec is None or rec.blocks is None or rec.state is SenderState.ENDING:
@@ -398,28 +578,76 @@ class SenderProtocol(_Side["_Outgoing"]):
             return []
         return self._fail(now, rec, reason, detail, Failed(transfer_id, reason, detail))
 
-    # ----- peer and transport events
+    def shutdown(self, now: float, reason: FailureReason, detail: str) -> list[Effect]:
+        """End every transfer at once, as `reason`, and forget every peer.
 
-    def peer_ready(self, now: float, peer: str) -> list[Effect]:
-        """The handshake back to `peer` succeeded: flush what waited for it."""
+        Only for a runtime whose data plane can no longer read our memory (its transport
+        is closed): a write still in flight would otherwise read blocks handed back here.
+        A runtime that can still drain aborts its transfers first (`abort`)."""
         now = self._clock.advance(now)
-        p = self._peers.get(peer)
-        if p is None or p.ready:
-            return []
-        p.ready = True
-        p.last_heard = now
-        out: list[Effect] = [SendMessage(peer, m) for m in p.outbox]
-        p.outbox.clear()
+        out: list[Effect] = []
         for rec in list(self._transfers.values()):
-            if rec.peer == peer and rec.state is SenderState.WRITING:
-                out += self._issue_writes(rec)
+            if rec.blocks is not None:
+                if rec.state is SenderState.ENDING and rec.reason is not None:
+                    why, what = rec.reason, rec.detail
+                else:
+                    why, what = reason, detail
+                out.append(TransferEnded(rec.transfer_id, "sender", why, what, rec.blocks))
+        self._transfers.clear()
+        self._writes.clear()
+        self._peers.clear()
         return out
 
-    def peer_unreachable(
-        self, now: float, peer: str, reason: FailureReason, detail: str
+    # ----- handshakes back, peer and transport events
+
+    def handshake_done(self, now: float, address: PeerAddress, info: PeerInfo) -> list[Effect]:
+        """The side channel at `address` answered with `info`: a receiver waiting there is
+        checked (same agent, compatible cache) and, if it passes, ready for writes."""
+        now = self._clock.advance(now)
+        out = self._restarted(now, info)
+        problem = self._compat.problem(info.compat)
+        for p in [p for p in self._peers.values() if p.address == address and not p.ready]:
+            if p.agent != info.agent:
+                detail = (
+                    f"the side channel at {address} now serves agent {info.agent}, not "
+                    f"{p.agent}: the receiver restarted"
+                )
+                out += self.peer_lost(now, p.agent, FailureReason.PEER_RESTARTED, detail)
+            elif problem is not None:
+                detail = f"receiver at {address}: {problem}"
+                out += self.peer_lost(now, p.agent, FailureReason.INCOMPATIBLE_PEER, detail)
+            else:
+                out += self._peer_ready(now, p)
+        return out
+
+    def handshake_failed(
+        self, now: float, address: PeerAddress, reason: FailureReason, detail: str
     ) -> list[Effect]:
-        """The handshake back to `peer` failed: its transfers fail, it is forgotten."""
-        return self.peer_lost(now, peer, reason, detail)
+        """The lookup of `address` failed: the receivers waiting there are forgotten and
+        their transfers fail (nothing was written: writes wait for the handshake)."""
+        now = self._clock.advance(now)
+        out: list[Effect] = []
+        for p in [p for p in self._peers.values() if p.address == address and not p.ready]:
+            out += self.peer_lost(now, p.agent, reason, detail)
+        return out
+
+    def _peer_ready(self, now: float, p: _Peer) -> list[Effect]:
+        p.ready = True
+        p.last_heard = now
+        out: list[Effect] = [SendMessage(p.agent, m) for m in p.outbox]
+        p.outbox.clear()
+        # At once, not at the next interval: its echo bounds the receiver's clock, and
+        # no write starts before that (first contact only; the bound is kept).
+        out += self._heartbeat(now, p, force=True)
+        out += self._issue_for_peer(now, p.agent)
+        return out
+
+    def _issue_for_peer(self, now: float, peer: str) -> list[Effect]:
+        out: list[Effect] = []
+        for rec in list(self._transfers.values()):
+            if rec.peer == peer and rec.state is SenderState.WRITING:
+                out += self._issue_writes(now, rec)
+        return out
 
     def _end_with_lost_peer(
         self, now: float, rec: _Outgoing, reason: FailureReason, detail: str
@@ -464,8 +692,8 @@ class SenderProtocol(_Side["_Outgoing"]):
                 return self._on_cancel(now, peer, tid, reason, detail)
             case Reject(transfer_id=tid, detail=detail):
                 return self._on_reject(now, peer, tid, detail)
-            case Heartbeat(role="receiver", transfer_ids=ids):
-                return self._on_heartbeat(now, peer, ids)
+            case Heartbeat(role="receiver"):
+                return self._on_heartbeat(now, peer, message)
             case _:
                 self.ignored_messages += 1
                 return []
@@ -490,12 +718,24 @@ class SenderProtocol(_Side["_Outgoing"]):
             )
             failure = FailureReason.INCOMPATIBLE_PEER
             return out + self._send(peer, Failed(tid, failure, detail))
+        granted = self._granted(msg.sent_at)
         rec = self._transfers.get(tid)
         if rec is not None and rec.register is not None:
             if rec.peer == peer:
-                rec.lease_until = max(rec.lease_until, now + self._timing.lease_s)
+                rec.lease_until_theirs = max(rec.lease_until_theirs, granted)
                 return out  # a duplicate
             return out + self._send(peer, self._id_taken(tid))
+        stale = self._stale_register(now, peer, granted)
+        if stale is not None:
+            # It waited somewhere (our inbox, while we were stopped) past its lease: the
+            # receiver may have given these blocks back already. Never write for it.
+            self.stale_registers += 1
+            failure = FailureReason.PEER_TIMEOUT
+            if rec is None:
+                self._bury(now, tid, peer, Failed(tid, failure, stale), (failure, stale))
+                return out + self._send(peer, Failed(tid, failure, stale))
+            rec.peer, rec.register = peer, msg
+            return out + self._fail(now, rec, failure, stale, Failed(tid, failure, stale))
         if rec is None:
             rec = _Outgoing(
                 tid, SenderState.REGISTERED, deadline=now + self._timing.transfer_deadline_s
@@ -503,26 +743,38 @@ class SenderProtocol(_Side["_Outgoing"]):
             self._transfers[tid] = rec
         rec.register = msg
         rec.peer = peer
-        rec.lease_until = now + self._timing.lease_s
+        rec.lease_until_theirs = granted
         if rec.blocks is None:
             return out
         rec.state = SenderState.WRITING
         return out + self._start(now, rec)
 
+    def _granted(self, sent_at: float | None) -> float:
+        """Until when (receiver's clock) a message sent at `sent_at` renews a lease."""
+        return float("-inf") if sent_at is None else sent_at + self._timing.lease_s
+
+    def _stale_register(self, now: float, peer: str, granted: float) -> str | None:
+        p = self._peers.get(peer)
+        if p is None or p.skew_lb is None or now < granted + p.skew_lb:
+            return None
+        age = now - p.skew_lb - (granted - self._timing.lease_s)
+        return (
+            f"Register from {peer} is at least {age:.3f}s old on the receiver's clock, past "
+            f"its {self._timing.lease_s}s lease: refused, nothing written"
+        )
+
     def _note_peer(self, now: float, peer: str, msg: Register) -> list[Effect]:
-        """Learn `peer` from its Register; a new incarnation of a known engine ends the old."""
-        out: list[Effect] = []
-        for old in list(self._peers.values()):
-            if old.engine_id == msg.receiver_engine_id and old.agent != peer:
-                detail = (
-                    f"receiver engine {msg.receiver_engine_id} restarted "
-                    f"(incarnation {msg.receiver_incarnation}, agent {peer})"
-                )
-                out += self.peer_lost(now, old.agent, FailureReason.PEER_RESTARTED, detail)
-        if peer not in self._peers:
-            self._peers[peer] = _Peer(peer, msg.receiver_engine_id, last_heard=now, ready=False)
-            out.append(Handshake(peer, msg.receiver_host, msg.receiver_port, msg.receiver_rank))
-        return out
+        """Learn `peer` from its Register and handshake back to the address it names.
+
+        What the message claims is not believed: a new incarnation of a known engine is
+        recognised only when the handshake to its address says so (`handshake_done`)."""
+        if peer in self._peers:
+            return []
+        address = PeerAddress(msg.receiver_host, msg.receiver_port, msg.receiver_rank)
+        self._peers[peer] = _Peer(
+            peer, msg.receiver_engine_id, last_heard=now, ready=False, address=address
+        )
+        return [Handshake(address, peer)]
 
     def _on_cancel(
         self, now: float, peer: str, tid: str, reason: FailureReason, detail: str
@@ -570,17 +822,31 @@ class SenderProtocol(_Side["_Outgoing"]):
             return []
         return self._fail(now, rec, failure, why, Failed(tid, failure, why))
 
-    def _on_heartbeat(self, now: float, peer: str, ids: Sequence[str]) -> list[Effect]:
+    def _on_heartbeat(self, now: float, peer: str, hb: Heartbeat) -> list[Effect]:
         out: list[Effect] = []
-        for tid in ids:
+        p = self._peers.get(peer)
+        first_bound = False
+        if (
+            p is not None
+            and hb.echo is not None
+            and hb.sent_at is not None
+            and hb.echo <= now  # an echo of our clock from the future is not ours
+        ):
+            first_bound = p.skew_lb is None
+            # The latest round trip, not the tightest ever: clocks of two hosts drift.
+            p.skew_lb = hb.echo - hb.sent_at
+        granted = self._granted(hb.sent_at)
+        for tid in hb.transfer_ids:
             rec = self._transfers.get(tid)
             if rec is not None and rec.peer == peer:
                 if rec.state is not SenderState.ENDING:
-                    rec.lease_until = max(rec.lease_until, now + self._timing.lease_s)
+                    rec.lease_until_theirs = max(rec.lease_until_theirs, granted)
                 continue
             tomb = self._tombstones.get(tid)
             if tomb is not None and tomb.peer == peer and tomb.reply is not None:
                 out += self._send(peer, tomb.reply)  # it missed our Done/Failed: again
+        if first_bound and p is not None and p.ready:
+            out += self._issue_for_peer(now, peer)  # writes waited for the bound
         return out
 
     # ----- time
@@ -589,22 +855,20 @@ class SenderProtocol(_Side["_Outgoing"]):
         now = self._clock.advance(now)
         out: list[Effect] = []
         t = self._timing
-        for p in list(self._peers.values()):
-            live = [r for r in self._transfers.values() if r.peer == p.agent]
-            if not live:
-                continue
+        silent: dict[str, str] = {}
+        for p in self._peers.values():
             if now - p.last_heard >= t.liveness_timeout_s:
-                detail = f"receiver {p.agent} silent for {now - p.last_heard:.3f}s"
-                out += self.peer_lost(now, p.agent, FailureReason.PEER_TIMEOUT, detail)
+                silent[p.agent] = f"receiver {p.agent} silent for {now - p.last_heard:.3f}s"
         for rec in list(self._transfers.values()):
             if rec.state is SenderState.ENDING:
-                if now >= rec.drain_until:
-                    rec.inflight.clear()
-                    out += self._end(now, rec)
+                continue  # waits for its writes: only the data plane ends a write
+            if rec.peer is not None and rec.peer in silent:
+                # Silent is not dead: fail, but only once its writes reported.
+                out += self._timeout(now, rec, FailureReason.PEER_TIMEOUT, silent[rec.peer])
             elif now >= rec.deadline:
                 detail = f"not finished within {t.transfer_deadline_s}s"
                 out += self._timeout(now, rec, FailureReason.DEADLINE_EXCEEDED, detail)
-            elif rec.peer is not None and now >= rec.lease_until:
+            elif self._lease_expired(now, rec):
                 detail = f"lease of {t.lease_s}s not renewed by receiver {rec.peer}"
                 out += self._timeout(now, rec, FailureReason.PEER_TIMEOUT, detail)
         # Oldest first: every tombstone lives the same time and `now` never goes back,
@@ -617,41 +881,64 @@ class SenderProtocol(_Side["_Outgoing"]):
             if now < tombs[oldest].expires:
                 break
             del tombs[oldest]
-        out += self._heartbeats(now)
+        for p in self._peers.values():
+            out += self._heartbeat(now, p)
         return out
+
+    def _lease_expired(self, now: float, rec: _Outgoing) -> bool:
+        """True once the lease has certainly run out on the receiver's clock."""
+        if rec.peer is None or rec.register is None:
+            return False
+        p = self._peers.get(rec.peer)
+        if p is None or p.skew_lb is None:
+            return False  # no bound yet: nothing is written either (`_issue_writes`)
+        return now >= rec.lease_until_theirs + p.skew_lb
 
     def next_deadline(self) -> float | None:
         """When `tick` next has something to do; None while nothing is in flight."""
         times: list[float] = []
+        live: set[str] = set()
         for rec in self._transfers.values():
-            times += [rec.deadline, rec.lease_until, rec.drain_until]
-        for p in self._peers.values():
-            if any(r.peer == p.agent for r in self._transfers.values()):
+            if rec.state is SenderState.ENDING:
+                continue
+            times.append(rec.deadline)
+            if rec.peer is not None:
+                live.add(rec.peer)
+                p = self._peers.get(rec.peer)
+                if p is not None and p.skew_lb is not None and rec.register is not None:
+                    times.append(rec.lease_until_theirs + p.skew_lb)
+        for agent in live:
+            p = self._peers.get(agent)
+            if p is not None:
                 times.append(p.last_heard + self._timing.liveness_timeout_s)
                 if p.ready:
                     times.append(p.last_heartbeat_sent + self._timing.heartbeat_interval_s)
         if self._tombstones and not times:
-            times.append(min(t.expires for t in self._tombstones.values()))
+            times.append(next(iter(self._tombstones.values())).expires)
         return min(times) if times else None
 
     def _timeout(
         self, now: float, rec: _Outgoing, reason: FailureReason, detail: str
     ) -> list[Effect]:
-        if rec.blocks is None:  # a registration the engine never submitted
+        if rec.blocks is None:  # a registration the engine never submitted (yet)
             del self._transfers[rec.transfer_id]
-            self._bury(now, rec.transfer_id, rec.peer, Failed(rec.transfer_id, reason, detail))
-            return self._send(rec.peer, Failed(rec.transfer_id, reason, detail)) if rec.peer else []
+            failed = Failed(rec.transfer_id, reason, detail)
+            self._bury(now, rec.transfer_id, rec.peer, failed, (reason, detail))
+            return self._send(rec.peer, failed) if rec.peer else []
         return self._fail(now, rec, reason, detail, Failed(rec.transfer_id, reason, detail))
 
-    def _heartbeats(self, now: float) -> list[Effect]:
-        out: list[Effect] = []
-        for p in self._peers.values():
-            ids = tuple(t for t, r in self._transfers.items() if r.peer == p.agent)
-            if ids and p.ready and now >= p.last_heartbeat_sent + self._timing.heartbeat_interval_s:
-                p.last_heartbeat_sent = now
-                hb = Heartbeat("sender", self._me.engine_id, self._me.incarnation, ids)
-                out.append(SendMessage(p.agent, hb))
-        return out
+    def _heartbeat(self, now: float, p: _Peer, *, force: bool = False) -> list[Effect]:
+        if not p.ready:
+            return []
+        due = now >= p.last_heartbeat_sent + self._timing.heartbeat_interval_s
+        if not (force or due):
+            return []
+        ids = tuple(t for t, r in self._transfers.items() if r.peer == p.agent)
+        if not ids and not force:
+            return []
+        p.last_heartbeat_sent = now
+        hb = Heartbeat("sender", self._me.engine_id, self._me.incarnation, ids, sent_at=now)
+        return [SendMessage(p.agent, hb)]
 
     # ----- transitions
 
@@ -669,9 +956,11 @@ class SenderProtocol(_Side["_Outgoing"]):
             return self._fail(now, rec, failure, detail, Failed(rec.transfer_id, failure, detail))
         if not reg.block_ids:
             return self._maybe_done(now, rec)
-        return self._issue_writes(rec)
+        return self._issue_writes(now, rec)
 
-    def _issue_writes(self, rec: _Outgoing) -> list[Effect]:
+    def _issue_writes(self, now: float, rec: _Outgoing) -> list[Effect]:
+        """Write the layers that became ready, if the receiver certainly still expects
+        them: its handshake is done, its clock is bounded and the lease holds."""
         assert rec.blocks is not None and rec.register is not None and rec.peer is not None
         p = self._peers.get(rec.peer)
         if p is None or not p.ready or not rec.register.block_ids:
@@ -679,6 +968,14 @@ class SenderProtocol(_Side["_Outgoing"]):
         new = rec.ready_layers - rec.issued_layers
         if not new:
             return []
+        if p.skew_lb is None:
+            return []  # the first echo is on its way; it issues these (`_on_heartbeat`)
+        if now >= rec.lease_until_theirs + p.skew_lb:
+            detail = (
+                f"lease of {self._timing.lease_s}s from receiver {rec.peer} ran out (on its "
+                "clock) before the write could start"
+            )
+            return self._timeout(now, rec, FailureReason.PEER_TIMEOUT, detail)
         all_now = not rec.issued_layers and len(new) == self._num_layers
         rec.issued_layers |= new
         wid = self._next_write_id
@@ -735,19 +1032,20 @@ class SenderProtocol(_Side["_Outgoing"]):
     def _fail(
         self, now: float, rec: _Outgoing, reason: FailureReason, detail: str, reply: Message
     ) -> list[Effect]:
-        """End as failed once no write is in flight; `reply` tells the receiver."""
+        """End as failed once no write is in flight; `reply` tells the receiver.
+
+        No time bound on the drain: a write that has not reported may still read our
+        blocks, so they stay held until the data plane says (`write_done`/`write_failed`,
+        or `peer_lost`)."""
         rec.state = SenderState.ENDING
         rec.reason, rec.detail, rec.reply = reason, detail, reply
         if rec.inflight:
-            rec.drain_until = now + self._timing.liveness_timeout_s
             return []
         return self._end(now, rec)
 
     def _end(self, now: float, rec: _Outgoing) -> list[Effect]:
-        assert rec.reason is not None and rec.blocks is not None
+        assert rec.reason is not None and rec.blocks is not None and not rec.inflight
         del self._transfers[rec.transfer_id]
-        for wid in rec.inflight:  # only after a drain timeout: their events are ignored
-            self._writes.pop(wid, None)
         self._bury(now, rec.transfer_id, rec.peer, rec.reply)
         out: list[Effect] = []
         if rec.peer is not None and rec.reply is not None:
@@ -758,7 +1056,8 @@ class SenderProtocol(_Side["_Outgoing"]):
     def _abandon(
         self, now: float, rec: _Outgoing, reason: FailureReason, detail: str
     ) -> list[Effect]:
-        """The peer is gone: end at once, tell nobody; its write events are ignored."""
+        """The peer is certainly gone: end at once, tell nobody; its write events are
+        ignored (a write to a process that is gone lands nowhere)."""
         del self._transfers[rec.transfer_id]
         for wid in rec.inflight:
             self._writes.pop(wid, None)
@@ -822,6 +1121,7 @@ class SenderProtocol(_Side["_Outgoing"]):
 
 
 class ReceiverState(enum.StrEnum):
+    HANDSHAKING = "handshaking"  # waiting for the sender's side channel; nothing registered
     WAITING = "waiting"  # registered; blocks may be written any time
     FENCING = "fencing"  # given up; blocks kept until the sender confirms or its lease ran out
 
@@ -829,30 +1129,62 @@ class ReceiverState(enum.StrEnum):
 @dataclass(slots=True)
 class _Incoming:
     transfer_id: str
-    peer: str
+    address: PeerAddress
     blocks: tuple[int, ...]
-    register: Register
+    sender_offset: int
     deadline: float
-    register_sent_at: float
-    heard_before: int  # the peer's `messages_heard` when the Register went out
     first_attempt: bool = True
-    state: ReceiverState = ReceiverState.WAITING
+    state: ReceiverState = ReceiverState.HANDSHAKING
+    peer: str | None = None  # the sender's agent, once handshaken
+    register: Register | None = None
+    register_sent_at: float = float("-inf")
+    heard_before: int = 0  # the peer's `messages_heard` when the Register went out
+    from_cache: bool = False  # registered from a cached PeerInfo, without a fresh lookup
     reason: FailureReason | None = None
     detail: str = ""
     fence_until: float = float("inf")
     cancel_sent_at: float = float("-inf")
 
 
+@dataclass(slots=True)
+class _Known:
+    info: PeerInfo
+    handshaken_at: float
+
+
+@dataclass(slots=True)
+class _Lookup:
+    """One address being looked up: who waits for it."""
+
+    transfers: list[str] = field(default_factory=list)
+    rejects: list[tuple[str, str]] = field(default_factory=list)  # (transfer id, detail)
+
+
 class ReceiverProtocol(_Side["_Incoming"]):
     """The receiving side of every transfer of one rank. See the module docstring."""
 
-    def __init__(self, identity: LocalIdentity, timing: TimingConfig) -> None:
+    def __init__(
+        self,
+        identity: LocalIdentity,
+        timing: TimingConfig,
+        compat: Mapping[str, object],
+        *,
+        compatibility: CompatibilityPolicy = STRICT_COMPATIBILITY,
+        revalidate_after_s: float = REVALIDATE_AFTER_S,
+    ) -> None:
+        if revalidate_after_s < 0:
+            raise LocalProtocolError(f"revalidate_after_s must be >= 0, got {revalidate_after_s}")
         self._me = identity
         self._timing = timing
+        self._compat = _Compatibility(compat, compatibility)
+        self._revalidate_after_s = revalidate_after_s
         self._clock = _Clock()
         self._transfers: dict[str, _Incoming] = {}
         self._ended: dict[str, float] = {}  # transfer id -> forget after
         self._peers: dict[str, _Peer] = {}
+        self._known: dict[PeerAddress, _Known] = {}
+        self._lookups: dict[PeerAddress, _Lookup] = {}
+        self._heard_at: dict[str, float] = {}  # agent -> when it last sent us anything
         self.ignored_messages = 0
 
     @property
@@ -870,28 +1202,33 @@ class ReceiverProtocol(_Side["_Incoming"]):
     def states(self) -> dict[str, ReceiverState]:
         return {t: r.state for t, r in self._transfers.items()}
 
+    def known_peers(self) -> int:
+        """Side-channel addresses with a usable (compatible) handshake result cached."""
+        return len(self._known)
+
+    def lookups_in_flight(self) -> int:
+        return len(self._lookups)
+
     # ----- engine calls
 
     def expect(
         self,
         now: float,
         transfer_id: str,
-        peer: str,
-        peer_engine_id: str,
+        sender: PeerAddress,
         blocks: Sequence[int],
         *,
         sender_offset: int = 0,
-        first_attempt: bool = True,
     ) -> list[Effect]:
-        """Register our `blocks` for the sender's blocks from `sender_offset` on.
+        """Expect `transfer_id` from the sender whose side channel is `sender` into our
+        `blocks`; `blocks[i]` receives the sender's block `sender_offset + i`.
 
-        `peer` must have been handshaken (loaded on the data plane) already.
-        `first_attempt=False`: this is the one retry after `withdraw`; it cannot be
-        withdrawn again.
-        """
+        Registers at once from a cached handshake of `sender` (heard from within
+        `revalidate_after_s`), else asks for a `Handshake` of `sender` first (one per
+        address, however many transfers wait for it). The deadline runs from here."""
         now = self._clock.advance(now)
         ours = _check_blocks(blocks, f"expect({transfer_id!r})")
-        if not transfer_id:
+        if not isinstance(transfer_id, str) or not transfer_id:
             raise LocalProtocolError("transfer id must be a non-empty string")
         if isinstance(sender_offset, bool) or not isinstance(sender_offset, int):
             raise LocalProtocolError(f"sender_offset must be an int, got {sender_offset!r}")
@@ -899,65 +1236,36 @@ class ReceiverProtocol(_Side["_Incoming"]):
             raise LocalProtocolError(f"sender_offset must be >= 0, got {sender_offset}")
         if transfer_id in self._transfers or transfer_id in self._ended:
             raise LocalProtocolError(f"transfer id {transfer_id!r} was already used")
-        out: list[Effect] = []
-        for old in list(self._peers.values()):
-            if old.engine_id == peer_engine_id and old.agent != peer:
-                detail = f"sender engine {peer_engine_id} restarted (new agent {peer})"
-                out += self.peer_lost(now, old.agent, FailureReason.PEER_RESTARTED, detail)
-        p = self._peers.get(peer)
-        if p is None:
-            p = self._peers[peer] = _Peer(peer, peer_engine_id, last_heard=now)
-        elif not any(r.peer == peer for r in self._transfers.values()):
-            p.last_heard = now  # idle until now: its silence so far says nothing
-        me = self._me
-        reg = Register(
+        rec = _Incoming(
             transfer_id,
-            me.engine_id,
-            me.incarnation,
-            me.host,
-            me.port,
-            me.rank,
+            sender,
             ours,
             sender_offset,
-        )
-        self._transfers[transfer_id] = _Incoming(
-            transfer_id,
-            peer,
-            ours,
-            reg,
             deadline=now + self._timing.transfer_deadline_s,
-            register_sent_at=now,
-            heard_before=p.messages_heard,
-            first_attempt=first_attempt,
         )
-        out.append(SendMessage(peer, reg))
+        self._transfers[transfer_id] = rec
+        known = self._known.get(sender)
+        if known is not None and self._fresh(now, known):
+            rec.from_cache = True
+            return self._register(now, rec, known.info)
+        return self._await_lookup(sender, transfer_id)
+
+    def reject(
+        self, now: float, transfer_id: str, sender: PeerAddress, detail: str
+    ) -> list[Effect]:
+        """Refuse a request before allocating: the sender frees its blocks at once.
+        Nothing is reported locally; a lookup of `sender` goes first if it is not known."""
+        self._clock.advance(now)
+        known = self._known.get(sender)
+        if known is not None:
+            return [SendMessage(known.info.agent, Reject(transfer_id, detail))]
+        lookup = self._lookups.get(sender)
+        out: list[Effect] = []
+        if lookup is None:
+            lookup = self._lookups[sender] = _Lookup()
+            out.append(Handshake(sender))
+        lookup.rejects.append((transfer_id, detail))
         return out
-
-    def withdraw(self, now: float, transfer_id: str) -> bool:
-        """Take back a first Register that certainly reached no live sender, so that the
-        caller can handshake afresh and `expect` the transfer again (once).
-
-        The caller knows the Register's own send failed: the data plane lost the peer in
-        the same pass that sent it (a sender restarted at the same address faster than
-        metadata is revalidated). Withdrawn only if nothing at all was heard from the peer
-        since the Register went out and the transfer is still waiting: then no byte of
-        it can have been written. Returns False, changing nothing, otherwise; the caller
-        then ends it as usual (`peer_lost`). Nothing is reported for a withdrawn transfer.
-        """
-        self._clock.advance(now)
-        rec = self._transfers.get(transfer_id)
-        if rec is None or not rec.first_attempt or rec.state is not ReceiverState.WAITING:
-            return False
-        p = self._peers.get(rec.peer)
-        if p is None or p.messages_heard != rec.heard_before:
-            return False
-        del self._transfers[transfer_id]
-        return True
-
-    def reject(self, now: float, transfer_id: str, peer: str, detail: str) -> list[Effect]:
-        """Refuse a request before allocating: the sender frees its blocks at once."""
-        self._clock.advance(now)
-        return [SendMessage(peer, Reject(transfer_id, detail))]
 
     def abort(
         self,
@@ -970,7 +1278,21 @@ class ReceiverProtocol(_Side["_Incoming"]):
         rec = self._transfers.get(transfer_id)
         if rec is None or rec.state is ReceiverState.FENCING:
             return []
+        if rec.state is ReceiverState.HANDSHAKING:
+            # Nothing registered, nothing can be written: ours again at once. The sender
+            # hears a Reject once the lookup is done, so it frees its blocks too.
+            why = f"{detail} before the handshake with {rec.address} finished"
+            return self._end_handshaking(now, rec, reason, why)
         return self._fence(now, rec, reason, detail)
+
+    def _end_handshaking(
+        self, now: float, rec: _Incoming, reason: FailureReason, detail: str
+    ) -> list[Effect]:
+        lookup = self._lookups.get(rec.address)
+        if lookup is not None:
+            lookup.transfers.remove(rec.transfer_id)
+            lookup.rejects.append((rec.transfer_id, detail))
+        return self._end(now, rec, reason, detail)
 
     def abort_with_peer(
         self, now: float, transfer_id: str, peer: str, reason: FailureReason, detail: str
@@ -979,6 +1301,153 @@ class ReceiverProtocol(_Side["_Incoming"]):
         if rec is None or rec.peer != peer:
             return []
         return self.abort(now, transfer_id, reason, detail)
+
+    def withdraw(self, now: float, transfer_id: str, peer: str) -> list[Effect] | None:
+        """Take back a first Register, sent from a cached handshake, that certainly
+        reached no live sender, and look its address up again (once).
+
+        The caller knows the Register's own send failed: the data plane lost `peer` in
+        the same pass that sent it (a sender restarted at the same address faster than
+        `revalidate_after_s`). Withdrawn only if nothing at all was heard from the peer
+        since the Register went out and the transfer is still waiting: then no byte of
+        it can have been written. Returns None, changing nothing, otherwise (the caller
+        then ends it as usual, `peer_lost`); else the effects of looking it up again.
+        Nothing is reported for the withdrawn attempt."""
+        now = self._clock.advance(now)
+        rec = self._transfers.get(transfer_id)
+        if (
+            rec is None
+            or rec.peer != peer
+            or not rec.first_attempt
+            or not rec.from_cache
+            or rec.state is not ReceiverState.WAITING
+        ):
+            return None
+        p = self._peers.get(peer)
+        if p is None or p.messages_heard != rec.heard_before:
+            return None
+        rec.first_attempt = False
+        rec.state = ReceiverState.HANDSHAKING
+        rec.peer = rec.register = None
+        rec.from_cache = False
+        self._forget(peer)  # that cached handshake is what was stale
+        return self._await_lookup(rec.address, transfer_id)
+
+    def shutdown(self, now: float, reason: FailureReason, detail: str) -> list[Effect]:
+        """End every transfer at once, as `reason`. Only for a runtime whose data plane
+        can no longer write into our memory (its transport is closed)."""
+        now = self._clock.advance(now)
+        out: list[Effect] = []
+        for rec in list(self._transfers.values()):
+            if rec.state is ReceiverState.FENCING and rec.reason is not None:
+                out += self._end(now, rec, rec.reason, rec.detail)
+            else:
+                out += self._end(now, rec, reason, detail)
+        self._lookups.clear()
+        self._peers.clear()
+        self._known.clear()
+        return out
+
+    # ----- handshakes
+
+    def handshake_done(self, now: float, address: PeerAddress, info: PeerInfo) -> list[Effect]:
+        """The side channel at `address` answered with `info`: the transfers waiting for it
+        register (if its cache is compatible with ours) or fail (INCOMPATIBLE_PEER, the
+        detail naming each field that differs). A new incarnation of an engine we know
+        ends what was in flight with the old one (PEER_RESTARTED)."""
+        now = self._clock.advance(now)
+        lookup = self._lookups.pop(address, None) or _Lookup()
+        if info.engine_id == self._me.engine_id and info.incarnation == self._me.incarnation:
+            return self._lookup_failed(
+                now, address, lookup, FailureReason.LOCAL_ERROR, "that address is our own"
+            )
+        problem = self._compat.problem(info.compat)
+        if problem is not None:
+            self._known.pop(address, None)
+            return self._lookup_failed(
+                now, address, lookup, FailureReason.INCOMPATIBLE_PEER, problem
+            )
+        out = self._restarted(now, info)
+        self._known[address] = _Known(info, now)
+        for tid, detail in lookup.rejects:
+            out.append(SendMessage(info.agent, Reject(tid, detail)))
+        for tid in lookup.transfers:
+            rec = self._transfers.get(tid)
+            if rec is not None and rec.state is ReceiverState.HANDSHAKING:
+                out += self._register(now, rec, info)
+        return out
+
+    def handshake_failed(
+        self, now: float, address: PeerAddress, reason: FailureReason, detail: str
+    ) -> list[Effect]:
+        """The lookup of `address` failed: the transfers waiting for it fail with `reason`
+        (nothing was registered, so nothing can be written)."""
+        now = self._clock.advance(now)
+        lookup = self._lookups.pop(address, None)
+        if lookup is None:
+            return []
+        self._known.pop(address, None)
+        return self._lookup_failed(now, address, lookup, reason, detail)
+
+    def _lookup_failed(
+        self,
+        now: float,
+        address: PeerAddress,
+        lookup: _Lookup,
+        reason: FailureReason,
+        detail: str,
+    ) -> list[Effect]:
+        out: list[Effect] = []
+        why = f"handshake with {address} failed: {detail}"
+        for tid in lookup.transfers:
+            rec = self._transfers.get(tid)
+            if rec is not None and rec.state is ReceiverState.HANDSHAKING:
+                out += self._end(now, rec, reason, why)
+        return out  # rejects: nobody to tell; the sender's own deadline frees it
+
+    def _await_lookup(self, address: PeerAddress, transfer_id: str) -> list[Effect]:
+        lookup = self._lookups.get(address)
+        if lookup is not None:
+            lookup.transfers.append(transfer_id)
+            return []
+        self._lookups[address] = _Lookup([transfer_id])
+        return [Handshake(address)]
+
+    def _fresh(self, now: float, known: _Known) -> bool:
+        """Still the process we handshaked with: heard from (or looked up) lately. Older
+        ones may have restarted at that address; they are looked up again."""
+        heard = self._heard_at.get(known.info.agent, known.handshaken_at)
+        return now - max(heard, known.handshaken_at) <= self._revalidate_after_s
+
+    def _forget(self, peer: str) -> None:
+        self._heard_at.pop(peer, None)
+        for address in [a for a, k in self._known.items() if k.info.agent == peer]:
+            del self._known[address]
+
+    def _register(self, now: float, rec: _Incoming, info: PeerInfo) -> list[Effect]:
+        peer = info.agent
+        p = self._peers.get(peer)
+        if p is None:
+            p = self._peers[peer] = _Peer(peer, info.engine_id, last_heard=now)
+        elif not any(r.peer == peer for r in self._transfers.values()):
+            p.last_heard = now  # idle until now: its silence so far says nothing
+        me = self._me
+        rec.register = Register(
+            rec.transfer_id,
+            me.engine_id,
+            me.incarnation,
+            me.host,
+            me.port,
+            me.rank,
+            rec.blocks,
+            rec.sender_offset,
+            sent_at=now,
+        )
+        rec.peer = peer
+        rec.state = ReceiverState.WAITING
+        rec.register_sent_at = now
+        rec.heard_before = p.messages_heard
+        return [SendMessage(peer, rec.register)]
 
     # ----- events
 
@@ -992,12 +1461,17 @@ class ReceiverProtocol(_Side["_Incoming"]):
         p = self._peers.get(peer)
         if p is not None:
             p.last_heard = now
-        self.heard_from(peer)
+        self.heard_from(peer, now)
         match message:
-            case Heartbeat(role="sender", transfer_ids=ids):
-                if p is not None:
-                    p.known_by_them = frozenset(ids)
-                return self._resend_registers(now, peer)
+            case Heartbeat(role="sender", transfer_ids=ids, sent_at=sent_at):
+                if p is None:
+                    return []
+                p.known_by_them = frozenset(ids)
+                if sent_at is not None and (p.echo is None or sent_at > p.echo):
+                    p.echo = sent_at
+                # Answer at once: the echo is what lets the sender write (first contact)
+                # and keeps its bound on our clock tight.
+                return self._resend_registers(now, peer) + self._heartbeat(now, p)
             case Done(transfer_id=tid) | Failed(transfer_id=tid) | CancelAck(transfer_id=tid):
                 rec = self._transfers.get(tid)
                 if rec is None or rec.peer != peer:
@@ -1008,12 +1482,15 @@ class ReceiverProtocol(_Side["_Incoming"]):
                 self.ignored_messages += 1
                 return []
 
-    def heard_from(self, peer: str) -> None:
+    def heard_from(self, peer: str, now: float | None = None) -> None:
         """`peer` sent us something (for either machine, decodable or not): it was alive
-        after our Registers to it went out, so none of them can be withdrawn."""
+        after our Registers to it went out, so none of them can be withdrawn, and its
+        cached handshake is still good."""
         p = self._peers.get(peer)
         if p is not None:
             p.messages_heard += 1
+        if now is not None:
+            self._heard_at[peer] = now
 
     def _on_sender_final(self, now: float, rec: _Incoming, message: Message) -> list[Effect]:
         # Each of these promises that no write for the transfer is or will be in flight.
@@ -1044,16 +1521,25 @@ class ReceiverProtocol(_Side["_Incoming"]):
                     if rec.state is ReceiverState.WAITING:
                         out += self._fence(now, rec, FailureReason.PEER_TIMEOUT, detail)
                 del self._peers[p.agent]
+                self._forget(p.agent)
                 out.append(DropPeer(p.agent, FailureReason.PEER_TIMEOUT, detail))
         for rec in list(self._transfers.values()):
-            if rec.state is ReceiverState.WAITING and now >= rec.deadline:
+            if rec.state is not ReceiverState.FENCING and now >= rec.deadline:
                 detail = f"not finished within {t.transfer_deadline_s}s"
-                out += self._fence(now, rec, FailureReason.DEADLINE_EXCEEDED, detail)
+                if rec.state is ReceiverState.HANDSHAKING:
+                    detail += f" (the handshake with {rec.address} did not finish)"
+                    out += self._end_handshaking(now, rec, FailureReason.DEADLINE_EXCEEDED, detail)
+                else:
+                    out += self._fence(now, rec, FailureReason.DEADLINE_EXCEEDED, detail)
             elif rec.state is ReceiverState.FENCING:
                 assert rec.reason is not None
                 if now >= rec.fence_until:
                     out += self._end(now, rec, rec.reason, rec.detail)
-                elif rec.peer in self._peers and now >= rec.cancel_sent_at + t.heartbeat_interval_s:
+                elif (
+                    rec.peer in self._peers
+                    and now >= rec.cancel_sent_at + t.heartbeat_interval_s
+                    and rec.peer is not None
+                ):
                     rec.cancel_sent_at = now
                     out.append(
                         SendMessage(rec.peer, Cancel(rec.transfer_id, rec.reason, rec.detail))
@@ -1066,23 +1552,28 @@ class ReceiverProtocol(_Side["_Incoming"]):
             del ended[oldest]
         for p in self._peers.values():
             out += self._resend_registers(now, p.agent)
-            live = [r for r in self._transfers.values() if r.peer == p.agent]
-            if live and now >= p.last_heartbeat_sent + t.heartbeat_interval_s:
-                p.last_heartbeat_sent = now
-                ids = tuple(r.transfer_id for r in live if r.state is ReceiverState.WAITING)
-                out.append(
-                    SendMessage(
-                        p.agent,
-                        Heartbeat("receiver", self._me.engine_id, self._me.incarnation, ids),
-                    )
-                )
+            if now >= p.last_heartbeat_sent + t.heartbeat_interval_s:
+                out += self._heartbeat(now, p, only_if_live=True)
         return out
+
+    def _heartbeat(self, now: float, p: _Peer, *, only_if_live: bool = False) -> list[Effect]:
+        live = [r for r in self._transfers.values() if r.peer == p.agent]
+        if only_if_live and not live:
+            return []
+        p.last_heartbeat_sent = now
+        ids = tuple(r.transfer_id for r in live if r.state is ReceiverState.WAITING)
+        hb = Heartbeat(
+            "receiver", self._me.engine_id, self._me.incarnation, ids, sent_at=now, echo=p.echo
+        )
+        return [SendMessage(p.agent, hb)]
 
     def next_deadline(self) -> float | None:
         t = self._timing
         times: list[float] = []
         for rec in self._transfers.values():
-            if rec.state is ReceiverState.WAITING:
+            if rec.state is ReceiverState.HANDSHAKING:
+                times.append(rec.deadline)
+            elif rec.state is ReceiverState.WAITING:
                 times += [rec.deadline, rec.register_sent_at + t.heartbeat_interval_s]
             else:
                 times += [rec.fence_until, rec.cancel_sent_at + t.heartbeat_interval_s]
@@ -1091,13 +1582,14 @@ class ReceiverProtocol(_Side["_Incoming"]):
                 times.append(p.last_heard + t.liveness_timeout_s)
                 times.append(p.last_heartbeat_sent + t.heartbeat_interval_s)
         if self._ended and not times:
-            times.append(min(self._ended.values()))
+            times.append(next(iter(self._ended.values())))
         return min(times) if times else None
 
     # ----- transitions
 
     def _resend_registers(self, now: float, peer: str) -> list[Effect]:
-        """Registrations the sender does not list (lost, or not there yet) go again."""
+        """Registrations the sender does not list (lost, or not there yet) go again,
+        stamped with the time they go: a resend renews the lease it asks for."""
         p = self._peers.get(peer)
         if p is None:
             return []
@@ -1106,22 +1598,27 @@ class ReceiverProtocol(_Side["_Incoming"]):
         for rec in self._transfers.values():
             if (
                 rec.peer == peer
+                and rec.register is not None
                 and rec.state is ReceiverState.WAITING
                 and rec.transfer_id not in known
                 and now >= rec.register_sent_at + self._timing.heartbeat_interval_s
             ):
                 rec.register_sent_at = now
+                rec.register = msgspec.structs.replace(rec.register, sent_at=now)
                 out.append(SendMessage(peer, rec.register))
         return out
 
     def _fence(
         self, now: float, rec: _Incoming, reason: FailureReason, detail: str
     ) -> list[Effect]:
+        # We renewed its lease last at or before `now`, so the sender starts no write
+        # after `now + lease_s` on our clock: after the fence only writes it had already
+        # issued could land, and the margin is for them.
         rec.state = ReceiverState.FENCING
         rec.reason, rec.detail = reason, detail
         rec.fence_until = now + self.fence_s
         rec.cancel_sent_at = now
-        if rec.peer not in self._peers:
+        if rec.peer is None or rec.peer not in self._peers:
             return []
         return [SendMessage(rec.peer, Cancel(rec.transfer_id, reason, detail))]
 
@@ -1138,12 +1635,35 @@ class ReceiverProtocol(_Side["_Incoming"]):
 
 
 class PushProtocol:
-    """Both sides of one rank, and the one inbound entry point for wire bytes."""
+    """Both sides of one rank, and the one inbound entry point for wire bytes and for
+    handshake results.
 
-    def __init__(self, identity: LocalIdentity, timing: TimingConfig, num_layers: int) -> None:
+    `compat` is our `CacheGeometry.compat_fields()`; every peer's is compared with it on
+    every handshake, on both sides, under `compatibility` (default: nothing may differ).
+    """
+
+    def __init__(
+        self,
+        identity: LocalIdentity,
+        timing: TimingConfig,
+        num_layers: int,
+        compat: Mapping[str, object],
+        *,
+        compatibility: CompatibilityPolicy = STRICT_COMPATIBILITY,
+        revalidate_after_s: float = REVALIDATE_AFTER_S,
+    ) -> None:
         self.identity = identity
-        self.sender = SenderProtocol(identity, timing, num_layers)
-        self.receiver = ReceiverProtocol(identity, timing)
+        self.sender = SenderProtocol(
+            identity, timing, num_layers, compat, compatibility=compatibility
+        )
+        self.receiver = ReceiverProtocol(
+            identity,
+            timing,
+            compat,
+            compatibility=compatibility,
+            revalidate_after_s=revalidate_after_s,
+        )
+        self._compat = _Compatibility(compat, compatibility)
 
     def receive_message(self, now: float, peer: str, payload: bytes) -> list[Effect]:
         """Decode and route one message. Raises `RemoteProtocolError` (nothing changed)
@@ -1151,14 +1671,33 @@ class PushProtocol:
         try:
             message = decode(payload)
         except RemoteProtocolError:
-            self.receiver.heard_from(peer)
+            self.receiver.heard_from(peer, now)
             raise
         match message:
             case Register() | Cancel() | Reject() | Heartbeat(role="receiver"):
-                self.receiver.heard_from(peer)
+                self.receiver.heard_from(peer, now)
                 return self.sender.handle(now, peer, message)
             case _:
                 return self.receiver.handle(now, peer, message)
+
+    def handshake_done(self, now: float, address: PeerAddress, info: PeerInfo) -> list[Effect]:
+        """A `Handshake` of `address` found `info`: both machines learn it."""
+        return self.receiver.handshake_done(now, address, info) + self.sender.handshake_done(
+            now, address, info
+        )
+
+    def handshake_failed(
+        self, now: float, address: PeerAddress, reason: FailureReason, detail: str
+    ) -> list[Effect]:
+        """A `Handshake` of `address` failed (unreachable, refused, unloadable)."""
+        return self.receiver.handshake_failed(
+            now, address, reason, detail
+        ) + self.sender.handshake_failed(now, address, reason, detail)
+
+    def incompatibility(self, compat: Mapping[str, object]) -> str | None:
+        """The protocol's compatibility verdict on a peer's compat fields, for a caller
+        that must decide whether to load the peer on the data plane at all (None: ok)."""
+        return self._compat.problem(compat)
 
     def peer_misbehaved(self, now: float, peer: str, detail: str) -> list[Effect]:
         """`peer` sent garbage: everything with it fails (MALFORMED_MESSAGE), safely."""
@@ -1175,6 +1714,13 @@ class PushProtocol:
             now, peer, reason, detail
         )
 
+    def shutdown(self, now: float, reason: FailureReason, detail: str) -> list[Effect]:
+        """End everything at once; only once the data plane can touch no memory of ours
+        (see `SenderProtocol.shutdown`)."""
+        return self.sender.shutdown(now, reason, detail) + self.receiver.shutdown(
+            now, reason, detail
+        )
+
     def tick(self, now: float) -> list[Effect]:
         return self.sender.tick(now) + self.receiver.tick(now)
 
@@ -1189,10 +1735,13 @@ class PushProtocol:
 
 
 __all__ = [
+    "REVALIDATE_AFTER_S",
     "DropPeer",
     "Effect",
     "Handshake",
     "LocalIdentity",
+    "PeerAddress",
+    "PeerInfo",
     "PushProtocol",
     "ReceiverProtocol",
     "ReceiverState",

@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 
 from kvpush.errors import MalformedReply, SideChannelError
-from kvpush.geometry import PROTOCOL_VERSION, CacheGeometry
+from kvpush.geometry import PROTOCOL_VERSION, CacheGeometry, describe_compat_differences
 
 GET_META_MSG = b"get_meta_msg"
 
@@ -176,30 +176,7 @@ def decode_geometry_leniently(frame: bytes) -> CacheGeometry | None:
 
 def describe_differences(theirs: CacheGeometry, ours: CacheGeometry) -> list[str]:
     """What differs between two geometries' compatibility fields, one phrase per field."""
-    their_fields, our_fields = theirs.compat_fields(), ours.compat_fields()
-    out: list[str] = []
-    for key, ours_value in our_fields.items():
-        their_value = their_fields.get(key)
-        if their_value == ours_value:
-            continue
-        if key == "regions":
-            out.append(_describe_region_difference(their_value, ours_value))
-        else:
-            out.append(f"{key}: theirs {their_value!r}, ours {ours_value!r}")
-    return out
-
-
-def _describe_region_difference(theirs: Any, ours: Any) -> str:
-    theirs, ours = list(theirs), list(ours)
-    if len(theirs) != len(ours):
-        return f"regions: theirs {len(theirs)}, ours {len(ours)}"
-    for i, (a, b) in enumerate(zip(theirs, ours, strict=True)):
-        if a != b:
-            return (
-                f"regions differ first at #{i}: theirs (name, layer, block_bytes) = "
-                f"{tuple(a)}, ours {tuple(b)}"
-            )
-    return "regions differ"
+    return describe_compat_differences(theirs.compat_fields(), ours.compat_fields())
 
 
 # --------------------------------------------------------------------------- control requests
