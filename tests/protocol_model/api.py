@@ -15,10 +15,25 @@ if TYPE_CHECKING:
     from .model import Model, Scope, World
 
 
-class Api:
+def Api(state: ModuleType, scope: Scope, mutation: str | None) -> ApiBase:  # noqa: N802
+    """The adapter for `state`'s API: main's (the receiver handshakes outside the
+    protocol) or the one with handshakes, compatibility and clock-stamped messages."""
+    if hasattr(state, "PeerAddress"):
+        return ApiV2(state, scope, mutation)
+    if mutation is not None:
+        raise ValueError(f"mutations apply to the current protocol only, not {state.__name__}")
+    return ApiV1(state, scope, mutation)
+
+
+PORTS = {"R": 5000, "S1": 5001, "S2": 5002}
+ENGINE_AT = {port: engine for engine, port in PORTS.items()}
+
+
+class ApiBase:
     def __init__(self, state: ModuleType, scope: Scope, mutation: str | None) -> None:
         self.state = state
         self.scope = scope
+        self.mutation = mutation
         self.messages = _sibling(state, "messages")
         self.SendMessage = state.SendMessage
         self.WriteBlocks = state.WriteBlocks
@@ -27,38 +42,31 @@ class Api:
         self.TransferEnded = state.TransferEnded
         self.encode = self.messages.encode
         self.decode = self.messages.decode
-        if mutation is not None:
-            raise ValueError(f"unknown mutation {mutation!r}")
         self._describe_cache: dict[bytes, str] = {}
 
-    # ----- endpoints and engine calls
+    def identity(self, engine: str, incarnation: int) -> Any:
+        return self.state.LocalIdentity(engine, str(incarnation), "127.0.0.1", PORTS[engine], 0)
 
     def endpoint(self, engine: str, agent: str, incarnation: int, role: str) -> Any:
-        ident = self.state.LocalIdentity(engine, str(incarnation), "127.0.0.1", 5000, 0)
-        return self.state.PushProtocol(ident, self.scope.timing, self.scope.num_layers)
+        raise NotImplementedError
 
     def expect(
         self, proto: Any, now: float, tid: str, sender_agent: str, spec: Any, blocks: Any
     ) -> list[Any]:
-        sender_engine = sender_agent.split("#")[0]
-        return list(
-            proto.receiver.expect(
-                now, tid, sender_agent, sender_engine, blocks, sender_offset=spec.offset
-            )
-        )
+        raise NotImplementedError
 
-    def handshake_ok(self, end: Any, now: float, whom: str) -> list[Any]:
-        return list(end.proto.sender.peer_ready(now, whom))
+    def handshake_target(self, eff: Any) -> str:
+        """Whom a Handshake effect looks up (an agent or an engine, by API)."""
+        raise NotImplementedError
 
-    def handshake_fail(self, end: Any, now: float, whom: str) -> list[Any]:
-        return list(
-            end.proto.sender.peer_unreachable(
-                now, whom, FailureReason.HANDSHAKE_FAILED, "could not load its metadata"
-            )
-        )
+    def handshake_possible(self, w: World, target: str) -> bool:
+        raise NotImplementedError
 
-    def knows(self, proto: Any, agent: str) -> bool:
-        return True
+    def handshake_ok(self, w: World, end: Any, now: float, target: str) -> list[Any]:
+        raise NotImplementedError
+
+    def handshake_fail(self, w: World, end: Any, now: float, target: str) -> list[Any]:
+        raise NotImplementedError
 
     def held(self, proto: Any) -> dict[str, Any]:
         out = {}
@@ -66,19 +74,114 @@ class Api:
         out.update({f"receiver {t}": b for t, b in proto.receiver.held_blocks().items()})
         return out
 
-    def check_ended(self, model: Model, w: World, agent: str, tid: str, eff: Any) -> None:
-        return None
-
-    def other_effect(self, model: Model, w: World, agent: str, eff: Any) -> str:
-        return f"{type(eff).__name__}"
-
-    # ----- messages, readably
-
     def describe(self, payload: bytes) -> str:
         text = self._describe_cache.get(payload)
         if text is None:
             text = self._describe_cache[payload] = _describe(self.decode(payload))
         return text
+
+
+class ApiV1(ApiBase):
+    """main's API: `expect` names an agent the runtime handshook; only the sender asks
+    for a `Handshake` (back to the receiver's agent)."""
+
+    def endpoint(self, engine: str, agent: str, incarnation: int, role: str) -> Any:
+        ident = self.identity(engine, incarnation)
+        return self.state.PushProtocol(ident, self.scope.timing, self.scope.num_layers)
+
+    def expect(
+        self, proto: Any, now: float, tid: str, sender_agent: str, spec: Any, blocks: Any
+    ) -> list[Any]:
+        return list(
+            proto.receiver.expect(
+                now, tid, sender_agent, spec.sender, blocks, sender_offset=spec.offset
+            )
+        )
+
+    def handshake_target(self, eff: Any) -> str:
+        return str(eff.peer)
+
+    def handshake_possible(self, w: World, target: str) -> bool:
+        return w.ends[target].alive
+
+    def handshake_ok(self, w: World, end: Any, now: float, target: str) -> list[Any]:
+        return list(end.proto.sender.peer_ready(now, target))
+
+    def handshake_fail(self, w: World, end: Any, now: float, target: str) -> list[Any]:
+        return list(
+            end.proto.sender.peer_unreachable(
+                now, target, FailureReason.HANDSHAKE_FAILED, "could not load its metadata"
+            )
+        )
+
+
+class ApiV2(ApiBase):
+    """The API with both handshakes in the protocol: a `Handshake` names a side-channel
+    address; its answer is the `PeerInfo` of whichever incarnation serves there now."""
+
+    def __init__(self, state: ModuleType, scope: Scope, mutation: str | None) -> None:
+        super().__init__(state, scope, mutation)
+        from . import mutations
+
+        self.push_class, self.policy = mutations.apply(state, mutation)
+
+    def compat(self, engine: str) -> dict[str, object]:
+        fields: dict[str, object] = {
+            "protocol_version": self.messages.PROTOCOL_VERSION,
+            "layout": "NHD",
+            "block_size_tokens": 16,
+            "dtype": "bfloat16",
+            "mode": "push",
+            "regions": [("kv", 0, 4096)],
+        }
+        fields.update(dict(dict(self.scope.geometry).get(engine, ())))
+        return fields
+
+    def endpoint(self, engine: str, agent: str, incarnation: int, role: str) -> Any:
+        ident = self.identity(engine, incarnation)
+        return self.push_class(
+            ident,
+            self.scope.timing,
+            self.scope.num_layers,
+            self.compat(engine),
+            compatibility=self.policy,
+        )
+
+    def address(self, engine: str) -> Any:
+        return self.state.PeerAddress("127.0.0.1", PORTS[engine], 0)
+
+    def expect(
+        self, proto: Any, now: float, tid: str, sender_agent: str, spec: Any, blocks: Any
+    ) -> list[Any]:
+        return list(
+            proto.receiver.expect(
+                now, tid, self.address(spec.sender), blocks, sender_offset=spec.offset
+            )
+        )
+
+    def handshake_target(self, eff: Any) -> str:
+        return ENGINE_AT[eff.address.port]
+
+    def handshake_possible(self, w: World, target: str) -> bool:
+        return w.ends[w.current[target]].alive
+
+    def handshake_ok(self, w: World, end: Any, now: float, target: str) -> list[Any]:
+        agent = w.current[target]
+        e = w.ends[agent]
+        inc = agent.split("#")[1]
+        info = self.state.PeerInfo(agent, target, inc, self.compat(target))
+        del e
+        return list(end.proto.handshake_done(now, self.address(target), info))
+
+    def handshake_fail(self, w: World, end: Any, now: float, target: str) -> list[Any]:
+        return list(
+            end.proto.handshake_failed(
+                now,
+                self.address(target),
+                FailureReason.HANDSHAKE_FAILED,
+                "could not load its metadata",
+            )
+        )
 
 
 def _describe(m: Any) -> str:

@@ -111,8 +111,11 @@ class Scope:
     # lands during or after the stall)? Off, stalls begin only between writes: what is
     # left is what a stalled sender does when it wakes.
     stall_mid_write: bool = True
+    # A write lands or fails within this many seconds of being issued (None: any time).
+    # The fence's stated assumption: within 2 * liveness_timeout_s of the lease's end.
+    write_bound_s: float | None = 2.0
     # Geometry per engine (a compatibility token); the checker's bug-1 invariant.
-    geometry: tuple[tuple[str, str], ...] = ()
+    geometry: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
     timing: TimingConfig = field(
         default_factory=lambda: TimingConfig(
             heartbeat_interval_s=1.0, liveness_timeout_s=2.0, lease_s=3.0, transfer_deadline_s=6.0
@@ -146,6 +149,7 @@ class Write:
     theirs: tuple[int, ...]
     layers: tuple[int, ...] | None
     notification: bytes | None
+    issued_at: float
     landed: bool = False
 
 
@@ -297,9 +301,10 @@ class Model:
                 out.append(("complete", key))
         for who, whom in w.handshakes:
             if self.running(w, who):
-                if w.ends[whom].alive:
+                possible = self.api.handshake_possible(w, whom)
+                if possible:
                     out.append(("handshake_ok", who, whom))
-                if not w.ends[whom].alive or not self.spent(w, "failures"):
+                if not possible or not self.spent(w, "failures"):
                     out.append(("handshake_fail", who, whom))
         # Deaths, restarts, stalls.
         for agent, e in w.ends.items():
@@ -309,7 +314,6 @@ class Model:
                         obs.alive
                         and obs.phase != "stalled"
                         and (obs_agent, agent) not in w.noticed
-                        and self.api.knows(obs.proto, agent)
                     ):
                         out.append(("lost", obs_agent, agent))
                 continue
@@ -335,6 +339,11 @@ class Model:
             waiting = [m for m in w.net if self.running(w, m[1])]
             if self.scope.prompt and waiting:
                 target = None
+            bound = self.scope.write_bound_s
+            if target is not None and bound is not None:
+                # The data plane's promise: a write lands or fails within the bound.
+                if any(not wr.landed and target > wr.issued_at + bound for wr in w.writes):
+                    target = None
             if target is not None and len(w.net) <= self.scope.max_messages:
                 out.append(("clock", target))
         return out
@@ -357,7 +366,7 @@ class Model:
             t = nd - e.offset
             if t > w.now:
                 times.append(t)
-            else:
+            elif e.phase == "running":
                 times.append(w.now + self.scope.timing.heartbeat_interval_s)
         return min(times) if times else None
 
@@ -533,14 +542,14 @@ class Model:
 
     def _do_handshake_ok(self, w: World, who: str, whom: str) -> str:
         w.handshakes.remove((who, whom))
-        effects = self._call(w, who, lambda now: self.api.handshake_ok(w.ends[who], now, whom))
+        effects = self._call(w, who, lambda now: self.api.handshake_ok(w, w.ends[who], now, whom))
         return f"{who}: handshake with {whom} succeeds" + self._apply(w, who, effects)
 
     def _do_handshake_fail(self, w: World, who: str, whom: str) -> str:
         w.handshakes.remove((who, whom))
-        if w.ends[whom].alive:
+        if self.api.handshake_possible(w, whom):
             self.spend(w, "failures")
-        effects = self._call(w, who, lambda now: self.api.handshake_fail(w.ends[who], now, whom))
+        effects = self._call(w, who, lambda now: self.api.handshake_fail(w, w.ends[who], now, whom))
         return f"{who}: handshake with {whom} fails" + self._apply(w, who, effects)
 
     # deaths, stalls, time
@@ -662,6 +671,7 @@ class Model:
                     tuple(eff.their_blocks),
                     None if eff.layers is None else tuple(eff.layers),
                     note,
+                    w.now,
                 )
             )
             layers = "all layers" if eff.layers is None else f"layers {_fmt_blocks(eff.layers)}"
@@ -672,14 +682,15 @@ class Model:
                 f"{layers}{rides}"
             )
         if isinstance(eff, a.Handshake):
-            if (agent, eff.peer) not in w.handshakes:
-                w.handshakes.append((agent, eff.peer))
-            return f"starts a handshake with {eff.peer}"
+            target = a.handshake_target(eff)
+            if (agent, target) not in w.handshakes:
+                w.handshakes.append((agent, target))
+            return f"starts a handshake with {target}"
         if isinstance(eff, a.DropPeer):
             return f"forgets {eff.peer}"
         if isinstance(eff, a.TransferEnded):
             return self._ended(w, agent, eff)
-        return a.other_effect(self, w, agent, eff)
+        raise AssertionError(f"unknown effect {eff!r}")
 
     def _ended(self, w: World, agent: str, eff: Any) -> str:
         tid, side = eff.transfer_id, eff.side
@@ -692,6 +703,15 @@ class Model:
         if ended:
             raise Violation("twice", f"{agent} reports {tid} a second time ({ended[0]}, now {outcome})")
         ended.append(outcome)
+        if eff.reason is None:
+            geometry = dict(self.scope.geometry)
+            engines = sorted({self.specs[tid].sender, "R"})
+            if len({geometry.get(e, ()) for e in engines}) > 1:
+                caches = ", ".join(f"{e} {dict(geometry.get(e, ())) or 'default'}" for e in engines)
+                raise Violation(
+                    "incompatible-ok",
+                    f"{agent} reports {tid} ok between incompatible caches: {caches}",
+                )
         want = tx.s_blocks if side == "sender" else tx.r_blocks
         if tuple(eff.blocks) != want:
             raise Violation("phantom", f"{agent} hands back {tid} blocks {eff.blocks}, it held {want}")
@@ -711,7 +731,6 @@ class Model:
         else:
             if eff.reason is None:
                 self._check_content(w, agent, tid, tx)
-            self.api.check_ended(self, w, agent, tid, eff)
             for b in want:
                 del w.held[agent][b]
         return f"reports {tid} {outcome}"

@@ -12,6 +12,13 @@ SMOKE = Scope(
     budget=Budget(),
     max_depth=30,
 )
+SMOKE_PROMPT = Scope(
+    "smoke-prompt",
+    transfers=(T("T1", "S1", 1),),
+    budget=Budget(),
+    prompt=True,
+    max_depth=60,
+)
 
 # The issue's bug 2 as reported: a receiver merely slow (stalled), a write in flight.
 BUG2 = Scope(
@@ -33,7 +40,17 @@ BUG3 = Scope(
     max_depth=30,
 )
 
-GROUPS: dict[str, tuple[Scope, ...]] = {"smoke": (SMOKE,), "bug2": (BUG2,), "bug3": (BUG3,)}
+# Issue 9's bug 1: caches that differ only in dtype.
+BUG1 = Scope(
+    "bug1",
+    transfers=(T("T1", "S1", 1),),
+    budget=Budget(),
+    prompt=True,
+    geometry=(("R", (("dtype", "float16"),)),),
+    max_depth=40,
+)
+
+GROUPS: dict[str, tuple[Scope, ...]] = {"smoke": (SMOKE,), "smoke-prompt": (SMOKE_PROMPT,), "bug1": (BUG1,), "bug2": (BUG2,), "bug3": (BUG3,)}
 
 
 def group(name: str) -> tuple[Scope, ...]:
