@@ -174,6 +174,10 @@ def handle(cmd: dict[str, Any], runtime: PushRuntime, geometry: Any) -> dict[str
             "blocks_held_receiving": s.blocks_held_receiving,
             "duplicate_reports": s.duplicate_reports,
             "peers": s.peers,
+            "writes_in_flight": s.writes_in_flight,
+            "stale_registers": s.stale_registers,
+            "sending": s.sending,
+            "receiving": s.receiving,
         }
     raise ValueError(f"unknown op {op!r}")
 

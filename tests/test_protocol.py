@@ -404,7 +404,10 @@ def test_prefix_mapping_that_does_not_add_up_fails_both_sides(wire: Wire) -> Non
 
 def test_receiver_rejects_before_allocating_and_the_sender_frees_at_once(wire: Wire) -> None:
     wire.submit("p-1", "t1", [1, 2])
-    wire.apply("d-1", wire.ends["d-1"].receiver.reject(wire.now, "t1", wire.address_of["p-1"], "out of memory"))
+    wire.apply(
+        "d-1",
+        wire.ends["d-1"].receiver.reject(wire.now, "t1", wire.address_of["p-1"], "out of memory"),
+    )
     wire.settle()
     r = wire.ended("p-1", "t1")
     assert r.reason is FailureReason.REJECTED and "out of memory" in r.detail
@@ -413,7 +416,9 @@ def test_receiver_rejects_before_allocating_and_the_sender_frees_at_once(wire: W
 
 
 def test_reject_that_arrives_before_submit_fails_the_submit_at_once(wire: Wire) -> None:
-    wire.apply("d-1", wire.ends["d-1"].receiver.reject(wire.now, "t1", wire.address_of["p-1"], "busy"))
+    wire.apply(
+        "d-1", wire.ends["d-1"].receiver.reject(wire.now, "t1", wire.address_of["p-1"], "busy")
+    )
     wire.settle()
     wire.submit("p-1", "t1", [1])
     assert wire.ended("p-1", "t1").reason is FailureReason.REJECTED
@@ -637,7 +642,8 @@ def test_sender_dies_the_receiver_fails_within_liveness_plus_fence(wire: Wire) -
     wire.kill("p-1")
     wire.run_for(TIMING.liveness_timeout_s + 0.25)
     assert wire.ends["d-1"].receiver.state_of("t1") is ReceiverState.FENCING
-    assert [d.peer for d in wire.dropped_peers["d-1"]] == ["p-1"]
+    assert wire.dropped_peers["d-1"] == []  # silent is not dead: it is not dropped
+    assert wire.ends["d-1"].receiver.known_peers() == 0  # but looked up before reuse
     assert wire.results["d-1"] == []
     wire.run_for(wire.ends["d-1"].receiver.fence_s)
     r = wire.ended("d-1", "t1")
@@ -766,7 +772,7 @@ def test_handshake_back_failure_fails_the_sender_side(wire: Wire) -> None:
     wire.expect("d-1", "t1", "p-1", [3])
     wire.auto_handshake = False
     wire.deliver()
-    [(src, hs)] = [(src, hs) for src, hs in wire.handshakes if src == "p-1"]
+    [hs] = [hs for src, hs in wire.handshakes if src == "p-1"]
     assert (hs.peer, hs.address) == ("d-1", wire.address_of["d-1"])
     assert hs.port == wire.ends["d-1"].identity.port
     effects = wire.ends["p-1"].handshake_failed(
@@ -874,14 +880,18 @@ def test_ended_transfers_are_remembered_for_their_bound_then_forgotten_in_order(
         wire.advance(1.0)
     assert all(wire.ended("p-1", f"t{i}").ok for i in range(3))
     sender = wire.ends["p-1"].sender
-    with pytest.raises(LocalProtocolError, match="already used"):
-        sender.submit(wire.now, "t2", [9])
+
+    def refused(tid: str, blocks: list[int]) -> bool:
+        [ended] = sender.submit(wire.now, tid, blocks)  # an outcome, not an exception:
+        assert isinstance(ended, TransferEnded)  # the engine cannot see the memory's span
+        return ended.reason is FailureReason.LOCAL_ERROR and "already used" in ended.detail
+
+    assert refused("t2", [9])
     # t0 ended 3 s before t2: once t0's memory ran out, t0 is new again, t2 not yet.
     wire.advance(keep - 2.5, settle=False)
     assert sender.submit(wire.now, "t0", [9]) == []
     assert sender.state_of("t0") is SenderState.AWAITING_REGISTER
-    with pytest.raises(LocalProtocolError, match="already used"):
-        sender.submit(wire.now, "t2", [10])
+    assert refused("t2", [10])
     wire.advance(3.0, settle=False)
     assert sender.submit(wire.now, "t2", [10]) == []
 
@@ -1078,3 +1088,23 @@ def test_receiver_lookups_are_per_address_and_the_deadline_runs_from_expect(
     wire.run_only("d-1", TIMING.transfer_deadline_s + 0.25, step=1.0)
     r = wire.ended("d-1", "t1")
     assert r.reason is FailureReason.DEADLINE_EXCEEDED and "handshake" in r.detail
+
+
+def test_an_old_echo_repeated_after_an_idle_spell_does_not_shorten_the_lease(
+    wire: Wire,
+) -> None:
+    warm_up(wire)
+    wire.run_for(600.0, step=10.0)  # idle: nobody heartbeats, both ends keep the echo
+    sender = wire.ends["p-1"].sender
+    wire.submit("p-1", "t1", [1], layers=[])
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.deliver()  # the Register, renewing the lease from now on d-1's clock
+    expires = sender.lease_expires_at("t1")
+    assert expires is not None and expires >= wire.now + TIMING.lease_s - 0.5
+    # d-1's next heartbeat still echoes p-1's heartbeat from before the idle spell.
+    stale = Heartbeat("receiver", "engine-d", "1", ("t1",), sent_at=wire.now, echo=0.0)
+    wire.apply("p-1", wire.ends["p-1"].receive_message(wire.now, "d-1", encode(stale)))
+    assert sender.lease_expires_at("t1") == expires
+    wire.apply("p-1", sender.layers_ready(wire.now, "t1", [0, 1]))
+    wire.settle()
+    assert wire.ended("d-1", "t1").ok

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 
+import msgspec
 import pytest
 
 from kvpush.config import SideChannelConfig, TimingConfig
@@ -42,8 +43,13 @@ class Engine:
         host: str,
         token: str | None = None,
         num_layers: int = 2,
+        dtype: str | None = None,
+        expect_compat_hash: bool = True,
     ) -> None:
         self.kv: KVBuffers = make_kv(num_layers=num_layers, num_blocks=8, block_bytes=128)
+        geometry = self.kv.geometry
+        if dtype is not None:
+            geometry = msgspec.structs.replace(geometry, dtype=dtype)
         self.kv.fill_random(len(name) * 7 + ord(name[-1]))
         self.runtime: PushRuntime | None = None
         server = MetadataServer(
@@ -53,10 +59,12 @@ class Engine:
         self.address = PeerAddress(host, server.port)
         rt = PushRuntime(
             LoopbackTransport(fabric, name),
-            self.kv.geometry,
+            geometry,
             RuntimeIdentity(f"engine-{name}", "1", host, server.port),
             SideChannelPeerDirectory(
-                timeout_ms=1000, token=token, expect_compat_hash=self.kv.geometry.compat_hash()
+                timeout_ms=1000,
+                token=token,
+                expect_compat_hash=geometry.compat_hash() if expect_compat_hash else None,
             ),
             timing=TIMING,
         )
@@ -126,3 +134,20 @@ def test_nobody_listening_fails_the_handshake(stack: ExitStack) -> None:
     d.runtime.receive("t1", PeerAddress("127.0.0.1", 9), [1])
     [r] = results(d.runtime)
     assert r.reason is FailureReason.HANDSHAKE_FAILED and "127.0.0.1:9" in r.detail
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_a_dtype_mismatch_is_refused_without_any_compatibility_option(
+    stack: ExitStack, host: str
+) -> None:
+    # Directories as the README builds them (no expected hash): the runtime checks.
+    fabric = LoopbackFabric()
+    p = Engine(stack, fabric, "p", host, dtype="float16", expect_compat_hash=False)
+    d = Engine(stack, fabric, "d", host, dtype="bfloat16", expect_compat_hash=False)
+    assert p.runtime is not None and d.runtime is not None
+    p.runtime.send("t1", [0])
+    d.runtime.receive("t1", p.address, [1])
+    [r] = results(d.runtime)
+    assert r.reason is FailureReason.INCOMPATIBLE_PEER
+    assert "dtype: theirs 'float16', ours 'bfloat16'" in r.detail
+    assert p.runtime.statistics().bytes_written == 0

@@ -93,8 +93,10 @@ round trips: each sender `Heartbeat` carries our `sent_at`, the receiver echoes 
 newest one it has read in its next heartbeat (and answers a sender heartbeat at once),
 and a receiver heartbeat with `sent_at = r` and `echo = t0` proves that the receiver's
 clock read `r` after ours read `t0`, so `skew = ours - theirs >= t0 - r`. The sender
-keeps the latest such bound per peer (`skew_lb`) and holds that a lease granted at the
-receiver's `s` runs out, in our clock, at `s + lease_s + skew_lb`, which is no later
+keeps the bound from the newest heartbeat of its own that came back (`skew_lb`; an old
+echo repeated after an idle spell is not newer, so it cannot loosen it) and holds that
+a lease granted at the receiver's `s` runs out, in our clock, at `s + lease_s +
+skew_lb`, which is no later
 than the truth however long either process stalled (a stall only makes the bound
 looser, i.e. the lease shorter). The lease is checked where every `WriteBlocks` is
 issued (submit, layers_ready, Register, handshake done, a fresh echo), not only in
@@ -111,9 +113,10 @@ fails) within that margin. A process stopped in the middle of handing a write to
 data plane, or a data plane that copies in the stopped sender's own process (UCX over
 shared memory or TCP progresses only when the sender polls), can land such a write late,
 after the margin; a NIC doing RDMA does not stop with the process. Monotonic clocks of
-two hosts may also drift apart: the bound is taken afresh from every receiver heartbeat
-(every `heartbeat_interval_s` while transfers flow), so drift counts only over an idle
-spell, far below the margin at common rates (100 ppm is 0.36 ms a second of idleness).
+two hosts may also drift apart: the bound is taken afresh from every echo (about every
+`heartbeat_interval_s` while transfers flow), so drift counts only over an idle spell
+before the next echo, far below the margin at common rates (100 ppm is 0.36 s an hour).
+On one host both ends read the same monotonic clock: no drift at all.
 
 One exception to "a lost peer ends its transfers": a receiver's first `Register` sent
 from a cached `PeerInfo` that certainly reached no live sender (the runtime saw the data
@@ -309,8 +312,10 @@ class _Peer:
     known_by_them: frozenset[str] | None = None  # receiver: ids in the sender's last heartbeat
     messages_heard: int = 0  # receiver: how many messages it sent us, ever
     address: PeerAddress | None = None  # sender: where to handshake back
-    # Sender: lower bound on (our clock - theirs), from their latest echo; None: none yet.
+    # Sender: lower bound on (our clock - theirs), from the round trip of our newest
+    # heartbeat they echoed (`skew_echo`, our clock); None: none yet.
     skew_lb: float | None = None
+    skew_echo: float = float("-inf")
     echo: float | None = None  # receiver: the newest sender `sent_at` we read
 
 
@@ -471,6 +476,7 @@ class SenderProtocol(_Side["_Outgoing"]):
         self._next_write_id = 1
         self.ignored_messages = 0
         self.stale_registers = 0  # Registers refused because their lease had run out
+        self._tombstone_s = timing.transfer_deadline_s + timing.lease_s
 
     # ----- inspection (read-only; what statistics and tests read)
 
@@ -518,7 +524,14 @@ class SenderProtocol(_Side["_Outgoing"]):
         tomb = self._tombstones.get(transfer_id)
         if tomb is not None:
             if tomb.pending_failure is None:
-                raise LocalProtocolError(f"transfer id {transfer_id!r} was already used")
+                # The engine cannot know how long ended ids are remembered: an outcome.
+                detail = (
+                    f"transfer id {transfer_id!r} was already used by a transfer that ended "
+                    f"less than {self._tombstone_s}s ago: use a new id per transfer"
+                )
+                return [
+                    TransferEnded(transfer_id, "sender", FailureReason.LOCAL_ERROR, detail, ours)
+                ]
             reason, detail = tomb.pending_failure
             tomb.pending_failure = None
             return [TransferEnded(transfer_id, "sender", reason, detail, ours)]
@@ -830,10 +843,12 @@ class SenderProtocol(_Side["_Outgoing"]):
             p is not None
             and hb.echo is not None
             and hb.sent_at is not None
-            and hb.echo <= now  # an echo of our clock from the future is not ours
+            and p.skew_echo < hb.echo <= now  # newer than the one in use, and ours
         ):
             first_bound = p.skew_lb is None
-            # The latest round trip, not the tightest ever: clocks of two hosts drift.
+            # The newest round trip, not the tightest ever (clocks of two hosts drift);
+            # an old echo repeated later (after an idle spell) is no newer, so ignored.
+            p.skew_echo = hb.echo
             p.skew_lb = hb.echo - hb.sent_at
         granted = self._granted(hb.sent_at)
         for tid in hb.transfer_ids:
@@ -1107,7 +1122,7 @@ class SenderProtocol(_Side["_Outgoing"]):
         reply: Message | None,
         pending_failure: tuple[FailureReason, str] | None = None,
     ) -> None:
-        keep = self._timing.transfer_deadline_s + self._timing.lease_s
+        keep = self._tombstone_s
         self._tombstones.pop(tid, None)  # keep insertion order = expiry order
         self._tombstones[tid] = _Tombstone(peer, reply, now + keep, pending_failure)
 
@@ -1234,8 +1249,16 @@ class ReceiverProtocol(_Side["_Incoming"]):
             raise LocalProtocolError(f"sender_offset must be an int, got {sender_offset!r}")
         if sender_offset < 0:
             raise LocalProtocolError(f"sender_offset must be >= 0, got {sender_offset}")
-        if transfer_id in self._transfers or transfer_id in self._ended:
-            raise LocalProtocolError(f"transfer id {transfer_id!r} was already used")
+        if transfer_id in self._transfers:
+            raise LocalProtocolError(f"transfer id {transfer_id!r} is in flight already")
+        if transfer_id in self._ended:
+            # The engine cannot know how long ended ids are remembered: an outcome.
+            detail = (
+                f"transfer id {transfer_id!r} was already used by a transfer that ended less "
+                f"than {self._timing.transfer_deadline_s + self.fence_s}s ago: use a new id "
+                "per transfer"
+            )
+            return [TransferEnded(transfer_id, "receiver", FailureReason.LOCAL_ERROR, detail, ours)]
         rec = _Incoming(
             transfer_id,
             sender,
@@ -1520,9 +1543,10 @@ class ReceiverProtocol(_Side["_Incoming"]):
                 for rec in live:
                     if rec.state is ReceiverState.WAITING:
                         out += self._fence(now, rec, FailureReason.PEER_TIMEOUT, detail)
-                del self._peers[p.agent]
+                # Silent is not dead: it stays loaded (our Cancels keep going to it, and a
+                # send the data plane cannot deliver proves it gone), but its cached
+                # handshake is not trusted for a new transfer.
                 self._forget(p.agent)
-                out.append(DropPeer(p.agent, FailureReason.PEER_TIMEOUT, detail))
         for rec in list(self._transfers.values()):
             if rec.state is not ReceiverState.FENCING and now >= rec.deadline:
                 detail = f"not finished within {t.transfer_deadline_s}s"

@@ -1,0 +1,159 @@
+"""The push runtime: one object per rank that an engine drives.
+
+Public engine API (every method is thread-safe and never blocks on the network)::
+
+    rt = PushRuntime(transport, geometry, identity, directory, timing=..., clock=...,
+                     compatibility=CompatibilityPolicy())   # the default: strict
+    rt.start()                       # starts the transport, registers memory, threads
+    rt.local_metadata() -> PeerMetadata   # what to publish on this rank's side channel
+
+    # sending side (prefill)
+    rt.send(transfer_id, blocks, ready_layers=None)   # None: every layer computed already
+    rt.layers_ready(transfer_id, layers)              # layer-by-layer push
+
+    # receiving side (decode)
+    rt.receive(transfer_id, sender, blocks, sender_offset=0)
+        # `sender` is a PeerAddress(host, port, rank): the sender's side channel.
+        # blocks[i] receives the sender's block number sender_offset + i
+        # (sender_offset = number of blocks we already had from the prefix cache).
+    rt.reject(transfer_id, sender, detail)            # refuse before allocating
+
+    rt.abort(transfer_id)            # either side; the result still comes from poll()
+    rt.poll() -> list[TransferResult]            # what ended since the last call
+    rt.wait(timeout) -> list[TransferResult]     # the same, blocking until one ends
+    rt.statistics() -> RuntimeStatistics
+    rt.close()                       # in-flight transfers end as SHUTDOWN; joins threads
+
+The contract: every transfer handed in through `send` or `receive` comes back from
+`poll()`/`wait()` exactly once, as finished or failed with a `FailureReason`. Whatever
+goes wrong on any thread (handshake not done, peer unknown, unreachable or
+incompatible, write error, peer gone or restarted, deadline, malformed message, cancel,
+an exception on the background thread) is queued as a result, never handled where it was
+found. Every result is the protocol's own `TransferEnded` (`kvpush.protocol.state` holds
+every transition, the receiver's handshake included); the runtime only carries out
+effects.
+
+When a result arrives, kvpush no longer touches its blocks: the engine may free or reuse
+them at once (on the receiving side, a finished transfer's blocks hold the KV data).
+That is why:
+
+* a receiver that gives up (abort, deadline, silent sender) reports the failure only
+  once the sender has acknowledged its cancel, or, if the sender never answers,
+  `lease_s + 2 * liveness_timeout_s` later: the sender measures its lease on the
+  receiver's clock and starts no write after it, so no late write can land in blocks
+  the engine got back (what this still assumes: `kvpush.protocol.state`);
+* a sender reports a failure only once every write it issued for the transfer has been
+  reported by the data plane (done or failed), whatever ended it (silence, lease,
+  deadline, abort, close), except when the data plane reports the peer gone. Its blocks
+  stay held until then; `statistics().writes_in_flight` and `sending["ending"]` show it.
+
+Compatibility is checked on every handshake, on both sides, by default: a peer whose
+cache differs from ours in protocol version, layout, block size, dtype, mode or regions
+fails the transfers that needed it with INCOMPATIBLE_PEER, the detail naming each field
+that differs, theirs and ours. Only an explicit `kvpush.config.CompatibilityPolicy`
+(fields that may differ, and why) relaxes that.
+
+Bounds (TimingConfig): a silent peer is declared dead after `liveness_timeout_s`; a
+peer the data plane reports gone, or one whose side channel now serves a new
+incarnation, ends its transfers at once; a transfer's deadline, `transfer_deadline_s`,
+runs from the engine's call (`send`/`receive`), handshake included; nothing lives past
+it plus the fence, except a sender's transfer whose write the data plane never reports.
+
+Engine misuse that can be seen at the call (a transfer id already in flight, a block id
+outside the cache, a layer out of range, a sender that is not a `PeerAddress`) raises
+`LocalProtocolError` at once; a transfer id reused while the protocol still remembers its
+previous use ends as LOCAL_ERROR. After the background thread died on an unexpected
+error, calls raise `RuntimeStopped` (its cause chained) and every transfer that was in
+flight is reported as LOCAL_ERROR once the transport is closed.
+
+`close()` ends the transfers in flight as SHUTDOWN the safe way: senders wait for their
+writes (up to half of its timeout), receivers for their senders' acknowledgements (up to
+0.25 s: a live sender answers within a round trip); then the transport is closed (no
+write can read our memory after that) and what is left is reported. A receiver's
+transfer reported then may still be written by a sender whose lease has not run out: an
+engine that keeps running should not reuse those blocks for `lease_s + 2 *
+liveness_timeout_s`.
+
+Layout of this package, along its seams:
+
+* `facade` — `PushRuntime`: the engine-facing calls, every argument check, the lock, the
+  result queue and its counters. It talks to the driver through a command queue only.
+* `driver` — `Driver`: the one thread that owns the transport (and so the NIXL agent) and
+  the protocol machines: its loop, the effects it carries out, the statistics snapshot.
+* `directory` — the `PeerDirectory` port (`InMemoryPeerDirectory`,
+  `SideChannelPeerDirectory`) and the `LookupWorker` thread that runs lookups.
+* `values` — `RuntimeIdentity`, `RuntimeStatistics`, `TransferResult`, `PeerAddress`.
+
+Threads: the driver's thread, and one lookup worker that does the blocking side-channel
+lookups and posts results back. Both start in `start()` and are joined in `close()`.
+The driver's thread blocks on its command queue while nothing is in flight (waking every
+`idle_poll_s`, default half a heartbeat interval, to look for registrations: NIXL cannot
+wake a thread on an incoming notification), and polls the transport with exponential
+backoff (50 us up to `max_backoff_s`, default 1 ms) while transfers are in flight. Right
+after data-plane activity (an event in, a write or message out) it keeps polling at the
+shortest wait (~60 us) for `spin_s` (default 0.5 ms): NIXL progresses only when polled,
+and the next event (WriteDone, the peer's answer) is usually that close. It never polls
+without waiting: a hot loop would hold the GIL from the engine's own Python threads
+(measured: a 2 ms spin doubled the CPU per transfer of two runtimes in one process).
+Idle, nothing spins.
+
+Latency inside a busy engine: when another thread of the process computes in Python, each
+wake-up of the runtime thread (a command, the next poll) and of the thread in `wait()`
+waits for the GIL up to `sys.getswitchinterval()` (5 ms by default), and a transfer
+needs a few of them. Measured with `scripts/runtime-latency` (one 16-token block,
+receiver first, send() 10-50 ms later): p50 send()-to-receiver-result 2.3 ms with idle
+engines, 14-26 ms with a computing thread in both processes, 4-7 ms when those processes
+set a switch interval of 0.2-1 ms. That setting is the engine's to choose, not ours.
+
+Publishing: the runtime does not serve its own side channel. Pass `local_metadata()` to
+a `kvpush.sidechannel.MetadataServer` (one per engine, all ranks) after `start()`; the
+engine decides host, port and token there. The runtime owns the transport it is given:
+`start()` starts it, `close()` closes it.
+
+Handshakes: a receiver handshakes with the sender's address from the request before it
+registers (the protocol's HANDSHAKING state; one lookup per address, however many
+transfers wait for it); the `Register` carries the receiver's own address (`identity`)
+so the sender handshakes back before its first write. Metadata is cached per address
+while the peer is heard from (heartbeats flow while transfers do); an address not heard
+from for `revalidate_after_s` (default 0.1 s) is looked up again before its next
+Register, so a peer restarted there (new incarnation, new agent) is handshaked afresh on
+the first transfer after the restart, and everything still in flight with its old
+incarnation fails with PEER_RESTARTED. The lookup costs one side-channel round trip
+(~0.9 ms on one host) and only after a quiet spell; in push mode it overlaps the
+sender's prefill. The first contact between a sender and a receiver also takes one
+data-plane round trip (a heartbeat and its echo) before the first write: it bounds the
+receiver's clock for the lease. Later transfers take none.
+
+A sender restarted faster than `revalidate_after_s` still gets the first Register, sent
+from the cache to its dead agent. When the data plane reports that agent gone in the
+same loop pass (NIXL could not deliver the notification), the Register reached nobody:
+the protocol takes it back and looks the address up again, and registers once more
+(`register_retries` in `statistics()`). Only once, and only while nothing was heard from
+that agent since the Register went out, so never when a byte may have been written.
+"""
+
+from kvpush.errors import RuntimeStopped
+from kvpush.runtime.directory import (
+    InMemoryPeerDirectory,
+    PeerDirectory,
+    SideChannelPeerDirectory,
+)
+from kvpush.runtime.facade import PushRuntime
+from kvpush.runtime.values import (
+    PeerAddress,
+    RuntimeIdentity,
+    RuntimeStatistics,
+    TransferResult,
+)
+
+__all__ = [
+    "InMemoryPeerDirectory",
+    "PeerAddress",
+    "PeerDirectory",
+    "PushRuntime",
+    "RuntimeIdentity",
+    "RuntimeStatistics",
+    "RuntimeStopped",
+    "SideChannelPeerDirectory",
+    "TransferResult",
+]

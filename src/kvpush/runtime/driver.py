@@ -1,0 +1,501 @@
+"""The runtime's thread: it alone touches the transport and the protocol machines.
+
+`Driver` takes commands from the engine-facing `PushRuntime` through a queue, polls the
+transport, feeds the protocol, and carries out the effects it returns. Every result is a
+`TransferEnded` effect of the protocol, handed to `report`; the driver builds none,
+except when its own thread crashed and the protocol could not end what it held.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvpush.errors import (
+    FailureReason,
+    KVPushError,
+    LocalProtocolError,
+    RemoteProtocolError,
+    TransportError,
+)
+from kvpush.geometry import CacheGeometry
+from kvpush.protocol import (
+    DropPeer,
+    Effect,
+    Handshake,
+    PeerAddress,
+    PeerInfo,
+    PushProtocol,
+    ReceiverState,
+    SendMessage,
+    TransferEnded,
+    WriteBlocks,
+    encode,
+)
+from kvpush.runtime.directory import LookupWorker, PeerDirectory, handshake_reason
+from kvpush.runtime.values import RuntimeStatistics
+from kvpush.sidechannel import PeerMetadata
+from kvpush.transports.base import (
+    MessageReceived,
+    PeerLost,
+    Transport,
+    TransportEvent,
+    WriteDone,
+    WriteFailed,
+)
+
+log = logging.getLogger(__name__)
+
+_SPIN_WAIT_S = 20e-6  # ~60 us with the kernel's timer slack
+# How long close() waits for senders to acknowledge our cancels: a live sender answers
+# within a round trip (or once its own writes drained); a dead one never does, and its
+# transfers are reported anyway once the transport is closed.
+_CANCEL_ACK_WAIT_S = 0.25
+
+
+# --------------------------------------------------------------------------- commands
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    transfer_id: str
+    blocks: tuple[int, ...]
+    ready_layers: tuple[int, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class LayersReady:
+    transfer_id: str
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Receive:
+    transfer_id: str
+    sender: PeerAddress
+    blocks: tuple[int, ...]
+    sender_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class RejectRequest:
+    transfer_id: str
+    sender: PeerAddress
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    transfer_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _LookupResult:
+    address: PeerAddress
+    metadata: PeerMetadata | None
+    error: BaseException | None
+
+
+@dataclass(slots=True)
+class StatsRequest:
+    done: threading.Event = field(default_factory=threading.Event)
+    result: RuntimeStatistics | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    drain_until: float  # time.monotonic(): stop waiting for writes and acks then
+
+
+Command = Send | LayersReady | Receive | RejectRequest | Abort | _LookupResult | StatsRequest | Stop
+
+
+@dataclass(frozen=True, slots=True)
+class Sink:
+    """Where the driver's outcomes go (the facade's result queue and counters)."""
+
+    report: Callable[[TransferEnded], None]
+    counters: Callable[[], dict[str, object]]  # the facade's part of a statistics snapshot
+    # Last resort after the thread stopped: fail whatever the engine still waits for
+    # (only if the protocol could not end it, its state broken by a crash).
+    fail_remaining: Callable[[FailureReason, str], None]
+
+
+# --------------------------------------------------------------------------- driver
+
+
+class Driver:
+    """The thread-owned half of a `PushRuntime`. See `kvpush.runtime` for the contract."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        geometry: CacheGeometry,
+        protocol: PushProtocol,
+        directory: PeerDirectory,
+        sink: Sink,
+        *,
+        clock: Callable[[], float],
+        idle_poll_s: float,
+        max_backoff_s: float,
+        spin_s: float,
+        tick_interval_s: float,
+    ) -> None:
+        self._transport = transport
+        self._geometry = geometry
+        self._protocol = protocol
+        self._sink = sink
+        self._clock = clock
+        self._idle_poll_s = idle_poll_s
+        self._max_backoff_s = max_backoff_s
+        self._spin_s = spin_s
+        self._tick_interval_s = tick_interval_s
+        self._layer_regions: dict[int, list[int]] = collections.defaultdict(list)
+        for i, region in enumerate(geometry.regions):
+            self._layer_regions[region.layer].append(i)
+        self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._lookup_worker = LookupWorker(
+            directory,
+            lambda a, m, e: self.commands.put(_LookupResult(a, m, e)),
+            name=f"kvpush-handshake-{transport.agent_name}",
+        )
+        self._thread: threading.Thread | None = None
+        # Owned by the driver's thread.
+        self._active = False  # set when the loop's pass wrote or sent something
+        self._lookups: set[PeerAddress] = set()  # addresses being looked up
+        self._infos: dict[str, PeerInfo] = {}  # agent -> what its handshake said
+        # Transfers registered in this loop pass from a cached handshake: if the data
+        # plane reports their sender gone in the same pass, the Register went nowhere.
+        self._unconfirmed: list[str] = []
+        self._register_retries = 0
+        self._write_bytes: dict[int, int] = {}
+        self._bytes_written = 0
+        self._malformed = 0
+        self._polls = 0
+        self._next_tick = float("-inf")
+        self._drain_until: float | None = None  # set by Stop
+        self._acks_until = 0.0  # set by Stop
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def start(self, on_crash: Callable[[BaseException], None]) -> None:
+        self._lookup_worker.start()
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(on_crash,),
+            name=f"kvpush-runtime-{self._transport.agent_name}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        """Drain (writes in flight for up to half of `timeout`, acknowledgements of our
+        cancels for up to `_CANCEL_ACK_WAIT_S`), then close the transport and end what
+        is left; join both threads."""
+        start = time.monotonic()
+        if self._thread is not None:
+            self.commands.put(Stop(drain_until=start + timeout / 2))
+            self._thread.join(timeout)
+        self._lookup_worker.close(max(0.0, timeout - (time.monotonic() - start)))
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self, on_crash: Callable[[BaseException], None]) -> None:
+        crash: BaseException | None = None
+        try:
+            self._loop()
+        except BaseException as exc:  # becomes failed transfers, never just a log line
+            log.exception("push runtime thread crashed")
+            crash = exc
+            on_crash(exc)
+        finally:
+            # Closed first: once the transport is closed no write can read or land in our
+            # memory, so only then are the blocks of what is left handed back.
+            try:
+                self._transport.close()
+            except Exception:
+                log.exception("closing the transport failed")
+            if crash is None:
+                reason, detail = (
+                    FailureReason.SHUTDOWN,
+                    "the push runtime was closed with the transfer in flight",
+                )
+            else:
+                reason, detail = (
+                    FailureReason.LOCAL_ERROR,
+                    f"push runtime thread crashed: {crash!r}",
+                )
+            try:
+                self._end_everything(reason, detail)
+            except Exception:
+                log.exception("the protocol could not end its transfers")
+            self._sink.fail_remaining(reason, detail)
+
+    def _end_everything(self, reason: FailureReason, detail: str) -> None:
+        for eff in self._protocol.shutdown(self._clock(), reason, detail):
+            if isinstance(eff, TransferEnded):
+                self._sink.report(eff)
+
+    # ----------------------------------------------------------------- the loop
+
+    def _loop(self) -> None:
+        backoff = 0.0
+        spin_until = 0.0
+        take, poll = self._take_commands, self._transport.poll
+        while True:
+            if self._drain_until is not None and self._drained():
+                return
+            if not self._in_flight():
+                timeout = self._idle_poll_s
+            elif spin_until and time.monotonic() < spin_until:
+                # Just active: the next event is likely microseconds away. The shortest
+                # wait, not none: a wait drops the GIL, so the engine's threads (woken
+                # by a result) are not held off for the interpreter's 5 ms switch interval.
+                timeout = _SPIN_WAIT_S
+            else:
+                timeout = backoff
+            commands = take(timeout)
+            busy = bool(commands)
+            self._active = False
+            for cmd in commands:
+                self._execute(cmd)
+            events = poll()
+            self._polls += 1
+            if events:
+                self._handle_events(events)
+            self._unconfirmed.clear()
+            now = self._clock()
+            if now >= self._next_tick:
+                self._next_tick = now + self._tick_interval_s
+                self._apply(self._protocol.tick(now))
+            if events or self._active:
+                # Data-plane activity (events in, writes or messages out): poll at the
+                # shortest interval for a moment, since NIXL progresses only when we poll
+                # and the answer (WriteDone, the peer's next message) follows quickly.
+                # Engine commands alone (statistics, a send waiting for its receiver) do
+                # not spin, so an in-flight but quiet endpoint still backs off.
+                spin_until = time.monotonic() + self._spin_s
+                backoff = 0.0
+            elif busy:
+                backoff = 0.0
+            else:
+                backoff = min(max(backoff * 2, 50e-6), self._max_backoff_s)
+
+    def _drained(self) -> bool:
+        """Stopping: nothing left that waiting could still settle, or out of time."""
+        assert self._drain_until is not None
+        now = time.monotonic()
+        if now >= self._drain_until:
+            return True
+        if self._protocol.sender.writes_in_flight():
+            return False
+        if now >= self._acks_until:
+            return True
+        return ReceiverState.FENCING not in self._protocol.receiver.states().values()
+
+    def _in_flight(self) -> bool:
+        return bool(self._lookups or self._write_bytes) or self._protocol.in_flight()
+
+    def _take_commands(self, timeout: float) -> list[Command]:
+        out: list[Command] = []
+        try:
+            if timeout > 0:
+                out.append(self.commands.get(timeout=timeout))
+            else:
+                out.append(self.commands.get_nowait())
+            while len(out) < 1024:
+                out.append(self.commands.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    def _handle_events(self, events: list[TransportEvent]) -> None:
+        now = self._clock()
+        protocol = self._protocol
+        for ev in events:
+            match ev:
+                case MessageReceived(peer=peer, payload=payload):
+                    try:
+                        effects = protocol.receive_message(now, peer, payload)
+                    except RemoteProtocolError as exc:
+                        self._malformed += 1
+                        effects = protocol.peer_misbehaved(now, peer, str(exc))
+                case WriteDone(write_id=wid):
+                    self._bytes_written += self._write_bytes.pop(wid, 0)
+                    effects = protocol.sender.write_done(now, wid)
+                case WriteFailed(write_id=wid, reason=reason, detail=detail):
+                    self._write_bytes.pop(wid, None)
+                    effects = protocol.sender.write_failed(now, wid, reason, detail)
+                case PeerLost(peer=peer, reason=reason, detail=detail):
+                    retry: list[Effect] = []
+                    for tid in self._unconfirmed:
+                        again = protocol.receiver.withdraw(now, tid, peer)
+                        if again is not None:
+                            self._register_retries += 1
+                            log.info(
+                                "transfer %s: %s was gone when its Register went out; "
+                                "looking its sender up again",
+                                tid,
+                                peer,
+                            )
+                            retry += again
+                    # DropPeer first (forget the cached metadata), then the new lookup.
+                    effects = protocol.peer_lost(now, peer, reason, detail) + retry
+            if effects:
+                self._apply(effects)
+
+    # ----------------------------------------------------------------- commands
+
+    def _execute(self, cmd: Command) -> None:
+        now = self._clock()
+        receiver, sender = self._protocol.receiver, self._protocol.sender
+        match cmd:
+            case Send(transfer_id=tid, blocks=blocks, ready_layers=layers):
+                self._apply(sender.submit(now, tid, blocks, layers))
+            case LayersReady(transfer_id=tid, layers=layers):
+                try:
+                    self._apply(sender.layers_ready(now, tid, layers))
+                except LocalProtocolError:
+                    # Never sent: nothing is in flight under that id, so nothing to end.
+                    log.debug("layers_ready for %s, which was never sent", tid)
+            case Receive(transfer_id=tid, sender=address, blocks=blocks, sender_offset=off):
+                self._apply(receiver.expect(now, tid, address, blocks, sender_offset=off))
+                if receiver.state_of(tid) is ReceiverState.WAITING:
+                    self._unconfirmed.append(tid)  # registered from the cache just now
+            case RejectRequest(transfer_id=tid, sender=address, detail=detail):
+                self._apply(receiver.reject(now, tid, address, detail))
+            case Abort(transfer_id=tid):
+                self._apply(sender.abort(now, tid))
+                self._apply(receiver.abort(now, tid))
+            case _LookupResult():
+                self._on_lookup(now, cmd)
+            case StatsRequest():
+                cmd.result = self.snapshot()
+                cmd.done.set()
+            case Stop(drain_until=until):
+                self._begin_stop(now, until)
+
+    def _begin_stop(self, now: float, until: float) -> None:
+        """close(): every transfer fails as SHUTDOWN the safe way (senders drain their
+        writes, receivers cancel); what is still open at `until` ends once the transport
+        is closed (`_run`)."""
+        self._drain_until = until
+        self._acks_until = min(until, time.monotonic() + _CANCEL_ACK_WAIT_S)
+        detail = "the push runtime was closed with the transfer in flight"
+        for tid in list(self._protocol.sender.states()):
+            self._apply(self._protocol.sender.abort(now, tid, FailureReason.SHUTDOWN, detail))
+        for tid in list(self._protocol.receiver.states()):
+            self._apply(self._protocol.receiver.abort(now, tid, FailureReason.SHUTDOWN, detail))
+
+    # ----------------------------------------------------------------- handshakes
+
+    def _on_lookup(self, now: float, result: _LookupResult) -> None:
+        address = result.address
+        self._lookups.discard(address)
+        meta, error = result.metadata, result.error
+        if meta is None:
+            reason = handshake_reason(error) if error is not None else FailureReason.LOCAL_ERROR
+            self._apply(self._protocol.handshake_failed(now, address, reason, f"{error}"))
+            return
+        info = PeerInfo(
+            meta.agent_name, meta.engine_id, meta.incarnation, meta.geometry.compat_fields()
+        )
+        ours = meta.agent_name == self._transport.agent_name
+        if not ours and self._protocol.incompatibility(info.compat) is None:
+            # Loaded on the data plane only when the protocol will use it.
+            try:
+                if not self._transport.has_peer(meta.agent_name):
+                    self._transport.add_peer(meta.agent_name, meta.agent_metadata, meta.geometry)
+            except KVPushError as exc:
+                reason = handshake_reason(exc)
+                self._apply(self._protocol.handshake_failed(now, address, reason, str(exc)))
+                return
+            self._infos[meta.agent_name] = info
+        self._apply(self._protocol.handshake_done(now, address, info))
+
+    def _lookup(self, now: float, hs: Handshake) -> None:
+        info = self._infos.get(hs.peer) if hs.peer is not None else None
+        if info is not None and self._transport.has_peer(info.agent):
+            # The sender handshaking back to an agent our receiver side looked up
+            # already, and just heard from: that lookup answers this one too.
+            self._apply(self._protocol.handshake_done(now, hs.address, info))
+        elif hs.address not in self._lookups:
+            self._lookups.add(hs.address)
+            self._lookup_worker.submit(hs.address)
+
+    # ----------------------------------------------------------------- effects
+
+    def _apply(self, effects: list[Effect]) -> None:
+        if not effects:
+            return
+        now = self._clock()
+        for eff in effects:
+            match eff:
+                case SendMessage(peer=peer, message=msg):
+                    # Fire and forget: a lost message shows up as silence.
+                    self._active = True
+                    with contextlib.suppress(TransportError):
+                        self._transport.send_message(peer, encode(msg))
+                case WriteBlocks():
+                    self._write(now, eff)
+                case Handshake():
+                    self._lookup(now, eff)
+                case DropPeer(peer=agent):
+                    self._transport.remove_peer(agent)
+                    self._infos.pop(agent, None)
+                case TransferEnded():
+                    self._sink.report(eff)
+
+    def _write(self, now: float, w: WriteBlocks) -> None:
+        if w.layers is None:
+            regions: list[int] | None = None
+            nbytes = self._geometry.bytes_per_block * len(w.our_blocks)
+        else:
+            regions = [r for layer in w.layers for r in self._layer_regions.get(layer, [])]
+            per_block = sum(self._geometry.regions[r].block_bytes for r in regions)
+            nbytes = per_block * len(w.our_blocks)
+        try:
+            self._transport.write_blocks(
+                w.peer,
+                w.write_id,
+                w.our_blocks,
+                w.their_blocks,
+                None if w.notification is None else encode(w.notification),
+                regions,
+            )
+        except TransportError as exc:
+            self._apply(self._protocol.sender.write_failed(now, w.write_id, exc.reason, exc.detail))
+            return
+        self._active = True
+        self._write_bytes[w.write_id] = nbytes
+
+    # ----------------------------------------------------------------- statistics
+
+    def snapshot(self) -> RuntimeStatistics:
+        """Read on the driver's thread (or once it stopped)."""
+        sender, receiver = self._protocol.sender, self._protocol.receiver
+        sending = collections.Counter(s.value for s in sender.states().values())
+        receiving = collections.Counter(s.value for s in receiver.states().values())
+        counters = self._sink.counters()
+        return RuntimeStatistics(
+            sending=dict(sending),
+            receiving=dict(receiving),
+            bytes_written=self._bytes_written,
+            blocks_held_sending=sum(len(b) for b in sender.held_blocks().values()),
+            blocks_held_receiving=sum(len(b) for b in receiver.held_blocks().values()),
+            peers=receiver.known_peers(),
+            handshakes_in_flight=len(self._lookups),
+            malformed_messages=self._malformed,
+            transport_polls=self._polls,
+            register_retries=self._register_retries,
+            writes_in_flight=sender.writes_in_flight(),
+            stale_registers=sender.stale_registers,
+            **counters,  # type: ignore[arg-type]
+        )

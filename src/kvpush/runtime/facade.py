@@ -1,0 +1,364 @@
+"""`PushRuntime`: what the engine calls. Argument checks (all of them, here), the lock,
+the result queue; everything else goes to the `Driver`'s thread as a command."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from kvpush import __version__
+from kvpush.config import STRICT_COMPATIBILITY, CompatibilityPolicy, TimingConfig
+from kvpush.errors import (
+    ClosedError,
+    ConfigError,
+    FailureReason,
+    LocalProtocolError,
+    RuntimeStopped,
+)
+from kvpush.geometry import CacheGeometry
+from kvpush.protocol import (
+    REVALIDATE_AFTER_S,
+    LocalIdentity,
+    PeerAddress,
+    PushProtocol,
+    Side,
+    TransferEnded,
+)
+from kvpush.runtime.directory import PeerDirectory
+from kvpush.runtime.driver import (
+    Abort,
+    Command,
+    Driver,
+    LayersReady,
+    Receive,
+    RejectRequest,
+    Send,
+    Sink,
+    StatsRequest,
+)
+from kvpush.runtime.values import RuntimeIdentity, RuntimeStatistics, TransferResult
+from kvpush.sidechannel import ROLES, PeerMetadata
+from kvpush.transports.base import Transport
+
+__all__ = ["PushRuntime"]
+
+log = logging.getLogger(__name__)
+
+_JOIN_TIMEOUT_S = 5.0
+
+
+class PushRuntime:
+    """One rank's push runtime. See `kvpush.runtime` for the engine API and contract."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        geometry: CacheGeometry,
+        identity: RuntimeIdentity,
+        directory: PeerDirectory,
+        *,
+        timing: TimingConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        idle_poll_s: float | None = None,
+        max_backoff_s: float = 0.001,
+        spin_s: float = 0.0005,
+        revalidate_after_s: float = REVALIDATE_AFTER_S,
+        kvpush_version: str = __version__,
+        compatibility: CompatibilityPolicy = STRICT_COMPATIBILITY,
+    ) -> None:
+        if identity.role not in ROLES:
+            raise ConfigError(f"role {identity.role!r} is not one of {', '.join(ROLES)}")
+        if max_backoff_s <= 0 or (idle_poll_s is not None and idle_poll_s <= 0):
+            raise ConfigError("idle_poll_s and max_backoff_s must be positive")
+        if spin_s < 0:
+            raise ConfigError(f"spin_s must be >= 0, got {spin_s}")
+        if revalidate_after_s < 0:
+            raise ConfigError(f"revalidate_after_s must be >= 0, got {revalidate_after_s}")
+        if not isinstance(compatibility, CompatibilityPolicy):
+            raise ConfigError(
+                f"compatibility must be a kvpush.config.CompatibilityPolicy, got {compatibility!r}"
+            )
+        self._transport = transport
+        self._geometry = geometry
+        self._identity = identity
+        self._timing = timing or TimingConfig()
+        self._kvpush_version = kvpush_version
+        self._layers = sorted({r.layer for r in geometry.regions}) or [0]
+        self._layer_set = frozenset(self._layers)
+        protocol = PushProtocol(
+            LocalIdentity(
+                identity.engine_id,
+                identity.incarnation,
+                identity.host,
+                identity.port,
+                identity.rank,
+            ),
+            self._timing,
+            max(1, geometry.num_layers),
+            geometry.compat_fields(),
+            compatibility=compatibility,
+            revalidate_after_s=revalidate_after_s,
+        )
+        self._driver = Driver(
+            transport,
+            geometry,
+            protocol,
+            directory,
+            Sink(self._report, self._counters, self._fail_remaining),
+            clock=clock,
+            idle_poll_s=idle_poll_s or self._timing.heartbeat_interval_s / 2,
+            max_backoff_s=max_backoff_s,
+            spin_s=spin_s,
+            tick_interval_s=min(self._timing.heartbeat_interval_s / 4, 0.05),
+        )
+        # Engine-facing state, guarded by _lock.
+        self._lock = threading.Lock()
+        self._results_cv = threading.Condition(self._lock)
+        self._results: collections.deque[TransferResult] = collections.deque()
+        self._live: set[tuple[Side, str]] = set()
+        self._finished = 0
+        self._failed = 0
+        self._failures: collections.Counter[str] = collections.Counter()
+        self._duplicates = 0
+        self._started = False
+        self._closed = False
+        self._crash: BaseException | None = None
+        self._local_metadata: PeerMetadata | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise ClosedError("this PushRuntime was closed; create a new one")
+            if self._started:
+                raise LocalProtocolError("PushRuntime.start() called twice")
+            self._started = True
+        self._transport.start()
+        self._transport.register_memory(self._geometry)
+        self._local_metadata = PeerMetadata(
+            engine_id=self._identity.engine_id,
+            incarnation=self._identity.incarnation,
+            rank=self._identity.rank,
+            role=self._identity.role,
+            agent_name=self._transport.agent_name,
+            agent_metadata=self._transport.metadata(),
+            geometry=self._geometry,
+            kvpush_version=self._kvpush_version,
+        )
+        self._driver.start(self._crashed)
+
+    def close(self, timeout: float = _JOIN_TIMEOUT_S) -> None:
+        """Stop. In-flight transfers end as SHUTDOWN (poll() still returns them).
+
+        Senders wait for their writes in flight (up to half of `timeout`) and receivers
+        for their senders' acknowledgements (briefly: a live sender answers within a
+        round trip); then the transport is closed and what is left is reported (no
+        write can read our blocks once it is closed).
+        A receiver's transfer still fenced then may yet be written by a sender whose
+        lease has not run out: an engine that keeps running should not reuse those
+        blocks for `lease_s + 2 * liveness_timeout_s`. Threads are joined within
+        `timeout`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            started = self._started
+        if started:
+            self._driver.stop(timeout)
+        else:
+            self._transport.close()
+
+    def __enter__(self) -> PushRuntime:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def local_metadata(self) -> PeerMetadata:
+        """This rank's metadata, to publish on the side channel. Available after start()."""
+        if self._local_metadata is None:
+            raise LocalProtocolError("local_metadata(): call start() first")
+        return self._local_metadata
+
+    @property
+    def agent_name(self) -> str:
+        return self._transport.agent_name
+
+    # ----------------------------------------------------------------- engine API
+
+    def send(
+        self,
+        transfer_id: str,
+        blocks: Sequence[int],
+        *,
+        ready_layers: Iterable[int] | None = None,
+    ) -> None:
+        """Offer our `blocks` for `transfer_id`. `ready_layers=None`: all computed; else
+        only those layers are, and `layers_ready` announces the rest."""
+        ours = self._check_blocks(transfer_id, blocks)
+        layers = None if ready_layers is None else self._check_layers(transfer_id, ready_layers)
+        self._submit(("sender", transfer_id), Send(transfer_id, ours, layers))
+
+    def layers_ready(self, transfer_id: str, layers: Iterable[int]) -> None:
+        self._check_id(transfer_id)
+        self._submit(None, LayersReady(transfer_id, self._check_layers(transfer_id, layers)))
+
+    def receive(
+        self,
+        transfer_id: str,
+        sender: PeerAddress,
+        blocks: Sequence[int],
+        *,
+        sender_offset: int = 0,
+    ) -> None:
+        """Expect `transfer_id` from `sender` into `blocks`; `blocks[i]` receives the
+        sender's block `sender_offset + i`. Empty `blocks`: a full prefix-cache hit."""
+        ours = self._check_blocks(transfer_id, blocks)
+        self._check_address(sender)
+        if isinstance(sender_offset, bool) or not isinstance(sender_offset, int):
+            raise LocalProtocolError(f"sender_offset must be an int, got {sender_offset!r}")
+        if sender_offset < 0:
+            raise LocalProtocolError(f"sender_offset must be >= 0, got {sender_offset}")
+        self._submit(("receiver", transfer_id), Receive(transfer_id, sender, ours, sender_offset))
+
+    def reject(self, transfer_id: str, sender: PeerAddress, detail: str = "") -> None:
+        """Refuse `transfer_id` before allocating: the sender frees its blocks at once.
+        Nothing is reported for it on this side."""
+        self._check_id(transfer_id)
+        self._check_address(sender)
+        self._submit(None, RejectRequest(transfer_id, sender, detail))
+
+    def abort(self, transfer_id: str) -> None:
+        """Cancel `transfer_id` (either side). Its result still comes from poll()."""
+        self._check_id(transfer_id)
+        self._submit(None, Abort(transfer_id))
+
+    def poll(self) -> list[TransferResult]:
+        """Every transfer that ended since the last call; never blocks."""
+        with self._lock:
+            out = list(self._results)
+            self._results.clear()
+            return out
+
+    def wait(self, timeout: float | None = None) -> list[TransferResult]:
+        """Like poll(), but waits up to `timeout` seconds for at least one result."""
+        with self._results_cv:
+            self._results_cv.wait_for(
+                lambda: bool(self._results) or self._stopped_locked(), timeout
+            )
+            out = list(self._results)
+            self._results.clear()
+            return out
+
+    def statistics(self) -> RuntimeStatistics:
+        if self._driver.alive():
+            req = StatsRequest()
+            self._driver.commands.put(req)
+            if req.done.wait(_JOIN_TIMEOUT_S) and req.result is not None:
+                return req.result
+        return self._driver.snapshot()
+
+    # ----------------------------------------------------------------- argument checks
+
+    def _stopped_locked(self) -> bool:
+        return self._crash is not None or (self._closed and not self._live)
+
+    def _submit(self, key: tuple[Side, str] | None, command: Command) -> None:
+        with self._lock:
+            if self._crash is not None:
+                raise RuntimeStopped(f"the push runtime stopped: {self._crash!r}") from self._crash
+            if self._closed:
+                raise ClosedError("this PushRuntime was closed")
+            if not self._started:
+                raise LocalProtocolError("call PushRuntime.start() first")
+            if key is not None:
+                if key in self._live:
+                    raise LocalProtocolError(
+                        f"transfer {key[1]!r} is already in flight on the {key[0]} side"
+                    )
+                self._live.add(key)
+        self._driver.commands.put(command)
+
+    def _check_id(self, transfer_id: str) -> None:
+        if not isinstance(transfer_id, str) or not transfer_id:
+            raise LocalProtocolError(f"transfer id must be a non-empty str, got {transfer_id!r}")
+        if len(transfer_id) > 512:
+            raise LocalProtocolError(
+                f"transfer id is {len(transfer_id)} characters long: expected at most 512"
+            )
+
+    def _check_address(self, sender: PeerAddress) -> None:
+        if not isinstance(sender, PeerAddress):
+            raise LocalProtocolError(
+                f"sender must be a kvpush.runtime.PeerAddress(host, port, rank), got {sender!r}"
+            )
+
+    def _check_blocks(self, transfer_id: str, blocks: Sequence[int]) -> tuple[int, ...]:
+        self._check_id(transfer_id)
+        n = self._geometry.num_blocks
+        out = tuple(blocks)
+        bad = [b for b in out if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < n]
+        if bad:
+            raise LocalProtocolError(
+                f"transfer {transfer_id!r}: block ids {bad[:8]} are outside the cache: "
+                f"expected integers in 0..{n - 1}"
+            )
+        if len(set(out)) != len(out):
+            raise LocalProtocolError(f"transfer {transfer_id!r}: block ids repeat: {list(out)}")
+        return out
+
+    def _check_layers(self, transfer_id: str, layers: Iterable[int]) -> tuple[int, ...]:
+        out = tuple(layers)
+        bad = [x for x in out if x not in self._layer_set]
+        if bad:
+            raise LocalProtocolError(
+                f"transfer {transfer_id!r}: layers {bad} are not in the cache: expected "
+                f"some of {self._layers}"
+            )
+        return out
+
+    # ----------------------------------------------------------------- the driver's sink
+
+    def _report(self, result: TransferEnded) -> None:
+        key = (result.side, result.transfer_id)
+        with self._results_cv:
+            if key not in self._live:
+                self._duplicates += 1
+                log.error("suppressed a second result for %s: %s", key, result)
+                return
+            self._live.discard(key)
+            self._results.append(result)
+            if result.reason is None:
+                self._finished += 1
+            else:
+                self._failed += 1
+                self._failures[result.reason.value] += 1
+            self._results_cv.notify_all()
+
+    def _counters(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "finished": self._finished,
+                "failed": self._failed,
+                "failures": dict(self._failures),
+                "results_queued": len(self._results),
+                "duplicate_reports": self._duplicates,
+            }
+
+    def _crashed(self, exc: BaseException) -> None:
+        with self._results_cv:
+            self._crash = exc
+            self._results_cv.notify_all()
+
+    def _fail_remaining(self, reason: FailureReason, detail: str) -> None:
+        with self._lock:
+            live = sorted(self._live)
+        for side, tid in live:  # blocks unknown: the protocol that knew them is broken
+            self._report(TransferEnded(tid, side, reason, detail, ()))
+        with self._results_cv:
+            self._results_cv.notify_all()

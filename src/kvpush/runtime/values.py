@@ -1,0 +1,58 @@
+"""What the engine hands the runtime and gets back: plain, frozen values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpush.protocol import PeerAddress, TransferEnded
+
+__all__ = ["PeerAddress", "RuntimeIdentity", "RuntimeStatistics", "TransferResult"]
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeIdentity:
+    """Who this rank is: sent to senders in `Register` so they can handshake back."""
+
+    engine_id: str
+    incarnation: str
+    host: str  # our side channel's host, as peers can reach it
+    port: int  # our side channel's port
+    rank: int = 0
+    role: str = "both"  # "sender" | "receiver" | "both", as published
+
+
+# How one transfer ended, on one side: the protocol's own record, reported exactly once
+# by `poll()`/`wait()` (`.ok`, `.reason`, `.detail`, `.blocks`, `.raise_for_failure()`).
+TransferResult = TransferEnded
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeStatistics:
+    """A snapshot. `sending`/`receiving` count in-flight transfers by state (the
+    protocol's `SenderState`/`ReceiverState` values, "handshaking" included)."""
+
+    sending: dict[str, int]
+    receiving: dict[str, int]
+    finished: int
+    failed: int
+    failures: dict[str, int]  # by FailureReason value
+    bytes_written: int
+    blocks_held_sending: int
+    blocks_held_receiving: int
+    results_queued: int  # ended, not yet taken by poll()
+    peers: int  # side-channel addresses with a usable handshake cached
+    handshakes_in_flight: int  # side-channel lookups running, one per address
+    malformed_messages: int
+    transport_polls: int
+    # An assertion, not a feature: every result comes from the protocol, once; a second
+    # one for the same transfer would be a bug, counted here (and dropped) if ever.
+    duplicate_reports: int
+    # Registers sent again after a fresh handshake because their first send, to cached
+    # metadata, found the peer gone (a sender restarted within `revalidate_after_s`).
+    register_retries: int = 0
+    writes_in_flight: int = 0  # writes whose outcome the data plane has not reported
+    stale_registers: int = 0  # Registers refused because their lease had already run out
+
+    @property
+    def in_flight(self) -> int:
+        return sum(self.sending.values()) + sum(self.receiving.values())
