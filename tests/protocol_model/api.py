@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 from kvpush.errors import FailureReason
 
 if TYPE_CHECKING:
-    from .model import Model, Scope, World
+    from .model import Scope, World
 
 
-def Api(state: ModuleType, scope: Scope, mutation: str | None) -> ApiBase:  # noqa: N802
+def Api(state: ModuleType, scope: Scope, mutation: str | None) -> ApiBase:
     """The adapter for `state`'s API: main's (the receiver handshakes outside the
     protocol) or the one with handshakes, compatibility and clock-stamped messages."""
     if hasattr(state, "PeerAddress"):
@@ -163,7 +163,11 @@ class ApiV2(ApiBase):
         return ENGINE_AT[eff.address.port]
 
     def handshake_possible(self, w: World, target: str) -> bool:
-        return w.ends[w.current[target]].alive
+        # A stalled process's side channel does not answer either (the lookup waits,
+        # or times out: a failure).
+        e = w.ends[w.current[target]]
+        answers = e.phase != "stalled" or self.scope.stalled_side_channel_answers
+        return e.alive and answers
 
     def handshake_ok(self, w: World, end: Any, now: float, target: str) -> list[Any]:
         agent = w.current[target]

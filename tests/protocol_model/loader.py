@@ -21,7 +21,7 @@ _FILES = ("messages", "state")
 def load(rev: str | None) -> types.ModuleType:
     """The `state` module of the protocol at `rev` (None: the one on sys.path)."""
     if rev is None:
-        import kvpush.protocol.state as state
+        from kvpush.protocol import state
 
         return state
     package = "kvpush_protocol_at_" + re.sub(r"\W", "_", rev)

@@ -114,11 +114,17 @@ class Scope:
     # A write lands or fails within this many seconds of being issued (None: any time).
     # The fence's stated assumption: within 2 * liveness_timeout_s of the lease's end.
     write_bound_s: float | None = 2.0
+    # Tick a running endpoint in the same step whenever one of its timers is due (as
+    # the runtime's loop does), rather than as a step of its own in every order.
+    eager_ticks: bool = True
+    # Does a stalled process's side channel still answer handshakes? Not when the whole
+    # process is stopped (SIGSTOP); yes when only its runtime thread is stuck.
+    stalled_side_channel_answers: bool = False
     # Geometry per engine (a compatibility token); the checker's bug-1 invariant.
     geometry: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
     timing: TimingConfig = field(
         default_factory=lambda: TimingConfig(
-            heartbeat_interval_s=1.0, liveness_timeout_s=2.0, lease_s=3.0, transfer_deadline_s=6.0
+            heartbeat_interval_s=1.0, liveness_timeout_s=2.0, lease_s=2.0, transfer_deadline_s=4.0
         )
     )
 
@@ -196,9 +202,7 @@ class Model:
         import kvpush.config
         import kvpush.errors
 
-        self.key_of = Keyer(
-            (state_module, self.api.messages, kvpush.config, kvpush.errors)
-        )
+        self.key_of = Keyer((state_module, self.api.messages, kvpush.config, kvpush.errors))
 
     # ----- the first state
 
@@ -264,21 +268,34 @@ class Model:
             sender_agent = w.current[t.sender]
             prev_expected = i == 0 or not self.scope.ordered or self._started(w, i - 1, "r")
             prev_submitted = i == 0 or not self.scope.ordered or self._started(w, i - 1, "s")
-            if tx.r_agent is None and prev_expected and rv.alive and rv.phase != "stalled":
-                if self.free_blocks(w, rv.agent, t.n - t.offset) is not None:
-                    if w.ends[sender_agent].alive:
-                        out.append(("expect", t.tid))
-            if tx.s_agent is None and prev_submitted and w.ends[sender_agent].alive:
-                if self.free_blocks(w, sender_agent, t.n) is not None:
-                    out.append(("submit", t.tid))
+            if (
+                tx.r_agent is None
+                and prev_expected
+                and rv.alive
+                and rv.phase != "stalled"
+                and w.ends[sender_agent].alive
+                and self.free_blocks(w, rv.agent, t.n - t.offset) is not None
+            ):
+                out.append(("expect", t.tid))
+            if (
+                tx.s_agent is None
+                and prev_submitted
+                and w.ends[sender_agent].alive
+                and self.free_blocks(w, sender_agent, t.n) is not None
+            ):
+                out.append(("submit", t.tid))
             if tx.s_agent is not None and not tx.s_ended and w.ends[tx.s_agent].alive:
                 if tx.layers_left:
                     out.append(("layer", t.tid))
                 if not self.spent(w, "aborts"):
                     out.append(("abort", "sender", t.tid))
-            if tx.r_agent is not None and not tx.r_ended and self.running(w, tx.r_agent):
-                if not self.spent(w, "aborts"):
-                    out.append(("abort", "receiver", t.tid))
+            if (
+                tx.r_agent is not None
+                and not tx.r_ended
+                and self.running(w, tx.r_agent)
+                and not self.spent(w, "aborts")
+            ):
+                out.append(("abort", "receiver", t.tid))
         # The network.
         for m in w.net:
             if self.running(w, m[1]):
@@ -310,11 +327,7 @@ class Model:
         for agent, e in w.ends.items():
             if not e.alive:
                 for obs_agent, obs in w.ends.items():
-                    if (
-                        obs.alive
-                        and obs.phase != "stalled"
-                        and (obs_agent, agent) not in w.noticed
-                    ):
+                    if obs.alive and obs.phase != "stalled" and (obs_agent, agent) not in w.noticed:
                         out.append(("lost", obs_agent, agent))
                 continue
             if not self.spent(w, "restarts"):
@@ -331,7 +344,7 @@ class Model:
         # Time.
         if not catching_up:
             for agent, e in w.ends.items():
-                if e.alive and e.phase == "running":
+                if e.alive and e.phase == "running" and not self.scope.eager_ticks:
                     nd = e.proto.next_deadline()
                     if nd is not None and nd <= self.local(w, agent):
                         out.append(("tick", agent))
@@ -340,10 +353,13 @@ class Model:
             if self.scope.prompt and waiting:
                 target = None
             bound = self.scope.write_bound_s
-            if target is not None and bound is not None:
-                # The data plane's promise: a write lands or fails within the bound.
-                if any(not wr.landed and target > wr.issued_at + bound for wr in w.writes):
-                    target = None
+            # The data plane's promise: a write lands or fails within the bound.
+            if (
+                target is not None
+                and bound is not None
+                and any(not wr.landed and target > wr.issued_at + bound for wr in w.writes)
+            ):
+                target = None
             if target is not None and len(w.net) <= self.scope.max_messages:
                 out.append(("clock", target))
         return out
@@ -357,7 +373,7 @@ class Model:
         pass while it sleeps). A timer already due that a tick did not move hides the
         ones behind it, so then time moves by a heartbeat interval."""
         times = []
-        for agent, e in w.ends.items():
+        for e in w.ends.values():
             if not e.alive:
                 continue
             nd = e.proto.next_deadline()
@@ -376,7 +392,22 @@ class Model:
         kind = action[0]
         handler = getattr(self, "_do_" + kind)
         line: str = handler(w, *action[1:])
+        if self.scope.eager_ticks:
+            line += self._due_ticks(w)
         return f"t={w.now:g} {line}"
+
+    def _due_ticks(self, w: World) -> str:
+        """The runtime ticks in the same pass when a timer is due (once: a timer that a
+        tick does not move is the protocol's business, and the clock steps past it)."""
+        said = []
+        for agent, e in w.ends.items():
+            if e.alive and e.phase == "running":
+                nd = e.proto.next_deadline()
+                if nd is not None and nd <= self.local(w, agent):
+                    text = self._apply(w, agent, self._call(w, agent, e.proto.tick))
+                    if text:
+                        said.append(f"{agent} ticks{text}")
+        return ("; " + "; ".join(said)) if said else ""
 
     def _do_expect(self, w: World, tid: str) -> str:
         t = self.specs[tid]
@@ -456,7 +487,9 @@ class Model:
         try:
             return list(fn(self.local(w, agent)))
         except LocalProtocolError as exc:
-            raise Violation("refused-call", f"{agent}: the protocol refused a legal call: {exc}") from None
+            raise Violation(
+                "refused-call", f"{agent}: the protocol refused a legal call: {exc}"
+            ) from None
 
     # network
 
@@ -498,9 +531,10 @@ class Model:
         for b in wr.theirs:
             if owners.get(b) != wr.tid:
                 now_held = f"given to {owners[b]}" if b in owners else "handed back"
-                raise Violation("late-write", 
+                raise Violation(
+                    "late-write",
                     f"write {wr.wid} of {wr.tid} lands in block {b} of {wr.dst}, "
-                    f"which the receiver's engine has {now_held}"
+                    f"which the receiver's engine has {now_held}",
                 )
         layers = range(self.scope.num_layers) if wr.layers is None else wr.layers
         for layer in layers:
@@ -570,9 +604,7 @@ class Model:
         effects = self._call(
             w, observer, lambda now: proto.peer_lost(now, dead, FailureReason.PEER_GONE, "gone")
         )
-        return f"{observer}: the data plane reports {dead} gone" + self._apply(
-            w, observer, effects
-        )
+        return f"{observer}: the data plane reports {dead} gone" + self._apply(w, observer, effects)
 
     def _do_stall(self, w: World, agent: str) -> str:
         self.spend(w, "stalls")
@@ -594,9 +626,7 @@ class Model:
         item = e.inbox.pop(i)
         if item[0] == "message":
             m = item[1]
-            effects = self._call(
-                w, agent, lambda now: e.proto.receive_message(now, m[0], m[2])
-            )
+            effects = self._call(w, agent, lambda now: e.proto.receive_message(now, m[0], m[2]))
             line = f"{agent} handles queued {self._describe(m[2])} from {m[0]}"
         else:
             effects = self._call(w, agent, lambda now: self._run_call(e, now, item))
@@ -608,7 +638,7 @@ class Model:
         if e.inbox:
             return ""
         e.phase = "running"
-        effects = self._call(w, agent, lambda now: e.proto.tick(now))
+        effects = self._call(w, agent, e.proto.tick)
         return "; then it ticks" + self._apply(w, agent, effects)
 
     def _do_tick(self, w: World, agent: str) -> str:
@@ -657,9 +687,13 @@ class Model:
         if isinstance(eff, a.WriteBlocks):
             tx = w.tx.get(eff.transfer_id)
             if tx is None or tx.s_agent != agent:
-                raise Violation("phantom", f"{agent} writes for {eff.transfer_id}, never submitted to it")
+                raise Violation(
+                    "phantom", f"{agent} writes for {eff.transfer_id}, never submitted to it"
+                )
             if tx.s_ended:
-                raise Violation("write-after-end", f"{agent} writes for {eff.transfer_id} after ending it")
+                raise Violation(
+                    "write-after-end", f"{agent} writes for {eff.transfer_id} after ending it"
+                )
             note = a.encode(eff.notification) if eff.notification is not None else None
             w.writes.append(
                 Write(
@@ -698,10 +732,14 @@ class Model:
         outcome = "ok" if eff.reason is None else f"failed ({eff.reason.value})"
         where = tx.s_agent if (tx and side == "sender") else (tx.r_agent if tx else None)
         if tx is None or where != agent:
-            raise Violation("phantom", f"{agent} reports {tid} on the {side} side, never handed to it")
+            raise Violation(
+                "phantom", f"{agent} reports {tid} on the {side} side, never handed to it"
+            )
         ended = tx.s_ended if side == "sender" else tx.r_ended
         if ended:
-            raise Violation("twice", f"{agent} reports {tid} a second time ({ended[0]}, now {outcome})")
+            raise Violation(
+                "twice", f"{agent} reports {tid} a second time ({ended[0]}, now {outcome})"
+            )
         ended.append(outcome)
         if eff.reason is None:
             geometry = dict(self.scope.geometry)
@@ -714,13 +752,18 @@ class Model:
                 )
         want = tx.s_blocks if side == "sender" else tx.r_blocks
         if tuple(eff.blocks) != want:
-            raise Violation("phantom", f"{agent} hands back {tid} blocks {eff.blocks}, it held {want}")
+            raise Violation(
+                "phantom", f"{agent} hands back {tid} blocks {eff.blocks}, it held {want}"
+            )
         if side == "sender":
             for wr in w.writes:
-                if wr.src == agent and not wr.landed and set(wr.ours) & set(want):
-                    raise Violation("source-reused", 
+                # A write to a dead process lands nowhere: what it reads does not matter.
+                alive = w.ends[wr.dst].alive
+                if wr.src == agent and not wr.landed and alive and set(wr.ours) & set(want):
+                    raise Violation(
+                        "source-reused",
                         f"{agent} hands back blocks {_fmt_blocks(want)} of {tid} while its "
-                        f"write {wr.wid} still reads them; the engine overwrites them now"
+                        f"write {wr.wid} still reads them; the engine overwrites them now",
                     )
             # The engine reuses the blocks at once: new content.
             for b in want:
@@ -745,9 +788,10 @@ class Model:
                 want = tx.submitted[(t.offset + i) * nl + layer]
                 got = w.memory[agent][(b, layer)]
                 if got != want:
-                    raise Violation("wrong-bytes", 
+                    raise Violation(
+                        "wrong-bytes",
                         f"{agent} reports {tid} ok, but its block {b} layer {layer} holds "
-                        f"{got!r}, not the submitted {want!r}"
+                        f"{got!r}, not the submitted {want!r}",
                     )
 
     # ----- at rest
@@ -759,14 +803,21 @@ class Model:
             if not e.alive:
                 continue
             if e.proto.in_flight():
-                raise Violation("held-at-rest", f"{agent} still has transfers in flight, and no timer left")
+                raise Violation(
+                    "held-at-rest", f"{agent} still has transfers in flight, and no timer left"
+                )
             held = self.api.held(e.proto)
             if held:
                 raise Violation("held-at-rest", f"{agent} still holds blocks at rest: {held}")
             if w.held[agent]:
-                raise Violation("held-at-rest", f"{agent}'s engine never got back blocks {w.held[agent]}")
+                raise Violation(
+                    "held-at-rest", f"{agent}'s engine never got back blocks {w.held[agent]}"
+                )
         for tid, tx in w.tx.items():
-            for agent, ended, side in ((tx.s_agent, tx.s_ended, "sender"), (tx.r_agent, tx.r_ended, "receiver")):
+            for agent, ended, side in (
+                (tx.s_agent, tx.s_ended, "sender"),
+                (tx.r_agent, tx.r_ended, "receiver"),
+            ):
                 if agent is not None and w.ends[agent].alive and len(ended) != 1:
                     raise Violation("never-ended", f"{tid} never ended on the {side} {agent}")
 

@@ -42,9 +42,7 @@ def _with_sender(state: ModuleType, sender_class: type) -> type:
         def __init__(self, identity: Any, timing: Any, num_layers: int, compat: Any, **kw: Any):
             super().__init__(identity, timing, num_layers, compat, **kw)
             policy = kw.get("compatibility", state.STRICT_COMPATIBILITY)
-            self.sender = sender_class(
-                identity, timing, num_layers, compat, compatibility=policy
-            )
+            self.sender = sender_class(identity, timing, num_layers, compat, compatibility=policy)
 
     MutantPushProtocol.__name__ = f"MutantPushProtocol_{sender_class.__name__}"
     _register(MutantPushProtocol)
