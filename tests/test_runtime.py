@@ -769,3 +769,53 @@ def test_close_reports_a_write_that_never_finishes_only_after_the_transport_clos
     [rp] = p.poll()
     assert rp.reason is FailureReason.SHUTDOWN and rp.blocks == (1,)
     assert not any(t.name.endswith("p-1") for t in threading.enumerate())
+
+
+class StallingTransport(LoopbackTransport):
+    """A loopback endpoint whose runtime thread the test can stop in poll(), before it
+    reads anything, as a SIGSTOP would: nothing it was sent is read, no command it was
+    given runs. The stopped poll returns nothing, so on resume the commands queued
+    meanwhile run first, then the inbox is read (a stop between two loop passes)."""
+
+    def __init__(self, fabric: LoopbackFabric, name: str) -> None:
+        super().__init__(fabric, name)
+        self.stop = threading.Event()
+        self.stopped = threading.Event()
+        self.resume = threading.Event()
+
+    def poll(self) -> list[TransportEvent]:
+        if self.stop.is_set():
+            self.stopped.set()
+            self.resume.wait(30)
+            self.stop.clear()
+            return []
+        return super().poll()
+
+
+def test_a_stalled_sender_never_writes_into_blocks_the_receiver_gave_back(
+    cluster: Cluster,
+) -> None:
+    stalling = StallingTransport(cluster.fabric, "p-1")
+    p, p_addr = cluster.add("p-1", "engine-p", transport=stalling)
+    d, _ = cluster.add("d-1", "engine-d")
+    p.send("t0", [0])
+    d.receive("t0", p_addr, [0])
+    assert wait_results(d)[0].ok and wait_results(p)[0].ok
+    writes_before = cluster.fabric.statistics().writes_done
+    stalling.stop.set()
+    assert stalling.stopped.wait(10)  # the sender's runtime thread is stopped
+    d.receive("t1", p_addr, [2])  # its Register waits in the stopped sender's inbox
+    wait_until(lambda: d.statistics().receiving == {"waiting": 1})
+    p.send("t1", [1])  # queued: it runs first when the sender resumes
+    [rd] = advance_until(cluster, d, step=0.5, limit=TIMING.liveness_timeout_s + 20.0)
+    assert rd.reason is FailureReason.PEER_TIMEOUT and rd.blocks == (2,)
+    kv = cluster.kv["d-1"]
+    for tensor in kv.tensors:  # the engine reuses block 2 at once: a canary
+        tensor[2].fill_(0xAB)
+    canary = [kv.block(r, 2) for r in range(len(kv.geometry.regions))]
+    stalling.resume.set()  # the sender resumes, its clock far ahead of the Register
+    [rp] = wait_results(p)
+    assert rp.reason in (FailureReason.PEER_TIMEOUT, FailureReason.CANCELLED), rp
+    assert [kv.block(r, 2) for r in range(len(kv.geometry.regions))] == canary
+    assert cluster.fabric.statistics().writes_done == writes_before
+    assert p.statistics().stale_registers == 1

@@ -183,7 +183,10 @@ def test_another_protocol_version_is_incompatible() -> None:
     header = msgspec.msgpack.encode(["ok", PROTOCOL_VERSION + 1, "h", "9.9.9"])
     with (
         _fake_server(lambda _r: [header, b""]) as port,
-        pytest.raises(IncompatiblePeer, match=r"protocol version differs: theirs 2 \(kvpush"),
+        pytest.raises(
+            IncompatiblePeer,
+            match=rf"protocol version differs: theirs {PROTOCOL_VERSION + 1} \(kvpush",
+        ),
     ):
         fetch_metadata("127.0.0.1", port)
 

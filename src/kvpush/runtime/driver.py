@@ -202,6 +202,8 @@ class Driver:
         if self._thread is not None:
             self.commands.put(Stop(drain_until=start + timeout / 2))
             self._thread.join(timeout)
+        else:  # start() failed before the thread ran: nobody else closes the transport
+            self._transport.close()
         self._lookup_worker.close(max(0.0, timeout - (time.monotonic() - start)))
 
     def alive(self) -> bool:

@@ -166,11 +166,7 @@ class PushRuntime:
             if self._closed:
                 return
             self._closed = True
-            started = self._started
-        if started:
-            self._driver.stop(timeout)
-        else:
-            self._transport.close()
+        self._driver.stop(timeout)  # closes the transport too, started or not
 
     def __enter__(self) -> PushRuntime:
         self.start()
