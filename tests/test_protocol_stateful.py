@@ -5,9 +5,13 @@ drops, duplicates and reorders, write failures, peer deaths and restarts, and cl
 After every step: no transfer is reported twice on one side (the `Wire` asserts it at the
 report), no write is issued after its sender ended and no write lands in a receiver block
 that was released (the `Wire` asserts both), nothing is held past its bound, and a
-receiver that finished holds the sender's bytes. At the end, after enough quiet time,
-every transfer handed to a live endpoint has been reported exactly once and no block is
-held.
+receiver that finished holds the sender's bytes. The engines reuse memory as real ones
+do (`ReusingWire`): a block handed back is overwritten at once, and each submit writes
+content unique to its transfer, so a write that lands late from a block since reused by
+the next transfer copies that transfer's bytes and the content check catches it; a sender
+that hands back blocks a write still reads fails at once. Either side may stall (SIGSTOP)
+across its timers. At the end, after enough quiet time, every transfer handed to a live
+endpoint has been reported exactly once and no block is held.
 
 CI runs a fixed-seed, derandomized batch. A longer run:
     KVPUSH_HYPOTHESIS_EXAMPLES=5000 .venv/bin/pytest tests/test_protocol_stateful.py
@@ -16,6 +20,7 @@ CI runs a fixed-seed, derandomized batch. A longer run:
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import settings
@@ -30,7 +35,7 @@ from hypothesis.stateful import (
 )
 
 from kvpush.errors import FailureReason, RemoteProtocolError
-from kvpush.protocol import SenderState
+from kvpush.protocol import Effect, SenderState, TransferEnded
 from test_protocol import NUM_BLOCKS, TIMING, Wire
 
 EXAMPLES = int(os.environ.get("KVPUSH_HYPOTHESIS_EXAMPLES", "200"))
@@ -39,6 +44,54 @@ EXAMPLES = int(os.environ.get("KVPUSH_HYPOTHESIS_EXAMPLES", "200"))
 WRITE_BOUND_S = 0.5
 MESSAGE_BOUND_S = 0.5
 MAX_JUMP_S = 10.0
+
+
+class ReusingWire(Wire):
+    """The `Wire`, whose sender engine computes new content into a block for every
+    transfer it submits: a block reused by the next transfer never holds bytes that
+    would pass for the previous transfer's. The data plane copies at landing time (the
+    `Wire` does), so a late write from reused memory lands the wrong bytes."""
+
+    def submit(
+        self, p: str, tid: str, blocks: Sequence[int], layers: Sequence[int] | None = None
+    ) -> None:
+        # Before the protocol sees the submit (a write may be issued at once).
+        for layer, memory in enumerate(self.memory[p]):
+            for b in blocks:
+                memory[b] = self.content(p, layer, b, tid)
+        self.submitted[(p, tid)] = tuple(blocks)
+        self.apply(p, self.ends[p].sender.submit(self.now, tid, blocks, layers))
+
+    def apply(self, src: str, effects: Sequence[Effect]) -> None:
+        for eff in effects:
+            if isinstance(eff, TransferEnded) and eff.side == "sender":
+                # The engine overwrites them now: no write may still read them (a write
+                # to a dead process lands nowhere, so what it reads does not matter).
+                reading = [
+                    w.write.write_id
+                    for w in self.writes
+                    if w.src == src
+                    and w.write.peer not in self.dead
+                    and set(w.write.our_blocks) & set(eff.blocks)
+                ]
+                assert not reading, (
+                    f"{src} hands back {eff.blocks} of {eff.transfer_id} while its writes "
+                    f"{reading} still read them"
+                )
+            super().apply(src, [eff])
+
+    @staticmethod
+    def content(p: str, layer: int, block: int, tid: str) -> bytes:
+        return f"{p}:L{layer}:B{block}:{tid}".encode()
+
+    def check_content(self, d: str, tid: str, blocks: tuple[int, ...]) -> None:
+        p, offset = self.expected[(d, tid)]
+        sent = self.submitted[(p, tid)]
+        for layer in range(self.num_layers):
+            for i, b in enumerate(blocks):
+                want = self.content(p, layer, sent[offset + i], tid)
+                got = self.memory[d][layer][b]
+                assert got == want, f"{tid}: block {b} layer {layer} holds {got!r}, not {want!r}"
 
 
 class Plan:
@@ -57,7 +110,7 @@ class Plan:
 class PushProtocolMachine(RuleBasedStateMachine):
     @initialize()
     def setup(self) -> None:
-        self.wire = Wire()
+        self.wire = ReusingWire()
         self.p = "p-1"
         self.d = "d-1"
         self.wire.add(self.p, "engine-p")
@@ -65,6 +118,7 @@ class PushProtocolMachine(RuleBasedStateMachine):
         self.plans: list[Plan] = []
         self.restarts = 0
         self.seen: dict[tuple[str, str, bytes], float] = {}
+        self.stalled_s = 0.0  # stalls stretch every bound by their length
 
     # ----- helpers
 
@@ -219,6 +273,21 @@ class PushProtocolMachine(RuleBasedStateMachine):
             while network_up and w.queue:
                 w.deliver()
 
+    @precondition(lambda self: self.stalled_s < 30)
+    @rule(sender=st.booleans(), dt=st.sampled_from([1.0, 4.0, 12.0]))
+    def stall(self, sender: bool, dt: float) -> None:
+        """One endpoint stops (SIGSTOP) for `dt`: it neither ticks nor reads, and no
+        write lands or fails meanwhile; the other runs and handles what it gets."""
+        w = self.wire
+        runner = self.d if sender else self.p
+        if runner in w.dead:
+            return
+        self.note_messages()
+        w.run_only(runner, dt)
+        self.stalled_s += dt
+        # What waited for the stopped one is still there: it is fresh mail, not lost.
+        self.seen = {m: w.now for m in self.seen}
+
     def note_messages(self) -> None:
         for m in self.wire.queue:
             self.seen.setdefault(m, self.wire.now)
@@ -266,7 +335,7 @@ class PushProtocolMachine(RuleBasedStateMachine):
         if not hasattr(self, "wire"):
             return
         w, t = self.wire, TIMING
-        slack = MAX_JUMP_S + WRITE_BOUND_S
+        slack = MAX_JUMP_S + WRITE_BOUND_S + self.stalled_s
         for plan in self.plans:
             if plan.p and plan.p not in w.dead and not self.reported(plan.p, "sender", plan.tid):
                 bound = plan.submitted_at + t.transfer_deadline_s + t.liveness_timeout_s
@@ -288,7 +357,8 @@ class PushProtocolMachine(RuleBasedStateMachine):
             for tid, state in proto.sender.states().items():
                 if state in (SenderState.WRITING, SenderState.ENDING):
                     held_for = w.now - w.renewed[(agent, tid)]
-                    assert held_for <= t.lease_s + t.liveness_timeout_s + WRITE_BOUND_S, (
+                    bound = t.lease_s + t.liveness_timeout_s + WRITE_BOUND_S + self.stalled_s
+                    assert held_for <= bound, (
                         f"{agent} holds {tid} {held_for:.1f}s after its last lease renewal"
                     )
 

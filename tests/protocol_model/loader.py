@@ -1,0 +1,48 @@
+"""Which protocol the checker runs: the working tree's, or one from a git revision.
+
+`load(None)` is `kvpush.protocol` as imported. `load("main")` reads `messages.py` and
+`state.py` of that revision with `git show` and loads them as a separate package
+(`kvpush_protocol_at_main`), so the checker can run an older protocol, unedited, next to
+the current one: the honest way to show that it finds a bug the current code fixed.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+_FILES = ("messages", "state")
+
+
+def load(rev: str | None) -> types.ModuleType:
+    """The `state` module of the protocol at `rev` (None: the one on sys.path)."""
+    if rev is None:
+        from kvpush.protocol import state
+
+        return state
+    package = "kvpush_protocol_at_" + re.sub(r"\W", "_", rev)
+    if package + ".state" in sys.modules:
+        return sys.modules[package + ".state"]
+    pkg = types.ModuleType(package)
+    pkg.__path__ = []
+    sys.modules[package] = pkg
+    for name in _FILES:
+        source = subprocess.run(
+            ["git", "show", f"{rev}:src/kvpush/protocol/{name}.py"],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        # The only edit: its imports of its sibling modules point at this package.
+        source = source.replace("kvpush.protocol.", f"{package}.")
+        module = types.ModuleType(f"{package}.{name}")
+        module.__file__ = f"{rev}:src/kvpush/protocol/{name}.py"
+        sys.modules[module.__name__] = module
+        exec(compile(source, module.__file__, "exec"), module.__dict__)
+        setattr(pkg, name, module)
+    return sys.modules[package + ".state"]

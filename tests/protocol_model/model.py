@@ -1,0 +1,884 @@
+"""The world the checker explores: protocol endpoints, engines that reuse blocks at once,
+a network that drops, duplicates and reorders, and a data plane that copies bytes late.
+
+A `World` is plain data (picklable): the checker copies it to branch and hashes its
+pickle to recognise a state seen before. `Model.actions(world)` lists every step the
+world can take next; `Model.step(world, action)` takes one, in place, and returns a
+readable line for the trace. A broken promise raises `Violation` from inside the step
+that broke it, so the trace ends at the first bad step.
+
+What the engines do, and why it gives the checker teeth:
+* The sender's engine overwrites a block with new content the moment kvpush hands it
+  back (a TransferEnded on the sender). A write still reading that block would copy the
+  new content.
+* The receiver's engine gives a handed-back block to the next transfer (lowest free
+  block first) the moment kvpush hands it back.
+* The data plane copies what the source block holds when the write *lands*, which may be
+  any time after it was issued; the write's notification (a `Done`) enters the network
+  only when its bytes have landed, and the sender learns the outcome later still.
+
+Time is global and discrete: it jumps to the next timer of some endpoint (its
+`next_deadline()`), so every timer boundary is visited in every order the interleaving
+allows. Each endpoint sees it through its own clock offset, as two hosts' monotonic
+clocks differ. A stalled endpoint neither handles messages nor ticks while time passes
+(its engine's calls queue up); on resume it first works through what queued up, in any
+order, and only then ticks.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import dataclasses
+import enum
+import functools
+import io
+import operator
+import pickle
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from kvpush.config import TimingConfig
+from kvpush.errors import FailureReason, LocalProtocolError
+
+from . import api as api_mod
+
+
+class Violation(Exception):
+    """A promise of the protocol was broken by the step being taken. `kind` names which
+    (see KINDS), so a search can look for one kind past states that break another."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        assert kind in KINDS, kind
+        super().__init__(message)
+        self.kind = kind
+
+
+KINDS = {
+    "twice": "a transfer ended twice on one side",
+    "never-ended": "a transfer handed to a live side never ended there",
+    "phantom": "a side reported or wrote a transfer it was never handed, or other blocks",
+    "write-after-end": "a sender wrote for a transfer it had ended",
+    "late-write": "a write landed in a receiver block after it was handed back",
+    "source-reused": "a sender handed back blocks that a write still reads",
+    "wrong-bytes": "a receiver reported ok without exactly the submitted bytes",
+    "held-at-rest": "something is still held when nothing can happen any more",
+    "refused-call": "the protocol raised on a call the engine may make",
+    "incompatible-ok": "a transfer ended ok between incompatible geometries",
+}
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    tid: str
+    sender: str  # the sender engine that computes it
+    n: int  # blocks the sender submits
+    offset: int = 0  # prefix hit: the receiver registers blocks n - offset
+    layerwise: bool = False  # submitted with no layer ready; layers come one by one
+
+
+@dataclass(frozen=True)
+class Budget:
+    drops: int = 0
+    dups: int = 0
+    aborts: int = 0
+    restarts: int = 0
+    stalls: int = 0
+    failures: int = 0  # write failures and failed handshakes
+
+
+@dataclass(frozen=True)
+class Scope:
+    name: str
+    transfers: tuple[TransferSpec, ...]
+    budget: Budget
+    senders: tuple[str, ...] = ("S1",)
+    sender_blocks: int = 2  # per sender engine: few, so reuse comes at once
+    receiver_blocks: int = 2
+    num_layers: int = 2
+    max_depth: int = 40
+    # Who may stall: "sender", "receiver" or both.
+    stallable: tuple[str, ...] = ("sender",)
+    # Engines start their transfers in order (T1 before T2), which keeps the
+    # state count down without losing an interleaving of one transfer with another.
+    ordered: bool = True
+    max_messages: int = 6  # the network holds at most this many distinct messages
+    # A prompt network delivers (or loses) every message before time moves on, except
+    # to a stalled process: then only stalls, slow writes and drops make silence.
+    # Otherwise a message may wait any time (an asynchronous network).
+    prompt: bool = False
+    # May a process stall while one of its writes is still being copied (the write then
+    # lands during or after the stall)? Off, stalls begin only between writes: what is
+    # left is what a stalled sender does when it wakes.
+    stall_mid_write: bool = True
+    # A write lands or fails within this many seconds of being issued (None: any time).
+    # The fence's stated assumption: within 2 * liveness_timeout_s of the lease's end.
+    write_bound_s: float | None = 2.0
+    # Tick a running endpoint in the same step whenever one of its timers is due (as
+    # the runtime's loop does), rather than as a step of its own in every order.
+    eager_ticks: bool = True
+    # Does a stalled process's side channel still answer handshakes? Not when the whole
+    # process is stopped (SIGSTOP); yes when only its runtime thread is stuck.
+    stalled_side_channel_answers: bool = False
+    # Offer a stalled process a step that sleeps through every timer at once.
+    long_stalls: bool = True
+    # Geometry per engine (a compatibility token); the checker's bug-1 invariant.
+    geometry: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
+    timing: TimingConfig = field(
+        default_factory=lambda: TimingConfig(
+            heartbeat_interval_s=1.0, liveness_timeout_s=2.0, lease_s=2.0, transfer_deadline_s=4.0
+        )
+    )
+
+
+# ------------------------------------------------------------------------ world state
+
+
+@dataclass
+class End:
+    agent: str
+    engine: str
+    role: str  # "sender" or "receiver"
+    offset: float  # local clock = global clock + offset
+    proto: Any
+    alive: bool = True
+    phase: str = "running"  # running | stalled | catchup
+    queued: list[tuple[Any, ...]] = field(default_factory=list)  # engine calls while stalled
+    inbox: list[tuple[Any, ...]] = field(default_factory=list)  # what catch-up works through
+
+
+@dataclass
+class Write:
+    src: str
+    dst: str
+    wid: int
+    tid: str
+    ours: tuple[int, ...]
+    theirs: tuple[int, ...]
+    layers: tuple[int, ...] | None
+    notification: bytes | None
+    issued_at: float
+    landed: bool = False
+
+
+@dataclass
+class Tx:
+    s_agent: str | None = None
+    s_blocks: tuple[int, ...] = ()
+    submitted: tuple[str, ...] = ()  # the content of each (block, layer) at submit
+    layers_left: list[int] = field(default_factory=list)
+    r_agent: str | None = None
+    r_blocks: tuple[int, ...] = ()
+    s_ended: list[str] = field(default_factory=list)
+    r_ended: list[str] = field(default_factory=list)
+
+
+@dataclass
+class World:
+    now: float = 0.0
+    ends: dict[str, End] = field(default_factory=dict)
+    current: dict[str, str] = field(default_factory=dict)  # engine -> its live agent
+    incarnations: dict[str, int] = field(default_factory=dict)
+    net: list[tuple[str, str, bytes]] = field(default_factory=list)  # sorted, distinct
+    writes: list[Write] = field(default_factory=list)
+    handshakes: list[tuple[str, str]] = field(default_factory=list)  # (who, whom)
+    memory: dict[str, dict[tuple[int, int], str]] = field(default_factory=dict)
+    versions: dict[str, dict[int, int]] = field(default_factory=dict)
+    held: dict[str, dict[int, str]] = field(default_factory=dict)  # agent: block -> tid
+    tx: dict[str, Tx] = field(default_factory=dict)
+    used: dict[str, int] = field(default_factory=dict)  # budget spent, by kind
+    noticed: list[tuple[str, str]] = field(default_factory=list)  # (observer, dead agent)
+
+
+def _fmt_blocks(blocks: tuple[int, ...]) -> str:
+    return "(" + ",".join(map(str, blocks)) + ")"
+
+
+class Model:
+    """The rules of the world for one scope, over one protocol implementation."""
+
+    def __init__(self, scope: Scope, state_module: ModuleType, mutation: str | None = None):
+        self.scope = scope
+        self.api = api_mod.Api(state_module, scope, mutation)
+        self.specs = {t.tid: t for t in scope.transfers}
+        import kvpush.config
+        import kvpush.errors
+
+        self.key_of = Keyer((state_module, self.api.messages, kvpush.config, kvpush.errors))
+
+    # ----- the first state
+
+    def initial(self) -> World:
+        w = World()
+        for t in self.scope.transfers:
+            w.tx[t.tid] = Tx()
+        self._start_incarnation(w, "R", "receiver")
+        for s in self.scope.senders:
+            self._start_incarnation(w, s, "sender")
+        return w
+
+    def _start_incarnation(self, w: World, engine: str, role: str) -> str:
+        inc = w.incarnations.get(engine, 0) + 1
+        w.incarnations[engine] = inc
+        agent = f"{engine}#{inc}"
+        # Clocks of different processes have different origins.
+        offset = (1000.0 if role == "receiver" else 0.0) + 500.0 * (inc - 1)
+        proto = self.api.endpoint(engine, agent, inc, role)
+        w.ends[agent] = End(agent, engine, role, offset, proto)
+        w.current[engine] = agent
+        pool = self.scope.receiver_blocks if role == "receiver" else self.scope.sender_blocks
+        w.versions[agent] = dict.fromkeys(range(pool), 0)
+        w.memory[agent] = {
+            (b, layer): f"{agent}:b{b}:L{layer}:init"
+            for b in range(pool)
+            for layer in range(self.scope.num_layers)
+        }
+        w.held[agent] = {}
+        return agent
+
+    # ----- helpers
+
+    def local(self, w: World, agent: str) -> float:
+        return w.now + w.ends[agent].offset
+
+    def spent(self, w: World, kind: str) -> bool:
+        return w.used.get(kind, 0) >= getattr(self.scope.budget, kind)
+
+    def spend(self, w: World, kind: str) -> None:
+        w.used[kind] = w.used.get(kind, 0) + 1
+
+    def receiver(self, w: World) -> End:
+        return w.ends[w.current["R"]]
+
+    def free_blocks(self, w: World, agent: str, n: int) -> tuple[int, ...] | None:
+        free = [b for b in sorted(w.versions[agent]) if b not in w.held[agent]]
+        return tuple(free[:n]) if len(free) >= n else None
+
+    def running(self, w: World, agent: str) -> bool:
+        e = w.ends.get(agent)
+        return e is not None and e.alive and e.phase != "stalled"
+
+    # ----- actions
+
+    def actions(self, w: World) -> list[tuple[Any, ...]]:
+        out: list[tuple[Any, ...]] = []
+        catching_up = any(e.alive and e.phase == "catchup" for e in w.ends.values())
+        # Engine calls.
+        rv = self.receiver(w)
+        for i, t in enumerate(self.scope.transfers):
+            tx = w.tx[t.tid]
+            sender_agent = w.current[t.sender]
+            prev_expected = i == 0 or not self.scope.ordered or self._started(w, i - 1, "r")
+            prev_submitted = i == 0 or not self.scope.ordered or self._started(w, i - 1, "s")
+            if (
+                tx.r_agent is None
+                and prev_expected
+                and rv.alive
+                and rv.phase != "stalled"
+                and w.ends[sender_agent].alive
+                and self.free_blocks(w, rv.agent, t.n - t.offset) is not None
+            ):
+                out.append(("expect", t.tid))
+            if (
+                tx.s_agent is None
+                and prev_submitted
+                and w.ends[sender_agent].alive
+                and self.free_blocks(w, sender_agent, t.n) is not None
+            ):
+                out.append(("submit", t.tid))
+            if tx.s_agent is not None and not tx.s_ended and w.ends[tx.s_agent].alive:
+                if tx.layers_left:
+                    out.append(("layer", t.tid))
+                if not self.spent(w, "aborts"):
+                    out.append(("abort", "sender", t.tid))
+            if (
+                tx.r_agent is not None
+                and not tx.r_ended
+                and self.running(w, tx.r_agent)
+                and not self.spent(w, "aborts")
+            ):
+                out.append(("abort", "receiver", t.tid))
+        # The network.
+        for m in w.net:
+            if self.running(w, m[1]):
+                out.append(("deliver", m))
+                if not self.spent(w, "dups"):
+                    out.append(("dup", m))
+            if not self.spent(w, "drops"):
+                out.append(("drop", m))
+        # The data plane.
+        for wr in w.writes:
+            key = (wr.src, wr.wid)
+            if not wr.landed:
+                if w.ends[wr.dst].alive:
+                    out.append(("land", key))
+                if self.running(w, wr.src) and (
+                    not w.ends[wr.dst].alive or not self.spent(w, "failures")
+                ):
+                    out.append(("fail", key))
+            elif self.running(w, wr.src):
+                out.append(("complete", key))
+        for who, whom in w.handshakes:
+            if self.running(w, who):
+                possible = self.api.handshake_possible(w, whom)
+                if possible:
+                    out.append(("handshake_ok", who, whom))
+                if not possible or not self.spent(w, "failures"):
+                    out.append(("handshake_fail", who, whom))
+        # Deaths, restarts, stalls.
+        for agent, e in w.ends.items():
+            if not e.alive:
+                for obs_agent, obs in w.ends.items():
+                    if obs.alive and obs.phase != "stalled" and (obs_agent, agent) not in w.noticed:
+                        out.append(("lost", obs_agent, agent))
+                continue
+            if not self.spent(w, "restarts"):
+                out.append(("restart", agent))
+            if e.phase == "running" and e.role in self.scope.stallable:
+                mid_write = any(wr.src == agent and not wr.landed for wr in w.writes)
+                if not self.spent(w, "stalls") and (self.scope.stall_mid_write or not mid_write):
+                    out.append(("stall", agent))
+            elif e.phase == "stalled":
+                out.append(("resume", agent))
+                if self.scope.long_stalls:
+                    out.append(("sleep", agent))
+            elif e.phase == "catchup":
+                for i in range(len(e.inbox)):
+                    out.append(("inbox", agent, i))
+        # Time.
+        if not catching_up:
+            for agent, e in w.ends.items():
+                if e.alive and e.phase == "running" and not self.scope.eager_ticks:
+                    nd = e.proto.next_deadline()
+                    if nd is not None and nd <= self.local(w, agent):
+                        out.append(("tick", agent))
+            target = self.next_time(w)
+            waiting = [m for m in w.net if self.running(w, m[1])]
+            if self.scope.prompt and waiting:
+                target = None
+            bound = self.scope.write_bound_s
+            # The data plane's promise: a write lands or fails within the bound.
+            if (
+                target is not None
+                and bound is not None
+                and any(not wr.landed and target > wr.issued_at + bound for wr in w.writes)
+            ):
+                target = None
+            if target is not None and len(w.net) <= self.scope.max_messages:
+                out.append(("clock", target))
+        return out
+
+    def _started(self, w: World, i: int, side: str) -> bool:
+        tx = w.tx[self.scope.transfers[i].tid]
+        return (tx.r_agent if side == "r" else tx.s_agent) is not None
+
+    def next_time(self, w: World) -> float | None:
+        """The next timer boundary of any live endpoint (a stalled one's too: its timers
+        pass while it sleeps). A timer already due that a tick did not move hides the
+        ones behind it, so then time moves by a heartbeat interval."""
+        times = []
+        for e in w.ends.values():
+            if not e.alive:
+                continue
+            nd = e.proto.next_deadline()
+            if nd is None:
+                continue
+            t = nd - e.offset
+            if t > w.now:
+                times.append(t)
+            elif e.phase == "running":
+                times.append(w.now + self.scope.timing.heartbeat_interval_s)
+        return min(times) if times else None
+
+    # ----- one step
+
+    def step(self, w: World, action: tuple[Any, ...]) -> str:
+        kind = action[0]
+        handler = getattr(self, "_do_" + kind)
+        line: str = handler(w, *action[1:])
+        if self.scope.eager_ticks:
+            line += self._due_ticks(w)
+        return f"t={w.now:g} {line}"
+
+    def _due_ticks(self, w: World) -> str:
+        """The runtime ticks in the same pass when a timer is due (once: a timer that a
+        tick does not move is the protocol's business, and the clock steps past it)."""
+        said = []
+        for agent, e in w.ends.items():
+            if e.alive and e.phase == "running":
+                nd = e.proto.next_deadline()
+                if nd is not None and nd <= self.local(w, agent):
+                    text = self._apply(w, agent, self._call(w, agent, e.proto.tick))
+                    if text:
+                        said.append(f"{agent} ticks{text}")
+        return ("; " + "; ".join(said)) if said else ""
+
+    def _do_expect(self, w: World, tid: str) -> str:
+        t = self.specs[tid]
+        rv = self.receiver(w)
+        blocks = self.free_blocks(w, rv.agent, t.n - t.offset)
+        assert blocks is not None
+        sender_agent = w.current[t.sender]
+        tx = w.tx[tid]
+        tx.r_agent, tx.r_blocks = rv.agent, blocks
+        for b in blocks:
+            w.held[rv.agent][b] = tid
+        effects = self._call(
+            w, rv.agent, lambda now: self.api.expect(rv.proto, now, tid, sender_agent, t, blocks)
+        )
+        hit = f" after a prefix hit of {t.offset}" if t.offset else ""
+        return (
+            f"receiver {rv.agent}: expect {tid} from {sender_agent} into blocks "
+            f"{_fmt_blocks(blocks)}{hit}" + self._apply(w, rv.agent, effects)
+        )
+
+    def _do_submit(self, w: World, tid: str) -> str:
+        t = self.specs[tid]
+        agent = w.current[t.sender]
+        blocks = self.free_blocks(w, agent, t.n)
+        assert blocks is not None
+        tx = w.tx[tid]
+        tx.s_agent, tx.s_blocks = agent, blocks
+        tx.submitted = tuple(
+            w.memory[agent][(b, layer)] for b in blocks for layer in range(self.scope.num_layers)
+        )
+        tx.layers_left = list(range(self.scope.num_layers)) if t.layerwise else []
+        for b in blocks:
+            w.held[agent][b] = tid
+        what = "no layer ready yet" if t.layerwise else "all layers ready"
+        line = f"sender {agent}: submit {tid} blocks {_fmt_blocks(blocks)}, {what}"
+        return line + self._engine_call(w, agent, ("submit", tid, blocks, t.layerwise))
+
+    def _do_layer(self, w: World, tid: str) -> str:
+        tx = w.tx[tid]
+        assert tx.s_agent is not None
+        layer = tx.layers_left.pop(0)
+        line = f"sender {tx.s_agent}: layer {layer} of {tid} ready"
+        return line + self._engine_call(w, tx.s_agent, ("layer", tid, layer))
+
+    def _do_abort(self, w: World, side: str, tid: str) -> str:
+        self.spend(w, "aborts")
+        tx = w.tx[tid]
+        agent = tx.s_agent if side == "sender" else tx.r_agent
+        assert agent is not None
+        line = f"{side} {agent}: the engine aborts {tid}"
+        if side == "sender":
+            return line + self._engine_call(w, agent, ("abort", tid))
+        proto = w.ends[agent].proto
+        return line + self._apply(
+            w, agent, self._call(w, agent, lambda now: proto.receiver.abort(now, tid))
+        )
+
+    def _engine_call(self, w: World, agent: str, call: tuple[Any, ...]) -> str:
+        e = w.ends[agent]
+        if e.phase == "stalled":
+            e.queued.append(call)
+            return " (queued: the sender is stalled)"
+        return self._apply(w, agent, self._call(w, agent, lambda now: self._run_call(e, now, call)))
+
+    def _run_call(self, e: End, now: float, call: tuple[Any, ...]) -> list[Any]:
+        s = e.proto.sender
+        match call:
+            case ("submit", tid, blocks, layerwise):
+                return list(s.submit(now, tid, blocks, [] if layerwise else None))
+            case ("layer", tid, layer):
+                return list(s.layers_ready(now, tid, [layer]))
+            case ("abort", tid):
+                return list(s.abort(now, tid))
+        raise AssertionError(call)
+
+    def _call(self, w: World, agent: str, fn: Any) -> list[Any]:
+        try:
+            return list(fn(self.local(w, agent)))
+        except LocalProtocolError as exc:
+            raise Violation(
+                "refused-call", f"{agent}: the protocol refused a legal call: {exc}"
+            ) from None
+
+    # network
+
+    def _describe(self, payload: bytes) -> str:
+        return self.api.describe(payload)
+
+    def _do_deliver(self, w: World, m: tuple[str, str, bytes], keep: bool = False) -> str:
+        src, dst, payload = m
+        if not keep:
+            w.net.remove(m)
+        what = self._describe(payload)
+        effects = self._call(
+            w, dst, lambda now: w.ends[dst].proto.receive_message(now, src, payload)
+        )
+        verb = "deliver a copy of" if keep else "deliver"
+        return f"{verb} {what} {src} -> {dst}" + self._apply(w, dst, effects)
+
+    def _do_dup(self, w: World, m: tuple[str, str, bytes]) -> str:
+        self.spend(w, "dups")
+        return self._do_deliver(w, m, keep=True)
+
+    def _do_drop(self, w: World, m: tuple[str, str, bytes]) -> str:
+        self.spend(w, "drops")
+        w.net.remove(m)
+        return f"drop {self._describe(m[2])} {m[0]} -> {m[1]}"
+
+    # data plane
+
+    def _write(self, w: World, key: tuple[str, int]) -> Write:
+        for wr in w.writes:
+            if (wr.src, wr.wid) == key:
+                return wr
+        raise AssertionError(key)
+
+    def _do_land(self, w: World, key: tuple[str, int]) -> str:
+        wr = self._write(w, key)
+        wr.landed = True
+        owners = w.held[wr.dst]
+        for b in wr.theirs:
+            if owners.get(b) != wr.tid:
+                now_held = f"given to {owners[b]}" if b in owners else "handed back"
+                raise Violation(
+                    "late-write",
+                    f"write {wr.wid} of {wr.tid} lands in block {b} of {wr.dst}, "
+                    f"which the receiver's engine has {now_held}",
+                )
+        layers = range(self.scope.num_layers) if wr.layers is None else wr.layers
+        for layer in layers:
+            for ours, theirs in zip(wr.ours, wr.theirs, strict=True):
+                w.memory[wr.dst][(theirs, layer)] = w.memory[wr.src][(ours, layer)]
+        line = (
+            f"write {wr.wid} of {wr.tid} lands: {wr.src} blocks {_fmt_blocks(wr.ours)} -> "
+            f"{wr.dst} blocks {_fmt_blocks(wr.theirs)}, layers "
+            f"{'all' if wr.layers is None else _fmt_blocks(wr.layers)}"
+        )
+        if wr.notification is not None:
+            self._send(w, wr.src, wr.dst, wr.notification)
+            line += f"; its notification {self._describe(wr.notification)} is on its way"
+        return line
+
+    def _do_complete(self, w: World, key: tuple[str, int]) -> str:
+        wr = self._write(w, key)
+        w.writes.remove(wr)
+        proto = w.ends[wr.src].proto
+        effects = self._call(w, wr.src, lambda now: proto.sender.write_done(now, wr.wid))
+        return f"{wr.src} learns write {wr.wid} of {wr.tid} is done" + self._apply(
+            w, wr.src, effects
+        )
+
+    def _do_fail(self, w: World, key: tuple[str, int]) -> str:
+        wr = self._write(w, key)
+        if w.ends[wr.dst].alive:
+            self.spend(w, "failures")
+        w.writes.remove(wr)
+        proto = w.ends[wr.src].proto
+        effects = self._call(
+            w,
+            wr.src,
+            lambda now: proto.sender.write_failed(
+                now, wr.wid, FailureReason.WRITE_ERROR, "injected"
+            ),
+        )
+        return f"write {wr.wid} of {wr.tid} fails" + self._apply(w, wr.src, effects)
+
+    def _do_handshake_ok(self, w: World, who: str, whom: str) -> str:
+        w.handshakes.remove((who, whom))
+        effects = self._call(w, who, lambda now: self.api.handshake_ok(w, w.ends[who], now, whom))
+        return f"{who}: handshake with {whom} succeeds" + self._apply(w, who, effects)
+
+    def _do_handshake_fail(self, w: World, who: str, whom: str) -> str:
+        w.handshakes.remove((who, whom))
+        if self.api.handshake_possible(w, whom):
+            self.spend(w, "failures")
+        effects = self._call(w, who, lambda now: self.api.handshake_fail(w, w.ends[who], now, whom))
+        return f"{who}: handshake with {whom} fails" + self._apply(w, who, effects)
+
+    # deaths, stalls, time
+
+    def _do_restart(self, w: World, agent: str) -> str:
+        self.spend(w, "restarts")
+        e = w.ends[agent]
+        e.alive = False
+        w.net = [m for m in w.net if m[1] != agent]
+        w.writes = [wr for wr in w.writes if wr.src != agent]
+        w.handshakes = [h for h in w.handshakes if h[0] != agent]
+        new = self._start_incarnation(w, e.engine, e.role)
+        return f"{agent} dies (its writes with it); {e.engine} restarts as {new}"
+
+    def _do_lost(self, w: World, observer: str, dead: str) -> str:
+        w.noticed.append((observer, dead))
+        proto = w.ends[observer].proto
+        effects = self._call(
+            w, observer, lambda now: proto.peer_lost(now, dead, FailureReason.PEER_GONE, "gone")
+        )
+        return f"{observer}: the data plane reports {dead} gone" + self._apply(w, observer, effects)
+
+    def _do_stall(self, w: World, agent: str) -> str:
+        self.spend(w, "stalls")
+        w.ends[agent].phase = "stalled"
+        return f"{agent} stalls (a SIGSTOP, a swap storm, a long GIL hold)"
+
+    def _do_sleep(self, w: World, agent: str) -> str:
+        """The stall goes on across every timer there is, in one step (the same states
+        as a clock step at a time, reached in fewer steps: shorter traces)."""
+        start = w.now
+        lines = []
+        for _ in range(100):
+            clock = [a for a in self.actions(w) if a[0] == "clock"]
+            if not clock:
+                break
+            lines.append(self._do_clock(w, clock[0][1]))
+        said = [line.split("; ", 1)[1] for line in lines if "; " in line]
+        return f"{agent} stays stalled {w.now - start:g} s more" + (
+            ": " + "; ".join(said) if said else ""
+        )
+
+    def _do_resume(self, w: World, agent: str) -> str:
+        e = w.ends[agent]
+        e.phase = "catchup"
+        # What waited: the engine's calls, then every message that arrived meanwhile.
+        e.inbox = list(e.queued) + [("message", m) for m in w.net if m[1] == agent]
+        e.queued = []
+        w.net = [m for m in w.net if m[1] != agent]
+        line = f"{agent} runs again, with {len(e.inbox)} things queued"
+        return line + self._maybe_caught_up(w, agent)
+
+    def _do_inbox(self, w: World, agent: str, i: int) -> str:
+        e = w.ends[agent]
+        item = e.inbox.pop(i)
+        if item[0] == "message":
+            m = item[1]
+            effects = self._call(w, agent, lambda now: e.proto.receive_message(now, m[0], m[2]))
+            line = f"{agent} handles queued {self._describe(m[2])} from {m[0]}"
+        else:
+            effects = self._call(w, agent, lambda now: self._run_call(e, now, item))
+            line = f"{agent} runs queued engine call {item[0]} {item[1]}"
+        return line + self._apply(w, agent, effects) + self._maybe_caught_up(w, agent)
+
+    def _maybe_caught_up(self, w: World, agent: str) -> str:
+        e = w.ends[agent]
+        if e.inbox:
+            return ""
+        e.phase = "running"
+        effects = self._call(w, agent, e.proto.tick)
+        return "; then it ticks" + self._apply(w, agent, effects)
+
+    def _do_tick(self, w: World, agent: str) -> str:
+        e = w.ends[agent]
+        return f"{agent} ticks" + self._apply(w, agent, self._call(w, agent, e.proto.tick))
+
+    def _do_clock(self, w: World, target: float) -> str:
+        dt = target - w.now
+        w.now = target
+        parts = []
+        for agent, e in w.ends.items():
+            if e.alive and e.phase == "running":
+                effects = self._call(w, agent, e.proto.tick)
+                text = self._apply(w, agent, effects)
+                if text:
+                    parts.append(f"{agent} ticks{text}")
+        stalled = [a for a, e in w.ends.items() if e.alive and e.phase == "stalled"]
+        line = f"{dt:g} s pass"
+        if stalled:
+            line += f" ({', '.join(stalled)} stalled)"
+        return line + ("; " + "; ".join(parts) if parts else "")
+
+    # ----- effects and the invariants checked as they happen
+
+    def _send(self, w: World, src: str, dst: str, payload: bytes) -> None:
+        if dst not in w.ends or not w.ends[dst].alive:
+            return  # to a dead process: nobody reads it
+        m = (src, dst, payload)
+        if m not in w.net:  # an identical message already on its way: one of them is lost
+            w.net.append(m)
+            w.net.sort()
+
+    def _apply(self, w: World, agent: str, effects: list[Any]) -> str:
+        said: list[str] = []
+        for eff in effects:
+            said.append(self._apply_one(w, agent, eff))
+        said = [s for s in said if s]
+        return (": " + ", ".join(said)) if said else ""
+
+    def _apply_one(self, w: World, agent: str, eff: Any) -> str:
+        a = self.api
+        if isinstance(eff, a.SendMessage):
+            payload = a.encode(eff.message)
+            self._send(w, agent, eff.peer, payload)
+            return f"sends {self._describe(payload)} to {eff.peer}"
+        if isinstance(eff, a.WriteBlocks):
+            tx = w.tx.get(eff.transfer_id)
+            if tx is None or tx.s_agent != agent:
+                raise Violation(
+                    "phantom", f"{agent} writes for {eff.transfer_id}, never submitted to it"
+                )
+            if tx.s_ended:
+                raise Violation(
+                    "write-after-end", f"{agent} writes for {eff.transfer_id} after ending it"
+                )
+            note = a.encode(eff.notification) if eff.notification is not None else None
+            w.writes.append(
+                Write(
+                    agent,
+                    eff.peer,
+                    eff.write_id,
+                    eff.transfer_id,
+                    tuple(eff.our_blocks),
+                    tuple(eff.their_blocks),
+                    None if eff.layers is None else tuple(eff.layers),
+                    note,
+                    w.now,
+                )
+            )
+            layers = "all layers" if eff.layers is None else f"layers {_fmt_blocks(eff.layers)}"
+            rides = " with Done riding on it" if note is not None else ""
+            return (
+                f"issues write {eff.write_id} of {eff.transfer_id} "
+                f"{_fmt_blocks(eff.our_blocks)} -> {_fmt_blocks(eff.their_blocks)}, "
+                f"{layers}{rides}"
+            )
+        if isinstance(eff, a.Handshake):
+            target = a.handshake_target(eff)
+            if (agent, target) not in w.handshakes:
+                w.handshakes.append((agent, target))
+            return f"starts a handshake with {target}"
+        if isinstance(eff, a.DropPeer):
+            return f"forgets {eff.peer}"
+        if isinstance(eff, a.TransferEnded):
+            return self._ended(w, agent, eff)
+        raise AssertionError(f"unknown effect {eff!r}")
+
+    def _ended(self, w: World, agent: str, eff: Any) -> str:
+        tid, side = eff.transfer_id, eff.side
+        tx = w.tx.get(tid)
+        outcome = "ok" if eff.reason is None else f"failed ({eff.reason.value})"
+        where = tx.s_agent if (tx and side == "sender") else (tx.r_agent if tx else None)
+        if tx is None or where != agent:
+            raise Violation(
+                "phantom", f"{agent} reports {tid} on the {side} side, never handed to it"
+            )
+        ended = tx.s_ended if side == "sender" else tx.r_ended
+        if ended:
+            raise Violation(
+                "twice", f"{agent} reports {tid} a second time ({ended[0]}, now {outcome})"
+            )
+        ended.append(outcome)
+        if eff.reason is None:
+            geometry = dict(self.scope.geometry)
+            engines = sorted({self.specs[tid].sender, "R"})
+            if len({geometry.get(e, ()) for e in engines}) > 1:
+                caches = ", ".join(f"{e} {dict(geometry.get(e, ())) or 'default'}" for e in engines)
+                raise Violation(
+                    "incompatible-ok",
+                    f"{agent} reports {tid} ok between incompatible caches: {caches}",
+                )
+        want = tx.s_blocks if side == "sender" else tx.r_blocks
+        if tuple(eff.blocks) != want:
+            raise Violation(
+                "phantom", f"{agent} hands back {tid} blocks {eff.blocks}, it held {want}"
+            )
+        if side == "sender":
+            for wr in w.writes:
+                # A write to a dead process lands nowhere: what it reads does not matter.
+                alive = w.ends[wr.dst].alive
+                if wr.src == agent and not wr.landed and alive and set(wr.ours) & set(want):
+                    raise Violation(
+                        "source-reused",
+                        f"{agent} hands back blocks {_fmt_blocks(want)} of {tid} while its "
+                        f"write {wr.wid} still reads them; the engine overwrites them now",
+                    )
+            # The engine reuses the blocks at once: new content.
+            for b in want:
+                del w.held[agent][b]
+                w.versions[agent][b] += 1
+                for layer in range(self.scope.num_layers):
+                    w.memory[agent][(b, layer)] = f"{agent}:b{b}:L{layer}:v{w.versions[agent][b]}"
+        else:
+            if eff.reason is None:
+                self._check_content(w, agent, tid, tx)
+            for b in want:
+                del w.held[agent][b]
+        return f"reports {tid} {outcome}"
+
+    def _check_content(self, w: World, agent: str, tid: str, tx: Tx) -> None:
+        t = self.specs[tid]
+        if tx.s_agent is None:
+            raise Violation("wrong-bytes", f"{agent} reports {tid} ok, but no sender ever had it")
+        nl = self.scope.num_layers
+        for i, b in enumerate(tx.r_blocks):
+            for layer in range(nl):
+                want = tx.submitted[(t.offset + i) * nl + layer]
+                got = w.memory[agent][(b, layer)]
+                if got != want:
+                    raise Violation(
+                        "wrong-bytes",
+                        f"{agent} reports {tid} ok, but its block {b} layer {layer} holds "
+                        f"{got!r}, not the submitted {want!r}",
+                    )
+
+    # ----- at rest
+
+    def check_quiescent(self, w: World) -> None:
+        """Nothing can happen any more: every transfer ended once on each live side
+        that had it, and nothing is held."""
+        for agent, e in w.ends.items():
+            if not e.alive:
+                continue
+            if e.proto.in_flight():
+                raise Violation(
+                    "held-at-rest", f"{agent} still has transfers in flight, and no timer left"
+                )
+            held = self.api.held(e.proto)
+            if held:
+                raise Violation("held-at-rest", f"{agent} still holds blocks at rest: {held}")
+            if w.held[agent]:
+                raise Violation(
+                    "held-at-rest", f"{agent}'s engine never got back blocks {w.held[agent]}"
+                )
+        for tid, tx in w.tx.items():
+            for agent, ended, side in (
+                (tx.s_agent, tx.s_ended, "sender"),
+                (tx.r_agent, tx.r_ended, "receiver"),
+            ):
+                if agent is not None and w.ends[agent].alive and len(ended) != 1:
+                    raise Violation("never-ended", f"{tid} never ended on the {side} {agent}")
+
+
+def _rebuild(cls: type, values: tuple[Any, ...]) -> Any:
+    obj = object.__new__(cls)
+    for name, value in zip(cls.__slots__, values, strict=True):
+        object.__setattr__(obj, name, value)
+    return obj
+
+
+def _reducers(modules: tuple[ModuleType, ...]) -> dict[type, Any]:
+    """Faster pickling of the protocol's slotted dataclasses and enums (the stock path
+    runs `dataclasses.fields()` per object, and an enum's lookup by value, per state)."""
+    table: dict[type, Any] = dict(copyreg.dispatch_table)
+    for module in modules:
+        for obj in vars(module).values():
+            if not isinstance(obj, type) or obj.__module__ != module.__name__:
+                continue
+            if issubclass(obj, enum.Enum):
+                table[obj] = lambda e: (getattr, (type(e), e.name))
+            elif dataclasses.is_dataclass(obj) and "__slots__" in obj.__dict__:
+                get = operator.attrgetter(*obj.__slots__)
+                one = len(obj.__slots__) == 1
+                table[obj] = functools.partial(_reduce_slots, obj, get, one)
+    return table
+
+
+def _reduce_slots(cls: type, get: Any, one: bool, obj: Any) -> tuple[Any, ...]:
+    values = get(obj)
+    return (_rebuild, (cls, (values,) if one else values))
+
+
+class Keyer:
+    """A world's pickle: its identity for the search, and the way to copy it."""
+
+    def __init__(self, modules: tuple[ModuleType, ...]) -> None:
+        self._table = _reducers(modules)
+
+    def __call__(self, w: World) -> bytes:
+        buf = io.BytesIO()
+        pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.dispatch_table = self._table
+        pickler.dump(w)
+        return buf.getvalue()

@@ -1,0 +1,146 @@
+"""The scopes the checker explores: small enough to finish, rich enough to see bugs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvpush.config import TimingConfig
+
+from .model import Budget, Scope, TransferSpec
+
+T = TransferSpec
+
+SMOKE = Scope(
+    "smoke",
+    transfers=(T("T1", "S1", 1),),
+    budget=Budget(),
+    max_depth=30,
+)
+SMOKE_PROMPT = Scope(
+    "smoke-prompt",
+    transfers=(T("T1", "S1", 1),),
+    budget=Budget(),
+    prompt=True,
+    max_depth=60,
+)
+
+# The issue's bug 2 as reported: a receiver merely slow (stalled), a write in flight.
+BUG2 = Scope(
+    "bug2",
+    transfers=(T("T1", "S1", 1),),
+    budget=Budget(stalls=1),
+    stallable=("receiver",),
+    prompt=True,
+    max_depth=30,
+)
+# The issue's bug 3: a sender stalled past liveness + fence, its Register waiting.
+BUG3 = Scope(
+    "bug3",
+    transfers=(T("T1", "S1", 1),),
+    budget=Budget(stalls=1),
+    prompt=True,
+    stall_mid_write=False,
+    max_depth=30,
+    # Short timers, so the stall past liveness + fence takes few steps.
+    timing=TimingConfig(
+        heartbeat_interval_s=1.0, liveness_timeout_s=1.5, lease_s=1.0, transfer_deadline_s=3.0
+    ),
+)
+
+# Issue 9's bug 1: caches that differ only in dtype.
+BUG1 = Scope(
+    "bug1",
+    transfers=(T("T1", "S1", 1),),
+    budget=Budget(),
+    prompt=True,
+    geometry=(("R", (("dtype", "float16"),)),),
+    max_depth=40,
+)
+
+
+def _ci(name: str, transfers: tuple[TransferSpec, ...], budget: Budget, **kw: object) -> Scope:
+    opts: dict[str, object] = {"prompt": True, "max_depth": 80}
+    opts.update(kw)
+    return Scope(name, transfers=transfers, budget=budget, **opts)  # type: ignore[arg-type]
+
+
+# The CI scopes: each every interleaving up to its depth (or all, where it completes).
+CI = (
+    _ci("one", (T("T1", "S1", 1),), Budget(), max_depth=16),
+    _ci("layerwise-prefix", (T("T1", "S1", 2, offset=1, layerwise=True),), Budget(), max_depth=14),
+    _ci(
+        "full-hit-then-reuse",
+        (T("T1", "S1", 1, offset=1), T("T2", "S1", 1)),
+        Budget(),
+        sender_blocks=1,
+        receiver_blocks=1,
+        max_depth=8,
+    ),
+    _ci("lossy", (T("T1", "S1", 1),), Budget(drops=1, dups=1), max_depth=9),
+    _ci("failures", (T("T1", "S1", 1),), Budget(failures=1), max_depth=14),
+    _ci("aborts", (T("T1", "S1", 1),), Budget(aborts=1), max_depth=11),
+    _ci("restart", (T("T1", "S1", 1),), Budget(restarts=1), max_depth=7),
+    _ci("sender-stall", (T("T1", "S1", 1),), Budget(stalls=1), max_depth=9),
+    _ci(
+        "receiver-stall",
+        (T("T1", "S1", 1),),
+        Budget(stalls=1),
+        stallable=("receiver",),
+        max_depth=11,
+    ),
+    _ci(
+        "two-senders",
+        (T("T1", "S1", 1), T("T2", "S2", 1)),
+        Budget(),
+        senders=("S1", "S2"),
+        receiver_blocks=1,
+        max_depth=8,
+    ),
+    _ci("incompatible", (T("T1", "S1", 1),), Budget(), geometry=(("R", (("layout", "HND"),)),)),
+)
+
+# A receiver whose runtime thread is stuck while its side channel still answers: finds
+# a late write in the current protocol (see docs/protocol-checking.md, "Findings").
+STUCK_RECEIVER = _ci(
+    "stuck-receiver",
+    (T("T1", "S1", 1),),
+    Budget(stalls=1),
+    stallable=("receiver",),
+    stalled_side_channel_answers=True,
+    max_depth=16,
+)
+
+# The larger scope: deeper, and the scopes that do not fit in CI.
+LARGE = (
+    *(dataclasses.replace(s, max_depth=s.max_depth + 4) for s in CI),
+    _ci(
+        "three-transfers",
+        (T("T1", "S1", 1, layerwise=True), T("T2", "S1", 2, offset=1), T("T3", "S1", 1)),
+        Budget(aborts=1, drops=1),
+        sender_blocks=2,
+        receiver_blocks=1,
+        max_depth=12,
+    ),
+    STUCK_RECEIVER,
+)
+
+GROUPS: dict[str, tuple[Scope, ...]] = {
+    "ci": CI,
+    "large": LARGE,
+    "stuck-receiver": (STUCK_RECEIVER,),
+    "smoke": (SMOKE,),
+    "smoke-prompt": (SMOKE_PROMPT,),
+    "bug1": (BUG1,),
+    "bug2": (BUG2,),
+    "bug3": (BUG3,),
+}
+
+
+def group(name: str) -> tuple[Scope, ...]:
+    if name in GROUPS:
+        return GROUPS[name]
+    for scopes in GROUPS.values():
+        for s in scopes:
+            if s.name == name:
+                return (s,)
+    raise SystemExit(f"unknown scope {name!r}: expected one of {sorted(GROUPS)} or a scope name")
