@@ -171,6 +171,15 @@ def _layer_tensors(
     return tensors
 
 
+def storage_shortfall(t: torch.Tensor) -> tuple[int, int] | None:
+    """(bytes the view reaches, bytes its storage holds) when the view reaches past its
+    storage; None when it fits. From the tensor's own offset, shape and strides."""
+    span = sum((int(n) - 1) * int(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+    needed = (int(t.storage_offset()) + span) * t.element_size()
+    have = t.untyped_storage().nbytes()
+    return (needed, have) if needed > have else None
+
+
 def _kind(value: object) -> str:
     return f"a {type(value).__name__}"
 
@@ -314,22 +323,14 @@ class _LayerFacts:
                 )
 
     def _check_storage(self, expected_blocks: int | None) -> None:
-        t = self.tensor
-        elem = t.element_size()
-        needed = t.storage_offset() * elem + self._span_bytes()
-        have = t.untyped_storage().nbytes()
-        if needed > have:
+        short = storage_shortfall(self.tensor)
+        if short is not None:
+            needed, have = short
             self.fail(
                 f"tensor too small for its declared geometry: it needs {needed} bytes of "
                 f"storage, its storage holds {have}",
                 expected_blocks,
             )
-
-    def _span_bytes(self) -> int:
-        t = self.tensor
-        return (
-            sum((int(n) - 1) * int(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1
-        ) * t.element_size()
 
     def regions(self) -> list[Region]:
         t = self.tensor

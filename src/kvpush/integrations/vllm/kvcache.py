@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from kvpush.errors import KVLayoutError
 from kvpush.geometry import CacheGeometry, Region
-from kvpush.kvcache import KVLayout, dtype_name, register_kv_cache
+from kvpush.kvcache import KVLayout, dtype_name, register_kv_cache, storage_shortfall
 
 if TYPE_CHECKING:
     import torch
@@ -184,12 +184,9 @@ class _Packed:
             )
 
     def _check_storage(self, expected: int | None) -> None:
-        t = self.tensor
-        elem = t.element_size()
-        span = sum((int(n) - 1) * int(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1
-        needed = (t.storage_offset() + span) * elem
-        have = t.untyped_storage().nbytes()
-        if needed > have:
+        short = storage_shortfall(self.tensor)
+        if short is not None:
+            needed, have = short
             self.fail(
                 f"tensor too small for its geometry: it needs {needed} bytes of storage, "
                 f"its storage holds {have}",
