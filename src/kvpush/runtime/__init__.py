@@ -81,11 +81,16 @@ Layout of this package, along its seams:
 * `driver` — `Driver`: the one thread that owns the transport (and so the NIXL agent) and
   the protocol machines: its loop, the effects it carries out, the statistics snapshot.
 * `directory` — the `PeerDirectory` port (`InMemoryPeerDirectory`,
-  `SideChannelPeerDirectory`) and the `LookupWorker` thread that runs lookups.
+  `SideChannelPeerDirectory`) and the `LookupPool` of threads that runs lookups.
 * `values` — `RuntimeIdentity`, `RuntimeStatistics`, `TransferResult`, `PeerAddress`.
 
-Threads: the driver's thread, and one lookup worker that does the blocking side-channel
-lookups and posts results back. Both start in `start()` and are joined in `close()`.
+Threads: the driver's thread, and a pool of up to 16 lookup threads that do the blocking
+side-channel lookups, different addresses in parallel, and post results back (started on
+demand after `start()`, all joined in `close()`). One address that never answers costs
+only its own transfers: known-good addresses go first, addresses never seen or whose
+last lookup failed hold at most three quarters of the pool (failed ones at most half),
+and a failed address is tried again only after a back-off (50 ms doubling to 2 s,
+cleared by an answer) while its transfers wait within their own deadline.
 The driver's thread blocks on its command queue while nothing is in flight (waking every
 `idle_poll_s`, default half a heartbeat interval, to look for registrations: NIXL cannot
 wake a thread on an incoming notification), and polls the transport with exponential

@@ -38,7 +38,7 @@ from kvpush.protocol import (
     WriteBlocks,
     encode,
 )
-from kvpush.runtime.directory import LookupWorker, PeerDirectory, handshake_reason
+from kvpush.runtime.directory import LookupPool, PeerDirectory, handshake_reason
 from kvpush.runtime.values import RuntimeStatistics
 from kvpush.sidechannel import PeerMetadata
 from kvpush.transports.base import (
@@ -160,7 +160,7 @@ class Driver:
         for i, region in enumerate(geometry.regions):
             self._layer_regions[region.layer].append(i)
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._lookup_worker = LookupWorker(
+        self._lookups_pool = LookupPool(
             directory,
             lambda a, m, e: self.commands.put(_LookupResult(a, m, e)),
             name=f"kvpush-handshake-{transport.agent_name}",
@@ -185,7 +185,7 @@ class Driver:
     # ----------------------------------------------------------------- lifecycle
 
     def start(self, on_crash: Callable[[BaseException], None]) -> None:
-        self._lookup_worker.start()
+        self._lookups_pool.start()
         self._thread = threading.Thread(
             target=self._run,
             args=(on_crash,),
@@ -204,7 +204,7 @@ class Driver:
             self._thread.join(timeout)
         else:  # start() failed before the thread ran: nobody else closes the transport
             self._transport.close()
-        self._lookup_worker.close(max(0.0, timeout - (time.monotonic() - start)))
+        self._lookups_pool.close(max(0.0, timeout - (time.monotonic() - start)))
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -430,7 +430,7 @@ class Driver:
             self._apply(self._protocol.handshake_done(now, hs.address, info))
         elif hs.address not in self._lookups:
             self._lookups.add(hs.address)
-            self._lookup_worker.submit(hs.address)
+            self._lookups_pool.submit(hs.address)
 
     # ----------------------------------------------------------------- effects
 
