@@ -10,6 +10,8 @@ Public engine API (every method is thread-safe and never blocks on the network):
     # sending side (prefill)
     rt.send(transfer_id, blocks, ready_layers=None)   # None: every layer computed already
     rt.layers_ready(transfer_id, layers)              # layer-by-layer push
+        # LocalProtocolError for a transfer not being sent: never sent, or ended with
+        # its result already taken from poll() (accepted, a no-op, while still queued)
 
     # receiving side (decode)
     rt.receive(transfer_id, sender, blocks, sender_offset=0)
@@ -21,7 +23,10 @@ Public engine API (every method is thread-safe and never blocks on the network):
     rt.abort(transfer_id)            # either side; the result still comes from poll()
     rt.poll() -> list[TransferResult]            # what ended since the last call
     rt.wait(timeout) -> list[TransferResult]     # the same, blocking until one ends
-    rt.statistics() -> RuntimeStatistics
+    rt.transfer_state(transfer_id, side) -> SenderState | ReceiverState | None
+        # side "sender"/"receiver"; None once ended (result in poll()) or never handed in
+    rt.statistics() -> RuntimeStatistics   # counts, and the in-flight ids with their
+                                           # states (sending_transfers/receiving_transfers)
     rt.close()                       # in-flight transfers end as SHUTDOWN; joins threads
 
 The contract: every transfer handed in through `send` or `receive` comes back from
@@ -112,8 +117,12 @@ set a switch interval of 0.2-1 ms. That setting is the engine's to choose, not o
 
 Publishing: the runtime does not serve its own side channel. Pass `local_metadata()` to
 a `kvpush.sidechannel.MetadataServer` (one per engine, all ranks) after `start()`; the
-engine decides host, port and token there. The runtime owns the transport it is given:
-`start()` starts it, `close()` closes it.
+engine decides host, port and token there. To let the OS pick the port, start the
+server first on port 0 with a rank mapping (or callable) still empty, build the
+runtime's `RuntimeIdentity` with `server.port`, start the runtime, then add
+`ranks[rank] = rt.local_metadata()`: the server reads the mapping on every request, and
+a lookup before that answers "unknown rank", as for any rank not up yet. The runtime
+owns the transport it is given: `start()` starts it, `close()` closes it.
 
 Handshakes: a receiver handshakes with the sender's address from the request before it
 registers (the protocol's HANDSHAKING state; one lookup per address, however many
@@ -138,6 +147,7 @@ that agent since the Register went out, so never when a byte may have been writt
 """
 
 from kvpush.errors import RuntimeStopped
+from kvpush.protocol import ReceiverState, SenderState
 from kvpush.runtime.directory import (
     InMemoryPeerDirectory,
     PeerDirectory,
@@ -156,9 +166,11 @@ __all__ = [
     "PeerAddress",
     "PeerDirectory",
     "PushRuntime",
+    "ReceiverState",
     "RuntimeIdentity",
     "RuntimeStatistics",
     "RuntimeStopped",
+    "SenderState",
     "SideChannelPeerDirectory",
     "TransferResult",
 ]

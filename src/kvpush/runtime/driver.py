@@ -33,7 +33,9 @@ from kvpush.protocol import (
     PeerInfo,
     PushProtocol,
     ReceiverState,
+    SenderState,
     SendMessage,
+    Side,
     TransferEnded,
     WriteBlocks,
     encode,
@@ -108,12 +110,30 @@ class StatsRequest:
     result: RuntimeStatistics | None = None
 
 
+@dataclass(slots=True)
+class StateRequest:
+    transfer_id: str
+    side: Side
+    done: threading.Event = field(default_factory=threading.Event)
+    result: SenderState | ReceiverState | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Stop:
     drain_until: float  # time.monotonic(): stop waiting for writes and acks then
 
 
-Command = Send | LayersReady | Receive | RejectRequest | Abort | _LookupResult | StatsRequest | Stop
+Command = (
+    Send
+    | LayersReady
+    | Receive
+    | RejectRequest
+    | Abort
+    | _LookupResult
+    | StatsRequest
+    | StateRequest
+    | Stop
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,6 +401,9 @@ class Driver:
             case StatsRequest():
                 cmd.result = self.snapshot()
                 cmd.done.set()
+            case StateRequest(transfer_id=tid, side=side):
+                cmd.result = self.state_of(tid, side)
+                cmd.done.set()
             case Stop(drain_until=until):
                 self._begin_stop(now, until)
 
@@ -480,11 +503,19 @@ class Driver:
 
     # ----------------------------------------------------------------- statistics
 
+    def state_of(self, transfer_id: str, side: Side) -> SenderState | ReceiverState | None:
+        """Read on the driver's thread (or once it stopped)."""
+        if side == "sender":
+            return self._protocol.sender.state_of(transfer_id)
+        return self._protocol.receiver.state_of(transfer_id)
+
     def snapshot(self) -> RuntimeStatistics:
         """Read on the driver's thread (or once it stopped)."""
         sender, receiver = self._protocol.sender, self._protocol.receiver
-        sending = collections.Counter(s.value for s in sender.states().values())
-        receiving = collections.Counter(s.value for s in receiver.states().values())
+        sending_ids = {t: s.value for t, s in sender.states().items()}
+        receiving_ids = {t: s.value for t, s in receiver.states().items()}
+        sending = collections.Counter(sending_ids.values())
+        receiving = collections.Counter(receiving_ids.values())
         counters = self._sink.counters()
         return RuntimeStatistics(
             sending=dict(sending),
@@ -499,5 +530,7 @@ class Driver:
             register_retries=self._register_retries,
             writes_in_flight=sender.writes_in_flight(),
             stale_registers=sender.stale_registers,
+            sending_transfers=sending_ids,
+            receiving_transfers=receiving_ids,
             **counters,  # type: ignore[arg-type]
         )
