@@ -1108,3 +1108,31 @@ def test_an_old_echo_repeated_after_an_idle_spell_does_not_shorten_the_lease(
     wire.apply("p-1", sender.layers_ready(wire.now, "t1", [0, 1]))
     wire.settle()
     assert wire.ended("d-1", "t1").ok
+
+
+def test_a_receiver_resumed_past_its_deadline_sends_no_register_the_sender_forgot() -> None:
+    # Found by the model checker: the receiver stops right after registering; the sender
+    # gives the registration up (Failed, queued to the receiver), and forgets it after its
+    # tombstone's time; its engine submits the id late. The resumed receiver reads the
+    # sender's old heartbeat before that Failed: a Register sent again then would be new
+    # to the sender, which writes, while the Failed ends the transfer on the receiver.
+    timing = TimingConfig(
+        heartbeat_interval_s=0.5, liveness_timeout_s=3.0, lease_s=5.0, transfer_deadline_s=10.0
+    )
+    w = Wire(timing)
+    w.add("p-1", "engine-p")
+    w.add("d-1", "engine-d")
+    w.expect("d-1", "t1", "p-1", [3])
+    w.auto_handshake = False
+    w.deliver()  # the Register: p-1 handshakes back, slowly; d-1 stops
+    w.run_only("p-1", timing.transfer_deadline_s + timing.lease_s + 5.0)
+    assert "t1" not in w.ends["p-1"].sender.states()  # given up and forgotten since
+    w.submit("p-1", "t1", [1])  # the engine's late submit: a new transfer to p-1
+    [hs] = [h for src, h in w.handshakes if src == "p-1"]
+    w.answer_handshake("p-1", hs)  # sends the queued Failed, and a heartbeat listing none
+    while mine := [i for i, m in enumerate(w.queue) if m[1] == "d-1"]:  # d-1 resumes,
+        hb = [i for i in mine if isinstance(decode(w.queue[i][2]), Heartbeat)]
+        w.deliver((hb or mine)[0])  # reading the sender's heartbeat first
+    w.settle()
+    assert [t for _, _, t, _ in w.write_log] == []
+    assert w.ended("d-1", "t1").reason is not None

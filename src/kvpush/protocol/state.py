@@ -1616,7 +1616,12 @@ class ReceiverProtocol(_Side["_Incoming"]):
 
     def _resend_registers(self, now: float, peer: str) -> list[Effect]:
         """Registrations the sender does not list (lost, or not there yet) go again,
-        stamped with the time they go: a resend renews the lease it asks for."""
+        stamped with the time they go: a resend renews the lease it asks for.
+
+        Never past the transfer's deadline (a receiver that was stopped reads its inbox
+        before it ticks): the sender forgets an id it gave up `deadline + lease` after,
+        so a Register sent later could reach a sender to which the id is new, and which
+        writes, while its earlier `Failed` for that id ends the transfer here."""
         p = self._peers.get(peer)
         if p is None:
             return []
@@ -1629,6 +1634,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
                 and rec.state is ReceiverState.WAITING
                 and rec.transfer_id not in known
                 and now >= rec.register_sent_at + self._timing.heartbeat_interval_s
+                and now < rec.deadline
             ):
                 rec.register_sent_at = now
                 rec.register = msgspec.structs.replace(rec.register, sent_at=now)
