@@ -23,13 +23,16 @@ from contextlib import ExitStack
 import pytest
 
 from kvpush.config import SideChannelConfig, TimingConfig
+from kvpush.errors import PeerUnreachable, UnknownRank
 from kvpush.runtime import (
     PeerAddress,
+    PeerDirectory,
     PushRuntime,
     RuntimeIdentity,
     SideChannelPeerDirectory,
     TransferResult,
 )
+from kvpush.runtime.directory import LookupPool
 from kvpush.sidechannel import MetadataServer, PeerMetadata
 from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
 from transport_conformance import make_kv
@@ -239,3 +242,82 @@ def test_black_holed_side_channels_do_not_stall_healthy_handshakes(stack: ExitSt
             assert d.kv.block(region, b) == p.kv.block(region, b)
     hole_results = [r for k, (_, r) in ended.items() if k[1].startswith("hole-")]
     assert len(hole_results) >= BLACK_HOLES and not any(r.ok for r in hole_results)
+
+
+class GatedDirectory(PeerDirectory):
+    """Lookups of ports in `slow` block until `release` is set; `failing` ones raise."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.slow: set[int] = set()
+        self.failing: set[int] = set()
+        self.calls: list[int] = []
+        self._lock = threading.Lock()
+
+    def lookup(self, host: str, port: int, rank: int) -> PeerMetadata:
+        with self._lock:
+            self.calls.append(port)
+        if port in self.slow:
+            self.release.wait(30)
+        if port in self.failing:
+            raise PeerUnreachable(f"nobody at {host}:{port}")
+        raise UnknownRank(f"answered: {host}:{port} has no rank {rank}")  # an answer
+
+
+class Outcomes:
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.done: list[tuple[int, str]] = []
+
+    def __call__(self, address: PeerAddress, meta: object, error: BaseException | None) -> None:
+        with self.cv:
+            self.done.append((address.port, type(error).__name__))
+            self.cv.notify_all()
+
+    def wait_for(self, port: int, count: int = 1) -> None:
+        with self.cv:
+            ok = self.cv.wait_for(lambda: [p for p, _ in self.done].count(port) >= count, 10)
+        assert ok, f"no outcome for port {port}: {self.done}"
+
+
+def test_a_known_address_is_not_queued_behind_addresses_that_never_answer() -> None:
+    directory, outcomes = GatedDirectory(), Outcomes()
+    pool = LookupPool(directory, outcomes, "test-lookups", max_workers=4)
+    pool.start()
+    try:
+        pool.submit(PeerAddress("127.0.0.1", 1))
+        outcomes.wait_for(1)  # port 1 answered once: known from now on
+        directory.slow = {100 + i for i in range(8)}
+        for i in range(8):  # more strangers than workers, all hanging
+            pool.submit(PeerAddress("127.0.0.1", 100 + i))
+        pool.submit(PeerAddress("127.0.0.1", 1))
+        outcomes.wait_for(1, count=2)  # answered while every stranger still hangs
+        assert not any(p >= 100 for p, _ in outcomes.done)
+        # Strangers hold at most three quarters of the pool.
+        assert sorted(directory.calls) == [1, 1, 100, 101, 102]
+    finally:
+        directory.release.set()
+        pool.close(5.0)
+
+
+def test_a_failed_address_is_retried_only_after_its_back_off() -> None:
+    now = [0.0]
+    directory, outcomes = GatedDirectory(), Outcomes()
+    directory.failing = {7}
+    pool = LookupPool(
+        directory, outcomes, "test-lookups", max_workers=2, backoff_s=0.5, clock=lambda: now[0]
+    )
+    pool.start()
+    try:
+        pool.submit(PeerAddress("::1", 7))
+        outcomes.wait_for(7)
+        pool.submit(PeerAddress("::1", 7))  # backed off until 0.5 on the fake clock
+        pool.submit(PeerAddress("::1", 8))  # submitted later, looked up first
+        outcomes.wait_for(8)
+        assert directory.calls == [7, 8]
+        now[0] = 0.5
+        outcomes.wait_for(7, count=2)
+        assert directory.calls == [7, 8, 7]
+        assert outcomes.done == [(7, "PeerUnreachable"), (8, "UnknownRank"), (7, "PeerUnreachable")]
+    finally:
+        pool.close(5.0)

@@ -93,8 +93,8 @@ Threads: the driver's thread, and a pool of up to 16 lookup threads that do the 
 side-channel lookups, different addresses in parallel, and post results back (started on
 demand after `start()`, all joined in `close()`). One address that never answers costs
 only its own transfers: known-good addresses go first, addresses never seen or whose
-last lookup failed hold at most three quarters of the pool (failed ones at most half),
-and a failed address is tried again only after a back-off (50 ms doubling to 2 s,
+last lookup got no answer hold at most three quarters of the pool (those at most half),
+and an unanswered address is tried again only after a back-off (50 ms doubling to 2 s,
 cleared by an answer) while its transfers wait within their own deadline.
 The driver's thread blocks on its command queue while nothing is in flight (waking every
 `idle_poll_s`, default half a heartbeat interval, to look for registrations: NIXL cannot

@@ -106,6 +106,10 @@ def handshake_reason(exc: BaseException) -> FailureReason:
     return FailureReason.HANDSHAKE_FAILED
 
 
+# A refusal is an answer: the peer's side channel is up and quick, so it is neither
+# backed off nor held to the suspects' share (a rank coming up answers UnknownRank first).
+_ANSWERS = (UnknownRank, AuthenticationRefused, IncompatiblePeer)
+
 LookupDone = Callable[[PeerAddress, PeerMetadata | None, BaseException | None], None]
 
 
@@ -116,12 +120,13 @@ class LookupPool:
     Why a pool: a lookup blocks for up to the directory's time-out, so one thread would
     charge every slow (black-holed, unreachable) address to all the lookups queued behind
     it. Addresses fall in three classes, served in this order: *known* (its last lookup
-    answered), *new* (never looked up), *suspect* (its last lookup failed). Suspect
+    answered, a refusal such as `UnknownRank` included), *new* (never looked up),
+    *suspect* (its last lookup got no answer: unreachable, timed out, garbled). Suspect
     lookups occupy at most half of the workers, and new plus suspect ones at most three
     quarters, so a peer that answered before is never queued behind strangers, however
     many of them black-hole their lookups. (A brand-new healthy peer can still wait one
     time-out when more than three quarters of the workers are busy with brand-new
-    addresses that never answer.) A failed address is looked up again no sooner than
+    addresses that never answer.) An unanswered address is looked up again no sooner than
     its back-off (doubling from `backoff_s` to `max_backoff_s`, cleared by a success); a
     transfer waiting for it meanwhile stays in its handshake, bounded by its own
     deadline, which runs from the engine's call.
@@ -173,7 +178,9 @@ class LookupPool:
             if self._closed or not self._started:
                 return
             self._pending.append(address)
-            if self._idle == 0 and len(self._threads) < self._max_workers:
+            # Grow while jobs outnumber idle workers (a burst is submitted before any
+            # idle worker wakes up to take its share).
+            if len(self._pending) > self._idle and len(self._threads) < self._max_workers:
                 t = threading.Thread(
                     target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True
                 )
@@ -239,7 +246,7 @@ class LookupPool:
             with self._cv:
                 self._running_suspect -= suspect
                 self._running_unproven -= unproven
-                if error is None:
+                if error is None or isinstance(error, _ANSWERS):
                     self._failed.pop(address, None)
                     self._known.add(address)
                 else:
