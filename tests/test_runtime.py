@@ -442,7 +442,8 @@ def test_receiver_abort_mid_transfer_fences_until_the_sender_acks(cluster: Clust
     [rd] = wait_results(d)
     [rp] = wait_results(p)
     assert rd.reason is FailureReason.CANCELLED and rp.reason is FailureReason.CANCELLED
-    p.layers_ready("t1", [1])  # too late: nothing more is written
+    with pytest.raises(LocalProtocolError, match="ended"):
+        p.layers_ready("t1", [1])  # too late: refused, and nothing more is written
     # The snapshot is taken on the runtime's thread after it handled layers_ready: a
     # write issued for it would be in flight (or done) by then.
     stats = p.statistics()

@@ -10,6 +10,8 @@ Public engine API (every method is thread-safe and never blocks on the network):
     # sending side (prefill)
     rt.send(transfer_id, blocks, ready_layers=None)   # None: every layer computed already
     rt.layers_ready(transfer_id, layers)              # layer-by-layer push
+        # LocalProtocolError for a transfer not being sent: never sent, or ended with
+        # its result already taken from poll() (accepted, a no-op, while still queued)
 
     # receiving side (decode)
     rt.receive(transfer_id, sender, blocks, sender_offset=0)
@@ -21,7 +23,10 @@ Public engine API (every method is thread-safe and never blocks on the network):
     rt.abort(transfer_id)            # either side; the result still comes from poll()
     rt.poll() -> list[TransferResult]            # what ended since the last call
     rt.wait(timeout) -> list[TransferResult]     # the same, blocking until one ends
-    rt.statistics() -> RuntimeStatistics
+    rt.transfer_state(transfer_id, side) -> SenderState | ReceiverState | None
+        # side "sender"/"receiver"; None once ended (result in poll()) or never handed in
+    rt.statistics() -> RuntimeStatistics   # counts, and the in-flight ids with their
+                                           # states (sending_transfers/receiving_transfers)
     rt.close()                       # in-flight transfers end as SHUTDOWN; joins threads
 
 The contract: every transfer handed in through `send` or `receive` comes back from
@@ -81,11 +86,16 @@ Layout of this package, along its seams:
 * `driver` — `Driver`: the one thread that owns the transport (and so the NIXL agent) and
   the protocol machines: its loop, the effects it carries out, the statistics snapshot.
 * `directory` — the `PeerDirectory` port (`InMemoryPeerDirectory`,
-  `SideChannelPeerDirectory`) and the `LookupWorker` thread that runs lookups.
+  `SideChannelPeerDirectory`) and the `LookupPool` of threads that runs lookups.
 * `values` — `RuntimeIdentity`, `RuntimeStatistics`, `TransferResult`, `PeerAddress`.
 
-Threads: the driver's thread, and one lookup worker that does the blocking side-channel
-lookups and posts results back. Both start in `start()` and are joined in `close()`.
+Threads: the driver's thread, and a pool of up to 16 lookup threads that do the blocking
+side-channel lookups, different addresses in parallel, and post results back (started on
+demand after `start()`, all joined in `close()`). One address that never answers costs
+only its own transfers: known-good addresses go first, addresses never seen or whose
+last lookup got no answer hold at most three quarters of the pool (those at most half),
+and an unanswered address is tried again only after a back-off (50 ms doubling to 2 s,
+cleared by an answer) while its transfers wait within their own deadline.
 The driver's thread blocks on its command queue while nothing is in flight (waking every
 `idle_poll_s`, default half a heartbeat interval, to look for registrations: NIXL cannot
 wake a thread on an incoming notification), and polls the transport with exponential
@@ -107,8 +117,12 @@ set a switch interval of 0.2-1 ms. That setting is the engine's to choose, not o
 
 Publishing: the runtime does not serve its own side channel. Pass `local_metadata()` to
 a `kvpush.sidechannel.MetadataServer` (one per engine, all ranks) after `start()`; the
-engine decides host, port and token there. The runtime owns the transport it is given:
-`start()` starts it, `close()` closes it.
+engine decides host, port and token there. To let the OS pick the port, start the
+server first on port 0 with a rank mapping (or callable) still empty, build the
+runtime's `RuntimeIdentity` with `server.port`, start the runtime, then add
+`ranks[rank] = rt.local_metadata()`: the server reads the mapping on every request, and
+a lookup before that answers "unknown rank", as for any rank not up yet. The runtime
+owns the transport it is given: `start()` starts it, `close()` closes it.
 
 Handshakes: a receiver handshakes with the sender's address from the request before it
 registers (the protocol's HANDSHAKING state; one lookup per address, however many
@@ -133,6 +147,7 @@ that agent since the Register went out, so never when a byte may have been writt
 """
 
 from kvpush.errors import RuntimeStopped
+from kvpush.protocol import ReceiverState, SenderState
 from kvpush.runtime.directory import (
     InMemoryPeerDirectory,
     PeerDirectory,
@@ -151,9 +166,11 @@ __all__ = [
     "PeerAddress",
     "PeerDirectory",
     "PushRuntime",
+    "ReceiverState",
     "RuntimeIdentity",
     "RuntimeStatistics",
     "RuntimeStopped",
+    "SenderState",
     "SideChannelPeerDirectory",
     "TransferResult",
 ]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import abc
 import logging
-import queue
 import threading
+import time
 from collections.abc import Callable
 
 from kvpush.errors import (
@@ -22,7 +22,7 @@ from kvpush.sidechannel import PeerMetadata, fetch_metadata
 
 __all__ = [
     "InMemoryPeerDirectory",
-    "LookupWorker",
+    "LookupPool",
     "PeerDirectory",
     "SideChannelPeerDirectory",
     "handshake_reason",
@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 
 class PeerDirectory(abc.ABC):
-    """How the runtime finds a peer's metadata. Called on the lookup worker only."""
+    """How the runtime finds a peer's metadata. Called on the lookup pool's threads,
+    for different addresses at once: implementations must be thread-safe."""
 
     @abc.abstractmethod
     def lookup(self, host: str, port: int, rank: int) -> PeerMetadata:
@@ -105,41 +106,155 @@ def handshake_reason(exc: BaseException) -> FailureReason:
     return FailureReason.HANDSHAKE_FAILED
 
 
+# A refusal is an answer: the peer's side channel is up and quick, so it is neither
+# backed off nor held to the suspects' share (a rank coming up answers UnknownRank first).
+_ANSWERS = (UnknownRank, AuthenticationRefused, IncompatiblePeer)
+
 LookupDone = Callable[[PeerAddress, PeerMetadata | None, BaseException | None], None]
 
 
-class LookupWorker:
-    """Runs `PeerDirectory.lookup` for one address at a time on its own thread and hands
-    each outcome to `done` (which posts it to the runtime's thread). Started by
-    `start()`, joined by `close()`; the caller asks for each address once at a time."""
+class LookupPool:
+    """Runs `PeerDirectory.lookup` on a small pool of threads, different addresses in
+    parallel, and hands each outcome to `done` (which posts it to the runtime's thread).
 
-    def __init__(self, directory: PeerDirectory, done: LookupDone, name: str) -> None:
+    Why a pool: a lookup blocks for up to the directory's time-out, so one thread would
+    charge every slow (black-holed, unreachable) address to all the lookups queued behind
+    it. Addresses fall in three classes, served in this order: *known* (its last lookup
+    answered, a refusal such as `UnknownRank` included), *new* (never looked up),
+    *suspect* (its last lookup got no answer: unreachable, timed out, garbled). Suspect
+    lookups occupy at most half of the workers, and new plus suspect ones at most three
+    quarters, so a peer that answered before is never queued behind strangers, however
+    many of them black-hole their lookups. (A brand-new healthy peer can still wait one
+    time-out when more than three quarters of the workers are busy with brand-new
+    addresses that never answer.) An unanswered address is looked up again no sooner than
+    its back-off (doubling from `backoff_s` to `max_backoff_s`, cleared by a success); a
+    transfer waiting for it meanwhile stays in its handshake, bounded by its own
+    deadline, which runs from the engine's call.
+
+    Threads are started on demand (by the runtime's thread, in `submit`) up to
+    `max_workers`, and all joined by `close()`. The caller asks for each address once at
+    a time."""
+
+    def __init__(
+        self,
+        directory: PeerDirectory,
+        done: LookupDone,
+        name: str,
+        *,
+        max_workers: int = 16,
+        backoff_s: float = 0.05,
+        max_backoff_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_workers < 2:
+            raise ValueError(f"max_workers must be >= 2, got {max_workers}")
         self._directory = directory
         self._done = done
         self._name = name
-        self._jobs: queue.SimpleQueue[PeerAddress | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._max_workers = max_workers
+        self._max_suspect = max_workers // 2
+        self._max_unproven = max_workers - max_workers // 4  # new + suspect
+        self._backoff_s = backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._clock = clock
+        self._cv = threading.Condition()
+        # Guarded by _cv.
+        self._pending: list[PeerAddress] = []  # FIFO
+        self._failed: dict[PeerAddress, tuple[float, float]] = {}  # -> (retry at, back-off)
+        self._known: set[PeerAddress] = set()  # last lookup answered
+        self._running_suspect = 0
+        self._running_unproven = 0  # new + suspect
+        self._idle = 0
+        self._threads: list[threading.Thread] = []
+        self._started = False
+        self._closed = False
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-        self._thread.start()
+        with self._cv:
+            self._started = True
 
     def submit(self, address: PeerAddress) -> None:
-        self._jobs.put(address)
+        with self._cv:
+            if self._closed or not self._started:
+                return
+            self._pending.append(address)
+            # Grow while jobs outnumber idle workers (a burst is submitted before any
+            # idle worker wakes up to take its share).
+            if len(self._pending) > self._idle and len(self._threads) < self._max_workers:
+                t = threading.Thread(
+                    target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True
+                )
+                self._threads.append(t)
+                t.start()
+            self._cv.notify()
 
     def close(self, timeout: float) -> None:
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join(timeout)
+        with self._cv:
+            self._closed = True
+            threads = list(self._threads)
+            self._cv.notify_all()
+        end = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, end - time.monotonic()))
+
+    def _next_job(self) -> tuple[PeerAddress | None, float | None]:
+        """The job to run now (known, then new, then suspect; FIFO within each), else
+        how long until a backed-off one is due (None: until something changes)."""
+        now = self._clock()
+        wait: float | None = None
+        new_pick: int | None = None
+        suspect_pick: int | None = None
+        unproven_ok = self._running_unproven < self._max_unproven
+        for i, address in enumerate(self._pending):
+            if address in self._known:
+                return self._pending.pop(i), None
+            failed = self._failed.get(address)
+            if failed is None:
+                if new_pick is None and unproven_ok:
+                    new_pick = i
+            elif failed[0] > now:
+                wait = failed[0] - now if wait is None else min(wait, failed[0] - now)
+            elif suspect_pick is None and unproven_ok and self._running_suspect < self._max_suspect:
+                suspect_pick = i
+        pick = new_pick if new_pick is not None else suspect_pick
+        if pick is not None:
+            return self._pending.pop(pick), None
+        return None, wait
 
     def _run(self) -> None:
         while True:
-            address = self._jobs.get()
-            if address is None:
-                return
+            with self._cv:
+                while True:
+                    if self._closed:
+                        return
+                    address, wait = self._next_job()
+                    if address is not None:
+                        break
+                    self._idle += 1
+                    self._cv.wait(wait)
+                    self._idle -= 1
+                suspect = address in self._failed
+                unproven = address not in self._known
+                self._running_suspect += suspect
+                self._running_unproven += unproven
+            meta: PeerMetadata | None = None
+            error: BaseException | None = None
             try:
                 meta = self._directory.lookup(address.host, address.port, address.rank)
             except BaseException as exc:  # every outcome goes back to the runtime's thread
-                self._done(address, None, exc)
-            else:
-                self._done(address, meta, None)
+                error = exc
+            with self._cv:
+                self._running_suspect -= suspect
+                self._running_unproven -= unproven
+                if error is None or isinstance(error, _ANSWERS):
+                    self._failed.pop(address, None)
+                    self._known.add(address)
+                else:
+                    self._known.discard(address)
+                    last = self._failed.get(address)
+                    backoff = (
+                        self._backoff_s if last is None else min(last[1] * 2, self._max_backoff_s)
+                    )
+                    self._failed[address] = (self._clock() + backoff, backoff)
+                self._cv.notify_all()  # a suspect slot or a back-off may have freed a job
+            self._done(address, meta, error)

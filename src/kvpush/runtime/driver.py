@@ -33,12 +33,14 @@ from kvpush.protocol import (
     PeerInfo,
     PushProtocol,
     ReceiverState,
+    SenderState,
     SendMessage,
+    Side,
     TransferEnded,
     WriteBlocks,
     encode,
 )
-from kvpush.runtime.directory import LookupWorker, PeerDirectory, handshake_reason
+from kvpush.runtime.directory import LookupPool, PeerDirectory, handshake_reason
 from kvpush.runtime.values import RuntimeStatistics
 from kvpush.sidechannel import PeerMetadata
 from kvpush.transports.base import (
@@ -108,12 +110,30 @@ class StatsRequest:
     result: RuntimeStatistics | None = None
 
 
+@dataclass(slots=True)
+class StateRequest:
+    transfer_id: str
+    side: Side
+    done: threading.Event = field(default_factory=threading.Event)
+    result: SenderState | ReceiverState | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Stop:
     drain_until: float  # time.monotonic(): stop waiting for writes and acks then
 
 
-Command = Send | LayersReady | Receive | RejectRequest | Abort | _LookupResult | StatsRequest | Stop
+Command = (
+    Send
+    | LayersReady
+    | Receive
+    | RejectRequest
+    | Abort
+    | _LookupResult
+    | StatsRequest
+    | StateRequest
+    | Stop
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +180,7 @@ class Driver:
         for i, region in enumerate(geometry.regions):
             self._layer_regions[region.layer].append(i)
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._lookup_worker = LookupWorker(
+        self._lookups_pool = LookupPool(
             directory,
             lambda a, m, e: self.commands.put(_LookupResult(a, m, e)),
             name=f"kvpush-handshake-{transport.agent_name}",
@@ -185,7 +205,7 @@ class Driver:
     # ----------------------------------------------------------------- lifecycle
 
     def start(self, on_crash: Callable[[BaseException], None]) -> None:
-        self._lookup_worker.start()
+        self._lookups_pool.start()
         self._thread = threading.Thread(
             target=self._run,
             args=(on_crash,),
@@ -204,7 +224,7 @@ class Driver:
             self._thread.join(timeout)
         else:  # start() failed before the thread ran: nobody else closes the transport
             self._transport.close()
-        self._lookup_worker.close(max(0.0, timeout - (time.monotonic() - start)))
+        self._lookups_pool.close(max(0.0, timeout - (time.monotonic() - start)))
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -381,6 +401,9 @@ class Driver:
             case StatsRequest():
                 cmd.result = self.snapshot()
                 cmd.done.set()
+            case StateRequest(transfer_id=tid, side=side):
+                cmd.result = self.state_of(tid, side)
+                cmd.done.set()
             case Stop(drain_until=until):
                 self._begin_stop(now, until)
 
@@ -440,7 +463,7 @@ class Driver:
             self._apply(self._protocol.handshake_done(now, hs.address, info))
         elif hs.address not in self._lookups:
             self._lookups.add(hs.address)
-            self._lookup_worker.submit(hs.address)
+            self._lookups_pool.submit(hs.address)
 
     # ----------------------------------------------------------------- effects
 
@@ -490,11 +513,19 @@ class Driver:
 
     # ----------------------------------------------------------------- statistics
 
+    def state_of(self, transfer_id: str, side: Side) -> SenderState | ReceiverState | None:
+        """Read on the driver's thread (or once it stopped)."""
+        if side == "sender":
+            return self._protocol.sender.state_of(transfer_id)
+        return self._protocol.receiver.state_of(transfer_id)
+
     def snapshot(self) -> RuntimeStatistics:
         """Read on the driver's thread (or once it stopped)."""
         sender, receiver = self._protocol.sender, self._protocol.receiver
-        sending = collections.Counter(s.value for s in sender.states().values())
-        receiving = collections.Counter(s.value for s in receiver.states().values())
+        sending_ids = {t: s.value for t, s in sender.states().items()}
+        receiving_ids = {t: s.value for t, s in receiver.states().items()}
+        sending = collections.Counter(sending_ids.values())
+        receiving = collections.Counter(receiving_ids.values())
         counters = self._sink.counters()
         return RuntimeStatistics(
             sending=dict(sending),
@@ -509,5 +540,7 @@ class Driver:
             register_retries=self._register_retries,
             writes_in_flight=sender.writes_in_flight(),
             stale_registers=sender.stale_registers,
+            sending_transfers=sending_ids,
+            receiving_transfers=receiving_ids,
             **counters,  # type: ignore[arg-type]
         )

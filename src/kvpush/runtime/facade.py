@@ -24,6 +24,8 @@ from kvpush.protocol import (
     LocalIdentity,
     PeerAddress,
     PushProtocol,
+    ReceiverState,
+    SenderState,
     Side,
     TransferEnded,
 )
@@ -37,6 +39,7 @@ from kvpush.runtime.driver import (
     RejectRequest,
     Send,
     Sink,
+    StateRequest,
     StatsRequest,
 )
 from kvpush.runtime.values import RuntimeIdentity, RuntimeStatistics, TransferResult
@@ -118,6 +121,7 @@ class PushRuntime:
         self._lock = threading.Lock()
         self._results_cv = threading.Condition(self._lock)
         self._results: collections.deque[TransferResult] = collections.deque()
+        self._queued_sending: set[str] = set()  # sender-side results not yet taken
         self._live: set[tuple[Side, str]] = set()
         self._finished = 0
         self._failed = 0
@@ -201,8 +205,23 @@ class PushRuntime:
         self._submit(("sender", transfer_id), Send(transfer_id, ours, layers))
 
     def layers_ready(self, transfer_id: str, layers: Iterable[int]) -> None:
+        """Announce more computed `layers` of a transfer handed to `send`.
+
+        Raises `LocalProtocolError` for a transfer this side is not sending: never sent,
+        or ended with its result already taken by `poll()`/`wait()` (its blocks may have
+        been reused since: computing into them was the engine's bug). While the result
+        is still waiting in `poll()` the call is accepted and does nothing, as the
+        engine could not know yet."""
         self._check_id(transfer_id)
-        self._submit(None, LayersReady(transfer_id, self._check_layers(transfer_id, layers)))
+        ready = self._check_layers(transfer_id, layers)
+        with self._lock:
+            known = ("sender", transfer_id) in self._live or transfer_id in self._queued_sending
+        if not known:
+            raise LocalProtocolError(
+                f"layers_ready({transfer_id!r}): no such transfer is being sent: it was "
+                "never passed to send(), or it ended and poll()/wait() returned its result"
+            )
+        self._submit(None, LayersReady(transfer_id, ready))
 
     def receive(
         self,
@@ -239,6 +258,7 @@ class PushRuntime:
         with self._lock:
             out = list(self._results)
             self._results.clear()
+            self._queued_sending.clear()
             return out
 
     def wait(self, timeout: float | None = None) -> list[TransferResult]:
@@ -249,7 +269,26 @@ class PushRuntime:
             )
             out = list(self._results)
             self._results.clear()
+            self._queued_sending.clear()
             return out
+
+    def transfer_state(self, transfer_id: str, side: Side) -> SenderState | ReceiverState | None:
+        """Where `transfer_id` stands on our `side` ("sender" or "receiver"): its
+        `SenderState`/`ReceiverState` while in flight, None once it ended (its result is
+        in, or was taken from, `poll()`) or if it was never handed in. Answered on the
+        runtime's thread, like `statistics()`."""
+        self._check_id(transfer_id)
+        if side not in ("sender", "receiver"):
+            raise LocalProtocolError(f"side must be 'sender' or 'receiver', got {side!r}")
+        with self._lock:
+            if (side, transfer_id) not in self._live:
+                return None
+        if self._driver.alive():
+            req = StateRequest(transfer_id, side)
+            self._driver.commands.put(req)
+            if req.done.wait(_JOIN_TIMEOUT_S):
+                return req.result
+        return self._driver.state_of(transfer_id, side)
 
     def statistics(self) -> RuntimeStatistics:
         if self._driver.alive():
@@ -329,6 +368,8 @@ class PushRuntime:
                 return
             self._live.discard(key)
             self._results.append(result)
+            if result.side == "sender":
+                self._queued_sending.add(result.transfer_id)
             if result.reason is None:
                 self._finished += 1
             else:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpush.protocol import PeerAddress, TransferEnded
 
@@ -52,6 +52,9 @@ class RuntimeStatistics:
     register_retries: int = 0
     writes_in_flight: int = 0  # writes whose outcome the data plane has not reported
     stale_registers: int = 0  # Registers refused because their lease had already run out
+    # The in-flight transfers themselves: transfer id -> state (the values counted above).
+    sending_transfers: dict[str, str] = field(default_factory=dict)
+    receiving_transfers: dict[str, str] = field(default_factory=dict)
 
     @property
     def in_flight(self) -> int:

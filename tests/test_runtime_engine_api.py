@@ -1,0 +1,135 @@
+"""The engine API an integrator needs: a transfer's state, the in-flight ids,
+`layers_ready` on a transfer that ended, and publishing metadata from a side channel
+that picks its own port. Real runtimes, real `MetadataServer`s (port 0) and
+`SideChannelPeerDirectory` over ZeroMQ, bytes on the loopback data plane."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+
+import pytest
+
+from kvpush.config import SideChannelConfig, TimingConfig
+from kvpush.errors import LocalProtocolError
+from kvpush.protocol import ReceiverState, SenderState
+from kvpush.runtime import (
+    PeerAddress,
+    PushRuntime,
+    RuntimeIdentity,
+    SideChannelPeerDirectory,
+    TransferResult,
+)
+from kvpush.sidechannel import MetadataServer, PeerMetadata
+from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
+from transport_conformance import KVBuffers, make_kv
+
+pytestmark = pytest.mark.timeout(60)
+
+TIMING = TimingConfig(heartbeat_interval_s=0.2, liveness_timeout_s=2.0, lease_s=3.0)
+
+
+class Engine:
+    """One rank set up the way the README shows: the side channel first, on a port the
+    OS picks; the runtime told that port; its metadata published once it started."""
+
+    def __init__(self, stack: ExitStack, fabric: LoopbackFabric, name: str, host: str) -> None:
+        self.kv: KVBuffers = make_kv(num_layers=2, num_blocks=8, block_bytes=128)
+        self.kv.fill_random(len(name) * 5 + ord(name[-1]))
+        ranks: dict[int, PeerMetadata] = {}
+        server = stack.enter_context(MetadataServer(host, 0, SideChannelConfig(), ranks))
+        self.address = PeerAddress(host, server.port)
+        self.runtime = stack.enter_context(
+            PushRuntime(
+                LoopbackTransport(fabric, name),
+                self.kv.geometry,
+                RuntimeIdentity(f"engine-{name}", "1", host, server.port),
+                SideChannelPeerDirectory(timeout_ms=1000),
+                timing=TIMING,
+            )
+        )
+        ranks[0] = self.runtime.local_metadata()
+
+
+@pytest.fixture
+def stack() -> Iterator[ExitStack]:
+    with ExitStack() as s:
+        yield s
+
+
+def results(rt: PushRuntime, n: int = 1, timeout: float = 10.0) -> list[TransferResult]:
+    out: list[TransferResult] = []
+    end = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < end:
+        out += rt.wait(max(0.0, end - time.monotonic()))
+    assert len(out) == n, out
+    return out
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_metadata_published_from_a_side_channel_on_port_0(stack: ExitStack, host: str) -> None:
+    fabric = LoopbackFabric()
+    p, d = Engine(stack, fabric, "p", host), Engine(stack, fabric, "d", host)
+    assert p.address.port != 0 and d.address.port != 0
+    p.runtime.send("t1", [0, 1])
+    d.runtime.receive("t1", p.address, [6, 7])
+    [rd], [rp] = results(d.runtime), results(p.runtime)
+    assert rd.ok and rp.ok, (rd, rp)
+    for region in range(len(p.kv.geometry.regions)):
+        assert d.kv.block(region, 6) == p.kv.block(region, 0)
+        assert d.kv.block(region, 7) == p.kv.block(region, 1)
+
+
+def test_transfer_state_and_in_flight_ids_follow_the_transfer(stack: ExitStack) -> None:
+    fabric = LoopbackFabric()
+    p, d = Engine(stack, fabric, "p", "127.0.0.1"), Engine(stack, fabric, "d", "127.0.0.1")
+    assert d.runtime.transfer_state("t1", "receiver") is None  # never handed in
+    d.runtime.receive("t1", p.address, [3, 4])
+    wait_until(lambda: d.runtime.transfer_state("t1", "receiver") is ReceiverState.WAITING)
+    assert d.runtime.statistics().receiving_transfers == {"t1": "waiting"}
+    assert d.runtime.transfer_state("t1", "sender") is None  # not sent from here
+
+    p.runtime.send("t1", [0, 1], ready_layers=[0])  # layer 1 not computed yet
+    wait_until(lambda: p.runtime.transfer_state("t1", "sender") is SenderState.WRITING)
+    assert p.runtime.statistics().sending_transfers == {"t1": "writing"}
+    assert d.runtime.transfer_state("t1", "receiver") is ReceiverState.WAITING
+
+    p.runtime.layers_ready("t1", [1])
+    [rd], [rp] = results(d.runtime), results(p.runtime)
+    assert rd.ok and rp.ok, (rd, rp)
+    assert p.runtime.transfer_state("t1", "sender") is None
+    assert d.runtime.transfer_state("t1", "receiver") is None
+    assert p.runtime.statistics().sending_transfers == {}
+    assert d.runtime.statistics().receiving_transfers == {}
+    with pytest.raises(LocalProtocolError, match="side must be"):
+        p.runtime.transfer_state("t1", "prefill")  # type: ignore[arg-type]
+
+
+def test_layers_ready_for_a_transfer_that_ended_raises(stack: ExitStack) -> None:
+    fabric = LoopbackFabric()
+    p, d = Engine(stack, fabric, "p", "127.0.0.1"), Engine(stack, fabric, "d", "127.0.0.1")
+    with pytest.raises(LocalProtocolError, match="never passed to send"):
+        p.runtime.layers_ready("never-sent", [0])
+
+    p.runtime.send("t1", [0], ready_layers=[0])
+    d.runtime.receive("t1", p.address, [5])
+    wait_until(lambda: p.runtime.transfer_state("t1", "sender") is SenderState.WRITING)
+    d.runtime.abort("t1")
+    [rd] = results(d.runtime)
+    assert not rd.ok
+    # The sender's result is in, not yet taken: the engine cannot know, so it is accepted.
+    wait_until(lambda: p.runtime.statistics().results_queued == 1)
+    p.runtime.layers_ready("t1", [1])
+    [rp] = p.runtime.poll()
+    assert not rp.ok and rp.transfer_id == "t1"
+    # Taken: the engine was told its blocks are its own again; computing on is a bug.
+    with pytest.raises(LocalProtocolError, match="ended and poll"):
+        p.runtime.layers_ready("t1", [1])
