@@ -12,7 +12,7 @@ from contextlib import ExitStack
 import pytest
 
 from kvpush.config import SideChannelConfig, TimingConfig
-from kvpush.errors import LocalProtocolError
+from kvpush.errors import FailureReason, LocalProtocolError, RuntimeStopped
 from kvpush.protocol import ReceiverState, SenderState
 from kvpush.runtime import (
     PeerAddress,
@@ -22,6 +22,7 @@ from kvpush.runtime import (
     TransferResult,
 )
 from kvpush.sidechannel import MetadataServer, PeerMetadata
+from kvpush.transports.base import TransportEvent
 from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
 from transport_conformance import KVBuffers, make_kv
 
@@ -133,3 +134,52 @@ def test_layers_ready_for_a_transfer_that_ended_raises(stack: ExitStack) -> None
     # Taken: the engine was told its blocks are its own again; computing on is a bug.
     with pytest.raises(LocalProtocolError, match="ended and poll"):
         p.runtime.layers_ready("t1", [1])
+
+
+class CrashingTransport(LoopbackTransport):
+    """A data plane whose poll raises once told to: the runtime's thread dies of it."""
+
+    def __init__(self, fabric: LoopbackFabric, name: str) -> None:
+        super().__init__(fabric, name)
+        self.broken = False
+
+    def poll(self) -> list[TransportEvent]:
+        if self.broken:
+            raise OSError("the data plane broke")
+        return super().poll()
+
+
+def test_failure_says_why_a_runtime_cannot_serve(stack: ExitStack) -> None:
+    """What a server's /health reports: None while it serves, the crash once its
+    thread died (every transfer reported LOCAL_ERROR), "closed" after close()."""
+    fabric = LoopbackFabric()
+    kv = make_kv(num_layers=2, num_blocks=8, block_bytes=128)
+    transport = CrashingTransport(fabric, "crashy")
+    runtime = PushRuntime(
+        transport,
+        kv.geometry,
+        RuntimeIdentity("engine-crashy", "1", "127.0.0.1", 1),
+        SideChannelPeerDirectory(timeout_ms=1000),
+        timing=TIMING,
+    )
+    assert runtime.failure is None  # not started yet: nothing wrong
+    runtime.start()
+    stack.callback(runtime.close)
+    assert runtime.failure is None
+    runtime.send("t1", [1])
+    transport.broken = True
+    [result] = runtime.wait(timeout=10)
+    assert result.reason is FailureReason.LOCAL_ERROR and "the data plane broke" in result.detail
+    failure = runtime.failure
+    assert failure is not None and "crashed" in failure and "the data plane broke" in failure
+    with pytest.raises(RuntimeStopped):
+        runtime.send("t2", [2])
+    runtime.close()
+    assert runtime.failure is not None
+
+
+def test_a_closed_runtime_reports_it(stack: ExitStack) -> None:
+    engine = Engine(stack, LoopbackFabric(), "closing", "127.0.0.1")
+    assert engine.runtime.failure is None
+    engine.runtime.close()
+    assert engine.runtime.failure == "push runtime closed"

@@ -290,6 +290,18 @@ class PushRuntime:
                 return req.result
         return self._driver.state_of(transfer_id, side)
 
+    @property
+    def failure(self) -> str | None:
+        """None while the runtime can serve (or has not started yet); else why it cannot:
+        its thread crashed (every transfer was reported LOCAL_ERROR) or it was closed.
+        What a server's health check reports."""
+        with self._lock:
+            if self._crash is not None:
+                return f"push runtime thread crashed: {self._crash!r}"
+            if self._closed:
+                return "push runtime closed"
+            return None
+
     def statistics(self) -> RuntimeStatistics:
         if self._driver.alive():
             req = StatsRequest()

@@ -610,13 +610,17 @@ class KVBridge:
         """What `/health` adds for this role; `healthy: False` makes it answer 503."""
         side = self.side_channel
         side_ok = side is not None and side.healthy
+        runtime_failure = "not started" if self.runtime is None else self.runtime.failure
         out: dict[str, object] = {
             "engine_id": self.engine_id,
             "side_channel_host": self.options.host,
             "side_channel_port": self.options.side_channel_port,
             "side_channel": "ok" if side_ok else "down",
-            "healthy": side_ok,
+            "runtime": "ok" if runtime_failure is None else "down",
+            "healthy": side_ok and runtime_failure is None,
         }
+        if runtime_failure is not None:
+            out["runtime_failure"] = runtime_failure
         if side is not None and side.failure is not None:
             out["side_channel_failure"] = side.failure
         if side is not None:
