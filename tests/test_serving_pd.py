@@ -710,9 +710,10 @@ def test_the_proxy_serves_models_metrics_health_and_names_the_clients_max_tokens
     metrics = httpx.get(f"{stack.proxy.url}/metrics", timeout=10).text
     assert 'kvpush_proxy_requests_total{outcome="ok"}' in metrics
     assert 'kvpush_proxy_requests_total{outcome="prefill_failed"}' in metrics
-    # The side channel's health is part of a role server's.
+    # The side channel's and the runtime's health are part of a role server's.
     decode_health = httpx.get(f"{stack.decode.url}/health", timeout=10).json()
     assert decode_health["side_channel"] == "ok" and decode_health["status"] == "ok"
+    assert decode_health["runtime"] == "ok" and "runtime_failure" not in decode_health
 
 
 def test_legs_sharing_a_transfer_id_but_not_a_prompt_never_decode_from_the_wrong_kv(
