@@ -842,7 +842,9 @@ class Model:
 
 
 def _rebuild(cls: type, values: tuple[Any, ...]) -> Any:
-    obj = object.__new__(cls)
+    # Unpickling a copy of an object the real protocol built, as pickle's own path for
+    # slotted classes does (`cls.__new__`, then the slots), minus its per-object cost.
+    obj = cls.__new__(cls)
     for name, value in zip(cls.__slots__, values, strict=True):
         object.__setattr__(obj, name, value)
     return obj
