@@ -724,15 +724,21 @@ class HeldWritesTransport(LoopbackTransport):
         super().close()
 
 
-def test_a_silent_receiver_does_not_get_the_senders_blocks_back_while_a_write_is_out(
-    cluster: Cluster,
-) -> None:
+def start_a_held_write(cluster: Cluster) -> tuple[HeldWritesTransport, PushRuntime, PushRuntime]:
+    """Transfer t1 (sender block 1 -> receiver block 2), its write issued and held."""
     held = HeldWritesTransport(cluster.fabric, "p-1")
     p, p_addr = cluster.add("p-1", "engine-p", transport=held)
     d, _ = cluster.add("d-1", "engine-d")
     p.send("t1", [1])
     d.receive("t1", p_addr, [2])
     wait_until(lambda: held.held() == 1)
+    return held, p, d
+
+
+def test_a_silent_receiver_does_not_get_the_senders_blocks_back_while_a_write_is_out(
+    cluster: Cluster,
+) -> None:
+    held, p, d = start_a_held_write(cluster)
     cluster.fabric.delay("d-1", "p-1", count=10**6)  # the receiver falls silent
     # Past liveness and the lease: the sender gives up, but a write is out.
     for _ in range(int((TIMING.liveness_timeout_s + TIMING.lease_s) / 0.5) + 4):
@@ -749,12 +755,7 @@ def test_a_silent_receiver_does_not_get_the_senders_blocks_back_while_a_write_is
 
 
 def test_close_waits_for_a_write_that_is_out_before_it_reports(cluster: Cluster) -> None:
-    held = HeldWritesTransport(cluster.fabric, "p-1")
-    p, p_addr = cluster.add("p-1", "engine-p", transport=held)
-    d, _ = cluster.add("d-1", "engine-d")
-    p.send("t1", [1])
-    d.receive("t1", p_addr, [2])
-    wait_until(lambda: held.held() == 1)
+    held, p, d = start_a_held_write(cluster)
     releaser = threading.Timer(0.3, held.release)
     releaser.start()
     start = time.monotonic()
@@ -769,12 +770,7 @@ def test_close_waits_for_a_write_that_is_out_before_it_reports(cluster: Cluster)
 def test_close_reports_a_write_that_never_finishes_only_after_the_transport_closed(
     cluster: Cluster,
 ) -> None:
-    held = HeldWritesTransport(cluster.fabric, "p-1")
-    p, p_addr = cluster.add("p-1", "engine-p", transport=held)
-    d, _ = cluster.add("d-1", "engine-d")
-    p.send("t1", [1])
-    d.receive("t1", p_addr, [2])
-    wait_until(lambda: held.held() == 1)
+    held, p, _ = start_a_held_write(cluster)
     held.on_close = p.poll  # what had been reported when the transport closed
     start = time.monotonic()
     p.close(timeout=1.0)
