@@ -481,6 +481,29 @@ def test_sender_abort_before_the_register_arrives_tells_the_receiver_why(wire: W
     assert wire.write_log == []
 
 
+def test_sender_refusing_a_registration_fails_the_receiver_at_once_and_a_later_submit(
+    wire: Wire,
+) -> None:
+    # A registration our engine will never send (another prompt's legs share the id):
+    # the receiver learns it now, not at its deadline; nothing is written.
+    wire.expect("d-1", "t1", "p-1", [2])
+    wire.settle()
+    assert wire.ends["p-1"].sender.state_of("t1") is SenderState.REGISTERED
+    wire.apply("p-1", wire.ends["p-1"].sender.refuse(wire.now, "t1", "prompts differ"))
+    wire.settle()
+    ended = wire.ended("d-1", "t1")
+    assert ended.reason is FailureReason.REJECTED and "prompts differ" in ended.detail
+    assert wire.ends["p-1"].sender.state_of("t1") is None
+    wire.submit("p-1", "t1", [1])
+    wire.settle()
+    assert wire.ended("p-1", "t1").reason is FailureReason.REJECTED
+    assert wire.write_log == []
+    # Not registered, or already submitted: refuse changes nothing.
+    wire.submit("p-1", "t2", [1])
+    assert wire.ends["p-1"].sender.refuse(wire.now, "t2", "x") == []
+    assert wire.ends["p-1"].sender.refuse(wire.now, "t3", "x") == []
+
+
 def test_cancel_after_a_lost_register_ends_the_sender_side_at_once(wire: Wire) -> None:
     wire.submit("p-1", "t1", [1])
     wire.expect("d-1", "t1", "p-1", [2])

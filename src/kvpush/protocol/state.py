@@ -587,6 +587,23 @@ class SenderProtocol(_Side["_Outgoing"]):
             return []
         return self._fail(now, rec, reason, detail, Failed(transfer_id, reason, detail))
 
+    def refuse(self, now: float, transfer_id: str, detail: str) -> list[Effect]:
+        """Refuse a registration our engine will never submit (it names a request that
+        is not ours to send, such as another prompt's): the receiver is told at once
+        (`Failed(REJECTED)`), and a later `submit` of the id ends with that failure.
+        Ignored unless the transfer is registered and not submitted (nothing to drain,
+        nothing reported here: the engine never handed it in)."""
+        now = self._clock.advance(now)
+        rec = self._transfers.get(transfer_id)
+        if rec is None or rec.blocks is not None or rec.peer is None:
+            return []
+        failure = FailureReason.REJECTED
+        why = f"sender refused the registration: {detail}"
+        del self._transfers[transfer_id]
+        reply = Failed(transfer_id, failure, why)
+        self._bury(now, transfer_id, rec.peer, reply, (failure, why))
+        return self._send(rec.peer, reply)
+
     def abort_with_peer(
         self, now: float, transfer_id: str, peer: str, reason: FailureReason, detail: str
     ) -> list[Effect]:

@@ -10,6 +10,7 @@ Public engine API (every method is thread-safe and never blocks on the network):
     # sending side (prefill)
     rt.send(transfer_id, blocks, ready_layers=None)   # None: every layer computed already
     rt.layers_ready(transfer_id, layers)              # layer-by-layer push
+    rt.refuse(transfer_id, detail)   # a registration we will never send: fail it now
         # LocalProtocolError for a transfer not being sent: never sent, or ended with
         # its result already taken from poll() (accepted, a no-op, while still queued)
 

@@ -98,6 +98,12 @@ class Abort:
 
 
 @dataclass(frozen=True, slots=True)
+class RefuseRegistration:
+    transfer_id: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
 class _LookupResult:
     address: PeerAddress
     metadata: PeerMetadata | None
@@ -129,6 +135,7 @@ Command = (
     | Receive
     | RejectRequest
     | Abort
+    | RefuseRegistration
     | _LookupResult
     | StatsRequest
     | StateRequest
@@ -396,6 +403,8 @@ class Driver:
             case Abort(transfer_id=tid):
                 self._apply(sender.abort(now, tid))
                 self._apply(receiver.abort(now, tid))
+            case RefuseRegistration(transfer_id=tid, detail=detail):
+                self._apply(sender.refuse(now, tid, detail))
             case _LookupResult():
                 self._on_lookup(now, cmd)
             case StatsRequest():

@@ -36,6 +36,7 @@ from kvpush.runtime.driver import (
     Driver,
     LayersReady,
     Receive,
+    RefuseRegistration,
     RejectRequest,
     Send,
     Sink,
@@ -247,6 +248,14 @@ class PushRuntime:
         self._check_id(transfer_id)
         self._check_address(sender)
         self._submit(None, RejectRequest(transfer_id, sender, detail))
+
+    def refuse(self, transfer_id: str, detail: str = "") -> None:
+        """Sender side: refuse a receiver's registration of `transfer_id`, which this
+        engine will never `send` (its request is not the one the receiver has): the
+        receiver's transfer fails at once (REJECTED, with `detail`) instead of at its
+        deadline. Ignored unless registered and not sent; nothing is reported here."""
+        self._check_id(transfer_id)
+        self._submit(None, RefuseRegistration(transfer_id, detail[:1024]))
 
     def abort(self, transfer_id: str) -> None:
         """Cancel `transfer_id` (either side). Its result still comes from poll()."""
