@@ -716,35 +716,145 @@ def test_the_proxy_serves_models_metrics_health_and_names_the_clients_max_tokens
     assert decode_health["runtime"] == "ok" and "runtime_failure" not in decode_health
 
 
-def test_legs_sharing_a_transfer_id_but_not_a_prompt_never_decode_from_the_wrong_kv(
-    stack: Stack,
+def test_legs_sharing_a_transfer_id_but_not_a_prompt_fail_at_once_saying_so(
+    stack: Stack, record_property: Callable[[str, object], None]
 ) -> None:
     # Issue 10, item 7: two legs with one transfer_id and different prompts of the same
-    # length decoded from the other prompt's KV, silently. The runtime's id binds the
-    # transfer to the prompt's fingerprint: these two can never be paired.
+    # length decoded from the other prompt's KV, silently; then (prompt fingerprints in
+    # the runtime's ids) they could not pair, and both waited out the transfer deadline.
+    # The prefill server sees the registration of its id with another fingerprint and
+    # refuses both legs at once, saying why.
     tid = f"forged-{uuid.uuid4().hex}"
     prefilled = _prefill_leg(stack, tid, "aaaa bbbb cccc")
     assert prefilled.status_code == 200
     fingerprint = prefilled.json()["kv_transfer_params"]["prompt_fingerprint"]
     assert len(fingerprint) == 16
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(
-            f"{stack.decode.url}/v1/completions",
-            json={
-                "prompt": "zzzz yyyy xxxx",
-                "max_tokens": 4,
-                "kv_transfer_params": _decode_kvp(stack, tid),
-            },
-            timeout=httpx.Timeout(30, read=3),
-        )
-    # The decode leg's client left (its transfer is aborted); the prefill's is cancelled.
-    assert (
-        httpx.post(
-            f"{stack.prefill.url}/kvpush/abort", json={"transfer_id": tid}, timeout=10
-        ).status_code
-        == 200
+    assert _held(stack.prefill) > 0
+    started = time.monotonic()
+    decoded = httpx.post(
+        f"{stack.decode.url}/v1/completions",
+        json={
+            "prompt": "zzzz yyyy xxxx",
+            "max_tokens": 4,
+            "kv_transfer_params": _decode_kvp(stack, tid),
+        },
+        timeout=30,
     )
-    assert _until(lambda: _held(stack.prefill) == 0 and _held(stack.decode) == 0, 30) is not None
+    failed_after = time.monotonic() - started
+    assert decoded.status_code == 502, decoded.text
+    message = decoded.json()["error"]["message"]
+    assert "carry different prompts" in message and fingerprint in message, message
+    freed = _until(lambda: _held(stack.prefill) == 0 and _held(stack.decode) == 0, 10)
+    assert freed is not None
+    record_property("mismatched_legs_failed_after_s", failed_after)
+    print(f"\nmismatched legs: decode leg failed after {failed_after * 1e3:.0f} ms")
+    assert failed_after < 5.0  # the transfer deadline is 60 s
+    # The other order: the decode leg waits first, the prefill leg comes second.
+    tid = f"forged-{uuid.uuid4().hex}"
+    answers: list[httpx.Response] = []
+    waiter = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(
+                f"{stack.decode.url}/v1/completions",
+                json={
+                    "prompt": "qqqq rrrr ssss",
+                    "max_tokens": 4,
+                    "kv_transfer_params": _decode_kvp(stack, tid),
+                },
+                timeout=30,
+            )
+        )
+    )
+    waiter.start()
+    assert _until(lambda: _held(stack.decode) > 0, 10) is not None
+    _prefill_leg(stack, tid, "aaaa bbbb cccc")  # 200, or 409 if still computing
+    waiter.join(10)
+    assert answers and answers[0].status_code == 502, answers and answers[0].text
+    assert "carry different prompts" in answers[0].json()["error"]["message"]
+    assert _until(lambda: _held(stack.prefill) == 0 and _held(stack.decode) == 0, 10) is not None
+
+
+def test_prefill_and_decode_queues_never_wait_on_each_other(stack: Stack, tmp_path: Path) -> None:
+    # A prefill cache full of prompts whose decode legs wait in the decode server's
+    # queue, while the decode cache is full of requests whose prompts wait in the
+    # prefill server's queue: on main both waited for a queue timeout (30 s). Here each
+    # cache holds one request (51 of 64 blocks): X is prefilled first, Y's decode leg
+    # takes the decode cache, then Y's prefill leg and X's decode leg arrive.
+    prefill, _ = _serve("tiny-prefill", stack, tmp_path, "prefill", "--num-blocks", "64")
+    decode, _ = _serve("tiny-decode", stack, tmp_path, "decode", "--num-blocks", "64")
+    prefill.start()
+    decode.start()
+    try:
+        prefill.wait_ready(90)
+        decode.wait_ready(90)
+        prompts = {"x": "push it " * 50, "y": "wait now" * 50}  # 401 tokens each
+        tids = {k: f"{k}-{uuid.uuid4().hex}" for k in prompts}
+        answers: dict[str, httpx.Response] = {}
+
+        def leg(name: str, url: str, body: dict[str, object]) -> threading.Thread:
+            def post() -> None:
+                answers[name] = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+            t = threading.Thread(target=post, name=name)
+            t.start()
+            return t
+
+        def p_leg(k: str) -> threading.Thread:
+            kvp = {"do_remote_decode": True, "transfer_id": tids[k]}
+            body = {"prompt": prompts[k], "max_tokens": 8, "kv_transfer_params": kvp}
+            return leg(f"prefill-{k}", prefill.url, body)
+
+        def d_leg(k: str) -> threading.Thread:
+            kvp = {
+                "do_remote_prefill": True,
+                "transfer_id": tids[k],
+                "remote_host": stack.options.host,
+                "remote_port": prefill.side_channel_port,
+            }
+            body = {
+                "prompt": prompts[k],
+                "max_tokens": 8,
+                "ignore_eos": True,
+                "return_token_ids": True,
+                "kv_transfer_params": kvp,
+            }
+            return leg(f"decode-{k}", decode.url, body)
+
+        def taken(server: ServerProcess) -> bool:
+            m = stack.metrics(server)
+            return m["kvpush_kv_blocks_held"] > 0 or m["kvpush_requests_waiting"] > 0
+
+        legs = [p_leg("x")]
+        assert _until(lambda: taken(prefill), 30) is not None
+        legs.append(d_leg("y"))
+        assert _until(lambda: _held(decode) > 0, 30) is not None
+        legs += [p_leg("y"), d_leg("x")]
+        started = time.monotonic()
+        for t in legs:
+            t.join(max(0.1, 20 - (time.monotonic() - started)))
+        took = time.monotonic() - started
+        stuck = sorted(t.name for t in legs if t.is_alive())
+        assert not stuck, f"legs still waiting after {took:.1f} s: {stuck}"
+        assert {k: r.status_code for k, r in answers.items()} == dict.fromkeys(answers, 200), {
+            k: r.text[:200] for k, r in answers.items()
+        }
+        for k, prompt in prompts.items():
+            alone = httpx.post(
+                f"{stack.single.url}/v1/completions",
+                json={
+                    "prompt": prompt,
+                    "max_tokens": 8,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                },
+                timeout=60,
+            )
+            got = answers[f"decode-{k}"].json()["choices"][0]["token_ids"]
+            assert got == alone.json()["choices"][0]["token_ids"], k
+        assert _until(lambda: _held(prefill) == 0 and _held(decode) == 0, 10) is not None
+    finally:
+        assert decode.close() == 0
+        assert prefill.close() == 0
 
 
 @pytest.mark.timeout(600)  # about 20 s here; a loaded CI host may take several times that

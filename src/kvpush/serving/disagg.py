@@ -108,6 +108,7 @@ class _Outgoing:
     request_id: str
     num_blocks: int
     started: float
+    need: int = 0  # blocks the request takes in our engine
     sent: bool = False
     ended: bool = False
     request_done: bool = False
@@ -178,6 +179,19 @@ class _TransferWorker(EngineWorker):
 
 
 class PrefillWorker(_TransferWorker):
+    """The prefill role. Admission is what keeps prefill and decode from waiting on each
+    other (each queues its leg of a request in its own order): a prefill request whose
+    decode server has already registered its blocks goes first, and requests not yet
+    registered never take the last `max_request_blocks` blocks. Blocks held for an
+    unregistered transfer wait on the decode server; blocks of a registered one come back
+    as soon as they are written. So the decode server's registered requests always find
+    room here, finish, and free the decode blocks its queued requests wait for.
+
+    The runtime says which transfers a decode server registered (`statistics()`, looked
+    at while a request waits here or a computed one waits for its registration). The
+    same look catches a registration for one of our transfer ids with another prompt's
+    fingerprint: both legs are refused at once, with that reason."""
+
     def __init__(
         self,
         engine: Engine,
@@ -186,18 +200,30 @@ class PrefillWorker(_TransferWorker):
         *,
         layerwise: bool,
         admission: AdmissionConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(engine, runtime, registry, admission=admission)
         self.layerwise = layerwise
+        self._clock = clock
         self._outgoing: dict[str, _Outgoing] = {}  # by request id
-        self._by_transfer: dict[str, _Outgoing] = {}  # by the runtime's id
+        self._by_transfer: dict[str, _Outgoing] = {}  # by the runtime's id, once placed
         self._by_client_id: dict[str, _Outgoing] = {}  # by the id in kv_transfer_params
         self._cancelled: OrderedDict[str, float] = OrderedDict()
+        self._waiting: deque[_Outgoing] = deque()  # FIFO, not in the engine yet
+        self._registered: set[str] = set()  # runtime ids a decode server registered
+        self._last_look = float("-inf")
         if layerwise:
             engine.on_layer_done = self._layer_done
 
     def _has_pending(self) -> bool:
-        return bool(self._by_transfer)
+        return bool(self._by_transfer) or bool(self._waiting)
+
+    def _num_queued(self) -> int:
+        return super()._num_queued() + len(self._waiting)
+
+    def _snapshot(self) -> EngineStats:
+        stats = super()._snapshot()
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + len(self._waiting))
 
     def _accept(self, job: Job) -> None:
         kvp = job.kv_transfer_params or {}
@@ -216,12 +242,7 @@ class PrefillWorker(_TransferWorker):
             job.sink(full)
             return
         try:
-            self.engine.add_request(
-                job.request_id,
-                job.prompt_token_ids,
-                SamplingParams(max_tokens=1, ignore_eos=True),
-                hold_blocks=True,
-            )
+            self.engine.check_request(job.request_id, job.prompt_token_ids, _PREFILL_PARAMS)
         except RequestRejected as exc:
             job.sink(Rejected(400, str(exc)))
             return
@@ -232,15 +253,94 @@ class PrefillWorker(_TransferWorker):
             client_tid,
             job.request_id,
             self.engine.transfer_block_count(len(job.prompt_token_ids)),
-            time.monotonic(),
+            self._clock(),
+            need=self.engine.blocks_for(len(job.prompt_token_ids) + 1),
         )
         self._outgoing[job.request_id] = out
-        self._by_transfer[tid] = out
         self._by_client_id[client_tid] = out
         self._jobs[job.request_id] = job
+        self._waiting.append(out)
+        self._admit()
+
+    def _pump(self) -> None:
+        super()._pump()
+        self._look_at_registrations()
+        self._admit()
+
+    def _admit(self) -> None:
+        """Hand waiting requests to the engine: registered ones first (in order), then
+        unregistered ones (in order) while the reserve stays free."""
+        if not self._waiting:
+            return
+        free = self.engine.unclaimed_blocks
+        reserve = self.engine.max_request_blocks
+        placed: list[_Outgoing] = []
+        blocked = False
+        for out in self._waiting:
+            if out.transfer_id in self._registered:
+                if out.need > free:
+                    blocked = True
+                    break
+                free -= out.need
+                placed.append(out)
+        if not blocked:
+            for out in self._waiting:
+                if out.transfer_id in self._registered:
+                    continue
+                if out.need + reserve > free:
+                    break
+                free -= out.need
+                placed.append(out)
+        for out in placed:
+            self._waiting.remove(out)
+            self._place(out)
+
+    def _place(self, out: _Outgoing) -> None:
+        job = self._jobs[out.request_id]
+        self.engine.add_request(
+            job.request_id, job.prompt_token_ids, _PREFILL_PARAMS, hold_blocks=True
+        )
+        self._by_transfer[out.transfer_id] = out
+
+    def _look_at_registrations(self) -> None:
+        """Which of our transfers a decode server registered; and registrations that
+        carry one of our transfer ids with another prompt's fingerprint."""
+        now = self._clock()
+        waiting_for_one = self._waiting or any(
+            o.sent and not o.ended and o.transfer_id not in self._registered
+            for o in self._by_transfer.values()
+        )
+        if not waiting_for_one or now - self._last_look < _LOOK_INTERVAL_S:
+            return
+        self._last_look = now
+        registered: set[str] = set()
+        for tid, state in self.runtime.statistics().sending_transfers.items():
+            if state == "awaiting_register":
+                continue
+            registered.add(tid)
+            client_tid, _, theirs = tid.rpartition("#")
+            ours = self._by_client_id.get(client_tid)
+            if ours is not None and ours.transfer_id != tid and state == "registered":
+                self._legs_differ(ours, tid, theirs)
+        self._registered = registered
+
+    def _legs_differ(self, out: _Outgoing, their_tid: str, their_fingerprint: str) -> None:
+        ours = out.transfer_id.rpartition("#")[2]
+        why = (
+            f"the prefill and decode legs of transfer_id {out.client_transfer_id!r} carry "
+            f"different prompts (prompt fingerprints {ours} here, {their_fingerprint} at "
+            "the decode server): both legs must send the same request"
+        )
+        log.info("transfer %s: %s", out.transfer_id, why)
+        self.runtime.refuse(their_tid, why)
+        self.registry.inc("kvpush_transfers_rejected_total", labels={"status": "409"})
+        job = self._jobs.pop(out.request_id, None)
+        self._end_early(out, why)
+        if job is not None:
+            job.sink(Done(FinishReason.ERROR, None, error=why, status=409))
 
     def _was_cancelled(self, client_tid: str) -> bool:
-        now = time.monotonic()
+        now = self._clock()
         while self._cancelled and next(iter(self._cancelled.values())) < now - _CANCELLED_TTL_S:
             self._cancelled.popitem(last=False)
         return self._cancelled.pop(client_tid, None) is not None
@@ -292,19 +392,23 @@ class PrefillWorker(_TransferWorker):
 
     def _end_early(self, out: _Outgoing, why: str) -> None:
         """Stop a transfer whose request ended early. Blocks a write may still read stay
-        held until the runtime reports the transfer ended (fencing); others go at once."""
+        held until the runtime reports the transfer ended (fencing); others go at once.
+        A decode server that registered for it already is told now."""
         if out.sent:
             if not out.ended:
                 self.engine.stop_and_hold(out.request_id)
                 self.runtime.abort(out.transfer_id)
         else:
+            if out in self._waiting:
+                self._waiting.remove(out)
+            self.runtime.refuse(out.transfer_id, why)
             self._forget(out)
         log.debug("transfer %s ended early: %s", out.transfer_id, why)
 
     def _abort_transfer(self, transfer_id: str) -> None:
         out = self._by_client_id.get(transfer_id)
         if out is None:
-            self._cancelled[transfer_id] = time.monotonic()
+            self._cancelled[transfer_id] = self._clock()
             while len(self._cancelled) > _CANCELLED_KEPT:
                 self._cancelled.popitem(last=False)
             return
@@ -320,12 +424,24 @@ class PrefillWorker(_TransferWorker):
                 )
             )
 
+    def _expire_queued(self, now: float) -> None:
+        super()._expire_queued(now)
+        timeout = self.admission.queue_timeout_s
+        while (
+            self._waiting and now - self._jobs[self._waiting[0].request_id].submitted_at > timeout
+        ):
+            out = self._waiting[0]
+            job = self._jobs.pop(out.request_id)
+            rejected = self._queue_timeout()
+            self._end_early(out, rejected.message)
+            job.sink(rejected)
+
     def _drop_queued(self, job: Job) -> None:
         out = self._outgoing.get(job.request_id)
         if out is None:
             super()._drop_queued(job)
         else:
-            self._forget(out)
+            self._end_early(out, "no KV blocks became free in time")
 
     def _fail_all(self, message: str) -> None:
         # A layer-wise request may be half computed with its first layers' writes in
@@ -344,6 +460,7 @@ class PrefillWorker(_TransferWorker):
         self._outgoing.pop(out.request_id, None)
         self._by_transfer.pop(out.transfer_id, None)
         self._by_client_id.pop(out.client_transfer_id, None)
+        self._registered.discard(out.transfer_id)
         self.engine.release(out.request_id)
 
     def _transfer_ended(self, result: TransferResult) -> None:
@@ -369,6 +486,14 @@ class PrefillWorker(_TransferWorker):
                     status=502,
                 )
             )
+
+
+# A prefill request computes its prompt and one token (whose logits the decode server
+# recomputes), and keeps its blocks for the transfer.
+_PREFILL_PARAMS = SamplingParams(max_tokens=1, ignore_eos=True)
+# How often the prefill role looks at which transfers are registered, while it waits for
+# that (a request waiting for blocks, or a computed one for its decode server).
+_LOOK_INTERVAL_S = 0.02
 
 
 def _sender_of(kvp: dict[str, object]) -> PeerAddress | None:

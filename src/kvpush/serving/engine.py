@@ -408,6 +408,27 @@ class Engine:
         """Raises `RequestRejected` if the request could never be served here."""
         self._check_new(request_id, [int(t) for t in prompt_token_ids], params)
 
+    def blocks_for(self, num_tokens: int) -> int:
+        """KV blocks that `num_tokens` tokens take."""
+        return self._blocks_for(num_tokens)
+
+    @property
+    def max_request_blocks(self) -> int:
+        """The most blocks one request that passes `check_request` can take."""
+        return min(
+            self.allocator.num_blocks, self._blocks_for(self.model.config.max_position_embeddings)
+        )
+
+    @property
+    def unclaimed_blocks(self) -> int:
+        """Free blocks that the requests already queued here will not take (at most:
+        prefix-cache hits let them take fewer)."""
+        claimed = sum(
+            self._blocks_for(seq.prompt_len + seq.params.max_tokens)
+            for seq in (self._seqs[rid] for rid in self._waiting)
+        )
+        return self.allocator.num_free - claimed
+
     def waiting_ids(self) -> list[str]:
         """Queued requests, first come first."""
         return list(self._waiting)
