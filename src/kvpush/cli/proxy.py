@@ -26,12 +26,21 @@ def add_parser(subparsers: Any) -> None:
             "whose /health does not tell it (vLLM with KvpushConnector)"
         ),
     )
+    p.add_argument(
+        "--token-file",
+        default=None,
+        help=(
+            "the servers' shared secret, sent with the proxy's cancels (POST /kvpush/abort) "
+            "(default: $KVPUSH_TOKEN, else none)"
+        ),
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvpush.config import load_token
     from kvpush.errors import ConfigError
     from kvpush.net import check_port, parse_host_port
     from kvpush.serving.proxy import run_proxy
@@ -53,4 +62,5 @@ def run(args: argparse.Namespace) -> int:
         args.host,
         check_port(args.port),
         prefill_side_channels=side_channels,
+        token=load_token(args.token_file),
     )

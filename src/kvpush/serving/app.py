@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpush.config import TimingConfig
+from kvpush.config import TimingConfig, load_token
 from kvpush.errors import ConfigError
 from kvpush.net import check_port, unbracket_host
 from kvpush.serving.checkpoint import load_model
@@ -38,7 +38,8 @@ class ServeOptions:
     prefix_caching: bool = True
     layerwise: bool = False
     idle_poll_ms: float = 5.0
-    token_file: str | None = None  # side-channel secret; else $KVPUSH_TOKEN, else none
+    # The side channel's secret (else $KVPUSH_TOKEN, else none); /kvpush/abort needs it too.
+    token_file: str | None = None
     log_level: int = 0
     max_waiting: int = 512  # requests queued for KV blocks; one more gets 429
     queue_timeout_s: float = 30.0  # a request queued longer gets 503
@@ -96,6 +97,7 @@ def serve(options: ServeOptions) -> int:
         spec=spec,
         enable_prefix_caching=options.prefix_caching,
     )
+    token = load_token(options.token_file)
     name = options.served_model_name or Path(options.model).resolve().name
     registry = serving_registry()
     bridge = None
@@ -105,7 +107,7 @@ def serve(options: ServeOptions) -> int:
     if options.role != "both":
         from kvpush.serving.disagg import build_role
 
-        worker, bridge, prepare, health_extra = build_role(options, engine, registry)
+        worker, bridge, prepare, health_extra = build_role(options, engine, registry, token)
     else:
         worker = EngineWorker(engine, admission=options.admission())
     app = create_app(
@@ -120,6 +122,7 @@ def serve(options: ServeOptions) -> int:
         health_extra=health_extra,
         max_body_bytes=options.max_body_bytes,
         chat_template=loaded.chat_template,
+        internal_token=token,
     )
     config = uvicorn.Config(
         app,

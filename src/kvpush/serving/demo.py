@@ -95,6 +95,8 @@ class DemoOptions:
     decode_num_blocks: int | None = None  # the decode server's KV cache; None: its default
     prefill_num_blocks: int | None = None  # the prefill server's KV cache; None: its default
     queue_timeout_s: float | None = None  # how long servers queue a request; None: default
+    # The servers' shared secret (side channels, and the proxy's cancels); None: none.
+    token_file: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,6 +306,10 @@ class Stack:
             self._common += ["--queue-timeout-s", str(options.queue_timeout_s)]
             deadline = max(60.0, options.queue_timeout_s + 30)
             self._common += ["--transfer-deadline-s", str(deadline)]
+        self._token = (
+            [] if options.token_file is None else ["--token-file", str(options.token_file)]
+        )
+        self._common += self._token
         spec = ["--speculative-tokens", str(options.speculative_tokens)]
         self.layerwise = options.layerwise
         self.prefill = self._prefill("prefill", layerwise=options.layerwise)
@@ -354,7 +360,7 @@ class Stack:
         host = self.options.host
         port = free_port(host)
         args = ["proxy", "--prefill", prefill.url, "--decode", self.decode.url]
-        args += ["--host", host, "--port", str(port)]
+        args += ["--host", host, "--port", str(port), *self._token]
         return ServerProcess(name, args, host=host, port=port, log_dir=self.log_dir)
 
     def start(self) -> None:

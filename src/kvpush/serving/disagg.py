@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpush.config import SideChannelConfig, TimingConfig, load_token
+from kvpush.config import SideChannelConfig, TimingConfig
 from kvpush.errors import FailureReason, KVPushError
 from kvpush.kvcache import KVLayout, register_kv_cache
 from kvpush.serving.engine import (
@@ -680,9 +680,10 @@ class DecodeWorker(_TransferWorker):
 class KVBridge:
     """The kvpush side of one server: runtime (and its transport) plus side channel."""
 
-    def __init__(self, options: ServeOptions, engine: Engine) -> None:
+    def __init__(self, options: ServeOptions, engine: Engine, token: str | None) -> None:
         self.options = options
         self.engine = engine
+        self.token = token
         self.engine_id = f"{options.role}-{uuid.uuid4().hex[:8]}"
         self.runtime: PushRuntime | None = None
         self.side_channel: MetadataServer | None = None
@@ -705,7 +706,7 @@ class KVBridge:
             port=opts.side_channel_port,
             role="sender" if opts.role == "prefill" else "receiver",
         )
-        token = load_token(opts.token_file)
+        token = self.token
         transport = NixlTransport(f"{self.engine_id}-{incarnation[:8]}")
         self.runtime = PushRuntime(
             transport,
@@ -778,9 +779,9 @@ def _prepare_for(role: str) -> Prepare:
 
 
 def build_role(
-    options: ServeOptions, engine: Engine, registry: Registry
+    options: ServeOptions, engine: Engine, registry: Registry, token: str | None
 ) -> tuple[EngineWorker, KVBridge, Prepare, Callable[[], dict[str, object]]]:
-    bridge = KVBridge(options, engine)
+    bridge = KVBridge(options, engine, token)
     runtime = bridge.start()
     try:
         worker: EngineWorker

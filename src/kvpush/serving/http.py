@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import math
@@ -69,6 +70,32 @@ def error_event(status: int, message: str) -> bytes:
     """An error as one server-sent event, for a stream that already started."""
     body = {"error": {"message": message, "type": error_type(status), "code": status}}
     return f"data: {json.dumps(body)}\n\n".encode()
+
+
+def bearer_headers(token: str | None) -> dict[str, str]:
+    """The headers that carry `token` to a kvpush server's internal endpoints."""
+    return {} if token is None else {"Authorization": f"Bearer {token}"}
+
+
+def check_bearer(request: Request, token: str | None) -> JSONResponse | None:
+    """None when `request` may use an internal endpoint; else the 401 to answer.
+
+    With a token configured (the side channel's: `--token-file` or `$KVPUSH_TOKEN`),
+    the request must carry it as `Authorization: Bearer <token>`; without one, the
+    endpoint is as open as the side channel is."""
+    if token is None:
+        return None
+    given = request.headers.get("authorization", "")
+    scheme, _, value = given.partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode()):
+        return None
+    what = "no token" if not given else "a wrong token"
+    return error_response(
+        401,
+        f"{request.url.path} needs this server's token (the side channel's): the request "
+        f"carried {what}; expected the header 'Authorization: Bearer <token>'",
+        param="authorization",
+    )
 
 
 class BadBody(Exception):

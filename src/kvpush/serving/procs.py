@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from kvpush.config import load_token
 from kvpush.errors import KVPushError, NotReady, ServerExited
 from kvpush.net import http_url
 from kvpush.readiness import ReadyReport, wait_ready
@@ -84,11 +85,16 @@ class ServerProcess:
         if self._proc is None:
             raise RuntimeError(f"{self.name} not started")
         side = (self.host, self.side_channel_port) if self.side_channel_port is not None else None
+        # Its side channel is asked with the secret the server was given, if any.
+        token_file = None
+        if "--token-file" in self.args[:-1]:
+            token_file = self.args[self.args.index("--token-file") + 1]
         try:
             return wait_ready(
                 self._proc,
                 http_url=http_url(self.host, self.port, health_path),
                 side_channel=side,
+                token=load_token(token_file) if token_file is not None else None,
                 timeout_s=timeout_s,
             )
         except (ServerExited, NotReady) as exc:

@@ -39,6 +39,7 @@ from kvpush.serving.http import (
     DEFAULT_MAX_BODY_BYTES,
     BadBody,
     Terminated,
+    bearer_headers,
     error_event,
     error_response,
     install_error_handlers,
@@ -116,6 +117,7 @@ def create_proxy_app(
     timeout_s: float = 300.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     prefill_side_channels: Sequence[tuple[str, int]] | None = None,
+    token: str | None = None,
 ) -> FastAPI:
     if not prefill_urls or not decode_urls:
         raise ValueError("a proxy needs at least one prefill and one decode server")
@@ -209,9 +211,19 @@ def create_proxy_app(
 
         async def cancel() -> None:
             with contextlib.suppress(httpx.HTTPError):
-                await state["client"].post(
-                    f"{p_inst.url}/kvpush/abort", json={"transfer_id": tid}, timeout=5.0
+                resp = await state["client"].post(
+                    f"{p_inst.url}/kvpush/abort",
+                    json={"transfer_id": tid},
+                    headers=bearer_headers(token),
+                    timeout=5.0,
                 )
+                if resp.status_code != 200:
+                    log.warning(
+                        "prefill server %s refused to cancel %s: %s",
+                        p_inst.url,
+                        tid,
+                        _error_text(resp),
+                    )
 
         task = asyncio.create_task(cancel())
         background.add(task)
@@ -502,12 +514,15 @@ def run_proxy(
     port: int,
     *,
     prefill_side_channels: Sequence[tuple[str, int]] | None = None,
+    token: str | None = None,
 ) -> int:
     import uvicorn
 
     from kvpush.net import unbracket_host
 
-    app = create_proxy_app(prefill_urls, decode_urls, prefill_side_channels=prefill_side_channels)
+    app = create_proxy_app(
+        prefill_urls, decode_urls, prefill_side_channels=prefill_side_channels, token=token
+    )
     server = uvicorn.Server(
         uvicorn.Config(app, host=unbracket_host(host), port=port, log_config=None, access_log=False)
     )

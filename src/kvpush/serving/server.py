@@ -33,6 +33,7 @@ from kvpush.serving.engine import EngineStats, FinishReason, RequestStats, Sampl
 from kvpush.serving.http import (
     DEFAULT_MAX_BODY_BYTES,
     BadBody,
+    check_bearer,
     error_event,
     error_response,
     install_error_handlers,
@@ -358,6 +359,7 @@ def create_app(
     health_extra: Callable[[], dict[str, object]] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     chat_template: str | None = None,
+    internal_token: str | None = None,
 ) -> FastAPI:
     app = FastAPI(title=f"kvpush {role} server", docs_url=None, redoc_url=None)
     install_error_handlers(app)
@@ -389,7 +391,11 @@ def create_app(
     @app.post("/kvpush/abort")
     async def abort_transfer(request: Request) -> Response:
         """Cancel a transfer by the `transfer_id` its legs carry (the proxy calls this when
-        the other leg failed); unknown ids are remembered and refused if they come later."""
+        the other leg failed); unknown ids are remembered and refused if they come later.
+        With a token configured, only a caller that has it (the proxy) may."""
+        refused = check_bearer(request, internal_token)
+        if refused is not None:
+            return refused
         try:
             body = await read_json(request, 4096)
         except BadBody as exc:
