@@ -306,11 +306,13 @@ class PrefillWorker(_TransferWorker):
         """Which of our transfers a decode server registered; and registrations that
         carry one of our transfer ids with another prompt's fingerprint."""
         now = self._clock()
+        if now - self._last_look < _LOOK_INTERVAL_S:
+            return
         waiting_for_one = self._waiting or any(
             o.sent and not o.ended and o.transfer_id not in self._registered
             for o in self._by_transfer.values()
         )
-        if not waiting_for_one or now - self._last_look < _LOOK_INTERVAL_S:
+        if not waiting_for_one:
             return
         self._last_look = now
         registered: set[str] = set()
@@ -427,14 +429,16 @@ class PrefillWorker(_TransferWorker):
     def _expire_queued(self, now: float) -> None:
         super()._expire_queued(now)
         timeout = self.admission.queue_timeout_s
-        while (
-            self._waiting and now - self._jobs[self._waiting[0].request_id].submitted_at > timeout
-        ):
+        while self._waiting:
             out = self._waiting[0]
-            job = self._jobs.pop(out.request_id)
+            job = self._jobs.get(out.request_id)
+            if job is not None and now - job.submitted_at <= timeout:
+                break
+            self._jobs.pop(out.request_id, None)
             rejected = self._queue_timeout()
             self._end_early(out, rejected.message)
-            job.sink(rejected)
+            if job is not None:
+                job.sink(rejected)
 
     def _drop_queued(self, job: Job) -> None:
         out = self._outgoing.get(job.request_id)
