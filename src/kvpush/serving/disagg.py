@@ -110,6 +110,7 @@ class _Outgoing:
     started: float
     need: int = 0  # blocks the request takes in our engine
     sent: bool = False
+    sent_at: float = 0.0
     ended: bool = False
     request_done: bool = False
 
@@ -306,13 +307,17 @@ class PrefillWorker(_TransferWorker):
         """Which of our transfers a decode server registered; and registrations that
         carry one of our transfer ids with another prompt's fingerprint."""
         now = self._clock()
-        if now - self._last_look < _LOOK_INTERVAL_S:
+        # Requests waiting here are looked for often; computed ones seldom (a decode
+        # server that has blocks registers within milliseconds, often before we finish).
+        if now - self._last_look < (_LOOK_INTERVAL_S if self._waiting else _PAIRING_LOOK_S):
             return
-        waiting_for_one = self._waiting or any(
-            o.sent and not o.ended and o.transfer_id not in self._registered
+        if not self._waiting and not any(
+            o.sent
+            and not o.ended
+            and o.transfer_id not in self._registered
+            and now - o.sent_at > _PAIRING_LOOK_S
             for o in self._by_transfer.values()
-        )
-        if not waiting_for_one:
+        ):
             return
         self._last_look = now
         registered: set[str] = set()
@@ -330,8 +335,8 @@ class PrefillWorker(_TransferWorker):
         ours = out.transfer_id.rpartition("#")[2]
         why = (
             f"the prefill and decode legs of transfer_id {out.client_transfer_id!r} carry "
-            f"different prompts (prompt fingerprints {ours} here, {their_fingerprint} at "
-            "the decode server): both legs must send the same request"
+            f"different prompts (prompt fingerprints {ours} at the prefill server, "
+            f"{their_fingerprint} at the decode server): both legs must send the same request"
         )
         log.info("transfer %s: %s", out.transfer_id, why)
         self.runtime.refuse(their_tid, why)
@@ -355,7 +360,7 @@ class PrefillWorker(_TransferWorker):
             if not out.sent:
                 blocks = self.engine.blocks_of(rid)[: out.num_blocks]
                 self.runtime.send(out.transfer_id, blocks, ready_layers=[layer])
-                out.sent = True
+                out.sent, out.sent_at = True, self._clock()
             else:
                 self.runtime.layers_ready(out.transfer_id, [layer])
 
@@ -369,7 +374,7 @@ class PrefillWorker(_TransferWorker):
         if not out.sent:
             blocks = self.engine.held_blocks(job.request_id)[: out.num_blocks]
             self.runtime.send(out.transfer_id, blocks)
-            out.sent = True
+            out.sent, out.sent_at = True, self._clock()
         out.request_done = True
         self._jobs.pop(job.request_id, None)
         job.sink(
@@ -498,6 +503,9 @@ _PREFILL_PARAMS = SamplingParams(max_tokens=1, ignore_eos=True)
 # How often the prefill role looks at which transfers are registered, while it waits for
 # that (a request waiting for blocks, or a computed one for its decode server).
 _LOOK_INTERVAL_S = 0.02
+# How long a computed prompt waits for its registration before we look for one that
+# carries its transfer id with another prompt's fingerprint (and how often after that).
+_PAIRING_LOOK_S = 0.1
 
 
 def _sender_of(kvp: dict[str, object]) -> PeerAddress | None:
