@@ -821,6 +821,7 @@ def test_legs_sharing_a_transfer_id_but_not_a_prompt_fail_at_once_saying_so(
     assert _until(lambda: _held(stack.prefill) == 0 and _held(stack.decode) == 0, 10) is not None
 
 
+@pytest.mark.timeout(300)  # two servers of its own to start: slow on a loaded host
 def test_prefill_and_decode_queues_never_wait_on_each_other(stack: Stack, tmp_path: Path) -> None:
     # A prefill cache full of prompts whose decode legs wait in the decode server's
     # queue, while the decode cache is full of requests whose prompts wait in the
@@ -832,8 +833,8 @@ def test_prefill_and_decode_queues_never_wait_on_each_other(stack: Stack, tmp_pa
     prefill.start()
     decode.start()
     try:
-        prefill.wait_ready(90)
-        decode.wait_ready(90)
+        prefill.wait_ready(150)
+        decode.wait_ready(150)
         prompts = {"x": "push it " * 50, "y": "wait now" * 50}  # 401 tokens each
         tids = {k: f"{k}-{uuid.uuid4().hex}" for k in prompts}
         answers: dict[str, httpx.Response] = {}
