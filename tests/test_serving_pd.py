@@ -901,8 +901,10 @@ def test_prefill_and_decode_queues_never_wait_on_each_other(stack: Stack, tmp_pa
             assert got == alone.json()["choices"][0]["token_ids"], k
         assert _until(lambda: _held(prefill) == 0 and _held(decode) == 0, 10) is not None
     finally:
-        assert decode.close() == 0
-        assert prefill.close() == 0
+        # Their exit status is another test's (SIGTERM): here a failure to start would
+        # be hidden behind the exit status of the server stopped while it started.
+        decode.close()
+        prefill.close()
 
 
 @pytest.mark.timeout(600)  # about 20 s here; a loaded CI host may take several times that
