@@ -279,12 +279,19 @@ def _bodies(fam: Family) -> list[dict[str, object]]:
 
 
 async def _metrics(fam: Family, http: httpx.AsyncClient) -> dict[str, float]:
-    p_url = fam.prefill.url
+    """The decode server's."""
     return {
         "hits": await metric(http, fam.decode.url, "vllm:prefix_cache_hits_total"),
         "received": await metric(http, fam.decode.url, "vllm:kvpush_transfers_total"),
         "waiting": await metric(http, fam.decode.url, "vllm:num_requests_waiting"),
         "running": await metric(http, fam.decode.url, "vllm:num_requests_running"),
+    }
+
+
+async def _push_metrics(fam: Family, http: httpx.AsyncClient) -> dict[str, float]:
+    """The prefill server's: how it offered its transfers."""
+    p_url = fam.prefill.url
+    return {
         "layerwise": await metric(http, p_url, "vllm:kvpush_sends_total", push="layerwise"),
         "whole": await metric(http, p_url, "vllm:kvpush_sends_total", push="whole"),
         "by_layer": await metric(
@@ -301,13 +308,13 @@ def test_rounds_through_kvpush_proxy_match_a_single_instance(family: Family) -> 
 
     async def run() -> tuple[dict[str, float], dict[str, float]]:
         async with client() as http:
-            before = await _metrics(family, http)
+            before = await _metrics(family, http) | await _push_metrics(family, http)
             for i in range(20):
                 outcomes = await batch(
                     [complete(http, family.proxy_url, b) for b in _bodies(family)]
                 )
                 _check_identical(outcomes, f"round {i + 1} via kvpush proxy")
-            return before, await _metrics(family, http)
+            return before, await _metrics(family, http) | await _push_metrics(family, http)
 
     before, after = asyncio.run(run())
     d = {k: after[k] - before[k] for k in after}
