@@ -71,6 +71,9 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         refused = self._config.layerwise_refused()
+        if self._config.layerwise and not hasattr(KVConnectorBase_V1, "bind_kv_cache_manager"):
+            # The scheduler reads a running request's blocks through the cache manager.
+            refused = "this vLLM does not bind its KV cache manager to connectors"
         if refused is not None and role == KVConnectorRole.SCHEDULER:
             log.warning("KvpushConnector: layer-wise push is off (%s): requests go whole", refused)
         if role == KVConnectorRole.SCHEDULER:
