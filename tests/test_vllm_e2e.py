@@ -72,8 +72,9 @@ PROMPTS = [
     _SHARED * 3 + "a long one, spanning several blocks of thirty-two tokens each.",
     "0123456789" * 20,
     "x",
-    # Repeated n-grams: this tiny model's greedy output falls into a loop after them,
-    # where n-gram drafts are proposed and accepted (checked on the single instance).
+    # Repeated n-grams. After the first, this tiny model's greedy output loops, so n-gram
+    # drafts are proposed and accepted (5 tokens; "short" gets 1); the second gets none:
+    # the test asks the single instance for at least two prompts with drafts accepted.
     "abcabcabcabc",
     "ab ab ab ab ab ab ab ab",
 ]
