@@ -1,6 +1,12 @@
 """kvpush inside real vLLM: prefill and decode servers with KvpushConnector, against a
 single vLLM instance, token for token, on 127.0.0.1 and on ::1.
 
+The two address families also split the connector's two push modes, so neither costs
+servers of its own: on 127.0.0.1 the prefill pushes layer by layer (the default), on ::1
+whole requests (`"push": "whole"`). Decode servers and the single instance run n-gram
+speculative decoding, so every round also checks that speculation over pushed KV gives
+the same tokens, and one test compares each request's drafts and accepted tokens.
+
 Servers come from the vLLM venv (`make vllm-venv`; `make test` builds it). Its absence
 is a failure, never a skip: this file is the only proof that the connector works. Each
 vLLM server costs ~3 GB and 35-70 s to start on this kind of host, so servers are shared
@@ -23,6 +29,8 @@ import httpx
 import pytest
 
 from kvpush.bench.vllm_servers import (
+    NGRAM_SPEC_TOKENS,
+    NGRAM_SPECULATION,
     Outcome,
     ServerSpec,
     VllmServer,
@@ -33,6 +41,7 @@ from kvpush.bench.vllm_servers import (
     make_tiny_model,
     metric,
     sequential,
+    speculation,
     vllm_python,
 )
 from kvpush.errors import ConfigError
@@ -63,7 +72,14 @@ PROMPTS = [
     _SHARED * 3 + "a long one, spanning several blocks of thirty-two tokens each.",
     "0123456789" * 20,
     "x",
+    # Repeated n-grams. After the first, this tiny model's greedy output loops, so n-gram
+    # drafts are proposed and accepted (5 tokens; "short" gets 1); the second gets none:
+    # the test asks the single instance for at least two prompts with drafts accepted.
+    "abcabcabcabc",
+    "ab ab ab ab ab ab ab ab",
 ]
+# Push mode per address family (see the module's docstring); None: the default.
+PUSH = {"127.0.0.1": None, "::1": "whole"}
 
 
 @dataclass
@@ -75,6 +91,7 @@ class Family:
     proxy: subprocess.Popen[bytes]
     proxy_url: str
     log_dir: Path
+    push: str  # the prefill's push mode
 
     def prefill_side_channel(self) -> tuple[str, int]:
         assert self.prefill.spec.side_channel_port is not None
@@ -82,6 +99,8 @@ class Family:
 
 
 _REFERENCE: dict[str, Outcome] = {}
+# Per prompt, run alone on the single instance: (drafts, draft tokens, accepted tokens).
+_REFERENCE_SPEC: dict[str, tuple[float, ...]] = {}
 
 
 def _require_vllm() -> Path:
@@ -96,7 +115,17 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("vllm-model") / "tiny-llama")
 
 
-def _kvpush_spec(name: str, host: str, role: str) -> ServerSpec:
+def _kvpush_spec(
+    name: str,
+    host: str,
+    role: str,
+    *,
+    push: str | None = None,
+    extra_args: tuple[str, ...] = (),
+) -> ServerSpec:
+    extra: dict[str, object] = {**TIMING, "handshake_timeout_ms": 10000}
+    if push is not None:
+        extra["push"] = push
     return ServerSpec(
         name=name,
         host=host,
@@ -106,7 +135,8 @@ def _kvpush_spec(name: str, host: str, role: str) -> ServerSpec:
         side_channel_port=free_port(host),
         # The side channel answers from vLLM's engine-core process, busy stepping: 2 s
         # went by unanswered under load; a lookup that times out fails its transfer.
-        extra_config={**TIMING, "handshake_timeout_ms": 10000},
+        extra_config=extra,
+        extra_args=extra_args,
     )
 
 
@@ -143,16 +173,24 @@ def _start_proxy(
 
 
 def _reference(model: Path, server: VllmServer) -> None:
-    async def run() -> list[Outcome]:
-        async with client() as http:
-            return [
-                await complete(http, server.url, completion_body(p, str(model), MAX_TOKENS))
-                for p in PROMPTS
-            ]
+    """Each prompt alone (so the speculation counters around it are its own)."""
 
-    for outcome in asyncio.run(run()):
+    async def run() -> list[tuple[Outcome, tuple[float, ...]]]:
+        async with client() as http:
+            out = []
+            for p in PROMPTS:
+                before = await speculation(http, server.url)
+                outcome = await complete(
+                    http, server.url, completion_body(p, str(model), MAX_TOKENS)
+                )
+                after = await speculation(http, server.url)
+                out.append((outcome, tuple(a - b for a, b in zip(after, before, strict=True))))
+            return out
+
+    for outcome, spec in asyncio.run(run()):
         assert outcome.ok, f"the single instance failed {outcome.prompt!r}: {outcome.error}"
         _REFERENCE[outcome.prompt] = outcome
+        _REFERENCE_SPEC[outcome.prompt] = spec
 
 
 def _warm_up(model: Path, servers: list[VllmServer]) -> None:
@@ -176,17 +214,27 @@ def family(
     python = _require_vllm()
     host: str = request.param
     log_dir = tmp_path_factory.mktemp(f"vllm-{'v6' if ':' in host else 'v4'}")
+    push = PUSH[host]
     prefill = VllmServer(
-        _kvpush_spec("prefill", host, "kv_producer"), model=model, log_dir=log_dir, python=python
+        _kvpush_spec("prefill", host, "kv_producer", push=push),
+        model=model,
+        log_dir=log_dir,
+        python=python,
     )
     decode = VllmServer(
-        _kvpush_spec("decode", host, "kv_consumer"), model=model, log_dir=log_dir, python=python
+        _kvpush_spec("decode", host, "kv_consumer", extra_args=NGRAM_SPECULATION),
+        model=model,
+        log_dir=log_dir,
+        python=python,
     )
     servers = [prefill, decode]
     single = None
     if not _REFERENCE:
         single = VllmServer(
-            ServerSpec("single", host, free_port(host)), model=model, log_dir=log_dir, python=python
+            ServerSpec("single", host, free_port(host), extra_args=NGRAM_SPECULATION),
+            model=model,
+            log_dir=log_dir,
+            python=python,
         )
         servers.append(single)
     proxy: subprocess.Popen[bytes] | None = None
@@ -200,7 +248,9 @@ def family(
             _reference(model, single)
             single.stop()
         proxy, proxy_url = _start_proxy(host, prefill, decode, log_dir)
-        yield Family(host, str(model), prefill, decode, proxy, proxy_url, log_dir)
+        yield Family(
+            host, str(model), prefill, decode, proxy, proxy_url, log_dir, push or "layerwise"
+        )
     finally:
         if proxy is not None:
             proxy.terminate()
@@ -230,6 +280,7 @@ def _bodies(fam: Family) -> list[dict[str, object]]:
 
 
 async def _metrics(fam: Family, http: httpx.AsyncClient) -> dict[str, float]:
+    """The decode server's."""
     return {
         "hits": await metric(http, fam.decode.url, "vllm:prefix_cache_hits_total"),
         "received": await metric(http, fam.decode.url, "vllm:kvpush_transfers_total"),
@@ -238,25 +289,49 @@ async def _metrics(fam: Family, http: httpx.AsyncClient) -> dict[str, float]:
     }
 
 
+async def _push_metrics(fam: Family, http: httpx.AsyncClient) -> dict[str, float]:
+    """The prefill server's: how it offered its transfers."""
+    p_url = fam.prefill.url
+    return {
+        "layerwise": await metric(http, p_url, "vllm:kvpush_sends_total", push="layerwise"),
+        "whole": await metric(http, p_url, "vllm:kvpush_sends_total", push="whole"),
+        "by_layer": await metric(
+            http, p_url, "vllm:kvpush_layers_announced_total", by="save_kv_layer"
+        ),
+        "by_step": await metric(
+            http, p_url, "vllm:kvpush_layers_announced_total", by="wait_for_save"
+        ),
+    }
+
+
 def test_rounds_through_kvpush_proxy_match_a_single_instance(family: Family) -> None:
     """20 rounds through `kvpush proxy` (both legs at once): every token identical."""
 
     async def run() -> tuple[dict[str, float], dict[str, float]]:
         async with client() as http:
-            before = await _metrics(family, http)
+            before = await _metrics(family, http) | await _push_metrics(family, http)
             for i in range(20):
                 outcomes = await batch(
                     [complete(http, family.proxy_url, b) for b in _bodies(family)]
                 )
                 _check_identical(outcomes, f"round {i + 1} via kvpush proxy")
-            return before, await _metrics(family, http)
+            return before, await _metrics(family, http) | await _push_metrics(family, http)
 
     before, after = asyncio.run(run())
+    d = {k: after[k] - before[k] for k in after}
     # Every request's KV came through kvpush (metrics are exported every few seconds,
     # so at least the earlier rounds must show), and some reused the decode's own
     # prefix cache for their first blocks.
-    assert after["received"] - before["received"] > 0
-    assert after["hits"] > before["hits"], "no decode-side prefix-cache hit happened"
+    assert d["received"] > 0
+    assert d["hits"] > 0, "no decode-side prefix-cache hit happened"
+    # The prefill pushed the way its family asks: layer-wise sends announced every
+    # layer from save_kv_layer, as vLLM computed it (none left for the step's end).
+    other = "whole" if family.push == "layerwise" else "layerwise"
+    assert d[family.push] > 0 and d[other] == 0, f"push {family.push!r}: {d}"
+    if family.push == "layerwise":
+        assert d["by_layer"] > 0 and d["by_step"] == 0, f"layers announced: {d}"
+    else:
+        assert d["by_layer"] == d["by_step"] == 0, f"layers announced: {d}"
 
 
 def test_rounds_through_a_sequential_proxy_match_a_single_instance(family: Family) -> None:
@@ -275,6 +350,46 @@ def test_rounds_through_a_sequential_proxy_match_a_single_instance(family: Famil
                 _check_identical(outcomes, f"round {i + 1} via sequential proxy")
 
     asyncio.run(run())
+
+
+# vLLM's scheduler pads a new request that has a single token to compute (its KV came
+# from a connector) with `num_speculative_tokens` placeholder drafts (-1), "to preserve
+# full cudagraph" (vllm/v1/core/sched/scheduler.py, `pad_spec_decode`; on CPU too): that
+# step counts as one draft of that many tokens, none accepted, whatever the connector.
+_PADDED_STEP = (1.0, float(NGRAM_SPEC_TOKENS), 0.0)
+
+
+def test_speculative_acceptance_per_request_matches_a_single_instance(family: Family) -> None:
+    """n-gram speculation on the decode server over pushed KV: each request's drafts,
+    draft tokens and accepted tokens equal the single instance's, plus vLLM's padded
+    first step (one request at a time, the decode server's counters read around each)."""
+    accepted = sorted(p for p, spec in _REFERENCE_SPEC.items() if spec[2] > 0)
+    assert len(accepted) >= 2, (
+        f"n-gram drafts were accepted for {accepted} only on the single instance: "
+        "the comparison would prove little"
+    )
+
+    async def run() -> dict[str, tuple[float, ...]]:
+        async with client() as http:
+            out = {}
+            for body in _bodies(family):
+                before = await speculation(http, family.decode.url)
+                outcome = await complete(http, family.proxy_url, body)
+                _check_identical([outcome], "speculative decoding, one request at a time")
+                after = await speculation(http, family.decode.url)
+                out[outcome.prompt] = tuple(a - b for a, b in zip(after, before, strict=True))
+            return out
+
+    got = asyncio.run(run())
+    want = {
+        p: tuple(a + b for a, b in zip(spec, _PADDED_STEP, strict=True))
+        for p, spec in _REFERENCE_SPEC.items()
+    }
+    differ = {p: (got[p], w) for p, w in want.items() if got[p] != w}
+    assert not differ, (
+        "(drafts, draft tokens, accepted) on the decode server vs the single instance's "
+        f"plus the padded step: {differ}; all single: {_REFERENCE_SPEC}"
+    )
 
 
 def test_prefill_killed_mid_batch_fails_the_waiting_requests_in_bound_then_recovers(

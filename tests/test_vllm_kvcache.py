@@ -178,3 +178,18 @@ def test_a_bracketed_ipv6_remote_host_is_used_bare() -> None:
         {"transfer_id": "t", "remote_host": "[::1]", "remote_port": "5600"}, 1
     )
     assert (remote.host, remote.port) == ("::1", 5600)
+
+
+def test_layerwise_push_is_the_default_and_off_where_vllm_could_free_blocks_first() -> None:
+    from dataclasses import replace
+
+    base = _config()
+    assert base.push == "layerwise" and base.layerwise and base.layerwise_refused() is None
+    async_on = replace(base, async_scheduling=True)
+    assert not async_on.layerwise
+    assert async_on.layerwise_refused() == "vLLM's async scheduling is on"
+    stages = replace(base, pp_size=2)
+    assert not stages.layerwise and "pipeline parallel size is 2" in str(stages.layerwise_refused())
+    # Asked for whole, or a decode-only engine: nothing to refuse.
+    for cfg in (replace(base, push="whole"), replace(base, role="receiver")):
+        assert not cfg.layerwise and cfg.layerwise_refused() is None

@@ -431,11 +431,44 @@ async def batch(coros: Sequence[Any]) -> list[Outcome]:
     return list(await asyncio.gather(*coros))
 
 
-async def metric(client: httpx.AsyncClient, url: str, name: str) -> float:
-    """The sum of a Prometheus metric's samples (every label set) on a vLLM server."""
+async def metric(client: httpx.AsyncClient, url: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus metric's samples on a vLLM server: of every label set,
+    or of those with each of `labels` (`push="layerwise"`)."""
     resp = await client.get(f"{url}/metrics", timeout=10)
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
     total = 0.0
     for line in resp.text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if not (line.startswith(name + "{") or line.startswith(name + " ")):
+            continue
+        label_set = line[len(name) :].rsplit(" ", 1)[0]
+        if all(w in label_set for w in wanted):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+SPEC_COUNTERS = (
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+)
+
+
+async def speculation(client: httpx.AsyncClient, url: str) -> tuple[float, ...]:
+    """A vLLM server's speculative-decoding counters: drafts, draft tokens, accepted
+    tokens (diff two readings around one request for that request's)."""
+    return tuple([await metric(client, url, name) for name in SPEC_COUNTERS])
+
+
+# Prompt-lookup (n-gram) speculation, as a vLLM server option.
+NGRAM_SPEC_TOKENS = 3
+NGRAM_SPECULATION = (
+    "--speculative-config",
+    json.dumps(
+        {
+            "method": "ngram",
+            "num_speculative_tokens": NGRAM_SPEC_TOKENS,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4,
+        }
+    ),
+)

@@ -8,6 +8,7 @@ kvpush's (`PushRuntime`); this class only translates vLLM's calls.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,11 +38,14 @@ if TYPE_CHECKING:
     )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+
+log = logging.getLogger(__name__)
 
 
 class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
@@ -66,12 +70,24 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        refused = self._config.layerwise_refused()
+        if self._config.layerwise and not hasattr(KVConnectorBase_V1, "bind_kv_cache_manager"):
+            # The scheduler reads a running request's blocks through the cache manager.
+            refused = "this vLLM does not bind its KV cache manager to connectors"
+        if refused is not None and role == KVConnectorRole.SCHEDULER:
+            log.warning("KvpushConnector: layer-wise push is off (%s): requests go whole", refused)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self._config)
         else:
             from vllm.distributed.parallel_state import get_tp_group
 
             self._worker = WorkerSide(self._config, get_tp_group().rank_in_group)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise push runs Python in `save_kv_layer`, which a replayed CUDA graph
+        skips (the step's end would still announce every layer, unpipelined)."""
+        return bool((extra_config or {}).get("push", "layerwise") == "layerwise")
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -88,6 +104,11 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
     # ----------------------------------------------------------------- scheduler side
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:
+            self._scheduler.bind_block_ids(lambda rid: list(kv_cache_manager.get_block_ids(rid)[0]))
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -158,10 +179,17 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        """Blocks are offered once the request finished its prefill (`request_finished`)."""
+        """Layer-wise push: this layer is computed for this step's requests."""
+        plan = self._connector_metadata
+        assert isinstance(plan, StepPlan)
+        self._work().layer_saved(plan, layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        """Writes read the blocks asynchronously; vLLM keeps them until finished_sending."""
+        """Every layer of this step is computed: announce what save_kv_layer did not.
+        Writes read the blocks asynchronously; vLLM keeps them until finished_sending."""
+        plan = self._connector_metadata
+        assert isinstance(plan, StepPlan)
+        self._work().step_saved(plan)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         return self._work().transfer_results()

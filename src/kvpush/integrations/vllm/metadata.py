@@ -53,12 +53,16 @@ class Send:
     """Prefill side: offer `blocks` (all layers computed) for `transfer_id`. With
     `cancel`, the request ended without its KV (aborted): the transfer is opened with
     no layer ready and aborted at once, so the receiver hears of it now, nothing is
-    written, and the blocks come back through the runtime's result like any other."""
+    written, and the blocks come back through the runtime's result like any other.
+    With `layerwise`, this step computes the prompt's last tokens: the transfer is
+    opened with no layer ready before the first layer's KV is saved, and each layer is
+    announced once this step computed it (`save_kv_layer`; all by `wait_for_save`)."""
 
     request_id: str
     transfer_id: str
     blocks: tuple[int, ...]
     cancel: bool = False
+    layerwise: bool = False
 
 
 @dataclass

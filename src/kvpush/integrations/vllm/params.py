@@ -21,6 +21,7 @@ from kvpush.net import unbracket_host
 
 ROLES = {"kv_producer": "sender", "kv_consumer": "receiver", "kv_both": "both"}
 TIMING_KEYS = ("heartbeat_interval_s", "liveness_timeout_s", "lease_s", "transfer_deadline_s")
+PUSH_MODES = ("layerwise", "whole")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,17 @@ class ConnectorConfig:
     # vLLM's worker spins on its queue holding the GIL, and the runtime's thread waits
     # up to one interval (5 ms by default) for it at every wake-up. None: vLLM's.
     switch_interval_ms: float | None = None
+    # When a prefill's blocks are offered. "layerwise": on the step that computes the
+    # prompt's last tokens, each layer as soon as vLLM computed it (`save_kv_layer`),
+    # so a decode server that registered already receives layer 0 while the prefill
+    # computes layer 1; for requests that end on that step (max_tokens 1, as proxies
+    # send), others are offered whole. "whole": when the request finished, all layers
+    # at once (what vLLM's NIXL connectors do).
+    push: str = "layerwise"
+    # vLLM's scheduler schedules the next step before the last one's output is in:
+    # a request could then be preempted (its blocks freed) between the step that
+    # computed it and the one that finishes it, so layer-wise push is not used.
+    async_scheduling: bool = False
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
@@ -76,6 +88,7 @@ class ConnectorConfig:
             "allow_untested_vllm",
             "idle_poll_ms",
             "switch_interval_ms",
+            "push",
             *TIMING_KEYS,
         }
         unknown = sorted(set(extra) - known)
@@ -83,6 +96,12 @@ class ConnectorConfig:
             raise ConfigError(
                 f"kv_connector_extra_config has unknown keys {unknown}: expected any of "
                 f"{sorted(known)}"
+            )
+        push = extra.get("push", "layerwise")
+        if push not in PUSH_MODES:
+            raise ConfigError(
+                f"kv_connector_extra_config.push is {push!r}: expected one of "
+                f"{', '.join(repr(m) for m in PUSH_MODES)}"
             )
         timing = TimingConfig(**{k: float(extra[k]) for k in TIMING_KEYS if k in extra})
         parallel = vllm_config.parallel_config
@@ -110,7 +129,31 @@ class ConnectorConfig:
             switch_interval_ms=(
                 float(extra["switch_interval_ms"]) if "switch_interval_ms" in extra else None
             ),
+            push=str(push),
+            async_scheduling=bool(
+                getattr(vllm_config.scheduler_config, "async_scheduling", False) or False
+            ),
         )
+
+    @property
+    def layerwise(self) -> bool:
+        """Whether prefill requests that end on the step computing them are pushed
+        layer by layer (see `push`): only where nothing can free their blocks before
+        they finish (no async scheduling, no pipeline stages in flight)."""
+        return (
+            self.push == "layerwise"
+            and self.sends
+            and not self.async_scheduling
+            and self.pp_size == 1
+        )
+
+    def layerwise_refused(self) -> str | None:
+        """Why layer-wise push was asked for but is not used, if it is not."""
+        if self.push != "layerwise" or not self.sends or self.layerwise:
+            return None
+        if self.async_scheduling:
+            return "vLLM's async scheduling is on"
+        return f"pipeline parallel size is {self.pp_size}"
 
     @property
     def sends(self) -> bool:

@@ -20,11 +20,23 @@ Prefill side (`do_remote_decode`): when the request finishes, its blocks are off
 transfer ended in `finished_sending`, whichever way it ended. A request that ended
 without its KV (aborted) still opens and at once aborts its transfer, so a decode server
 that already registered hears of it now rather than at its deadline.
+
+Layer-wise push (the default, `push: "layerwise"`): a prefill request that ends on the
+step computing its last prompt tokens (max_tokens 1, what proxies send) has its
+transfer opened on that step, before its KV is computed (`Send(layerwise=True)`); the
+worker announces each layer as the forward pass computes it, so writes overlap the
+rest of the prefill. Its blocks are the running request's until `request_finished`,
+which then holds them as above: nothing can free them in between, as vLLM (without
+async scheduling) finishes the request in the same step's output, before it schedules
+again. Should the transfer end before the request finished all the same, its
+`finished_sending` is held back (vLLM would free a running request's blocks) and the
+request's blocks are then freed as any other's.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvpush.integrations.vllm.metadata import Receive, Refuse, Send, StepPlan
@@ -68,8 +80,20 @@ class SchedulerSide:
         self._planned: set[str] = set()
         # Prefill: requests whose blocks are held for a transfer, request id -> transfer id.
         self._sending: dict[str, str] = {}
+        # Prefill, layer-wise: requests that may be pushed layer by layer once the step
+        # computing their last prompt tokens is scheduled; then those opened early,
+        # request id -> their blocks; and those whose transfer ended before the request
+        # finished (their finished_sending held back).
+        self._layerwise_candidates: dict[str, Request] = {}
+        self._opened_early: dict[str, tuple[int, ...]] = {}
+        self._ended_early: set[str] = set()
+        self._block_ids_of: Callable[[str], list[int]] | None = None
         self._ranks: dict[int, PeerMetadata] = {}
         self._server: MetadataServer | None = None
+
+    def bind_block_ids(self, block_ids_of: Callable[[str], list[int]]) -> None:
+        """How to read a running request's blocks (vLLM's KV cache manager)."""
+        self._block_ids_of = block_ids_of
 
     # ----------------------------------------------------------------- side channel
 
@@ -121,6 +145,14 @@ class SchedulerSide:
     ) -> None:
         params = request.kv_transfer_params
         rid = request.request_id
+        if (
+            self._config.layerwise
+            and self._block_ids_of is not None
+            and wants_remote_decode(params)
+            and getattr(request, "max_tokens", None) == 1
+            and rid not in self._sending
+        ):
+            self._layerwise_candidates[rid] = request
         if not self._config.receives or not wants_remote_prefill(params):
             return
         if rid in self._planned:
@@ -162,6 +194,7 @@ class SchedulerSide:
         rid = request.request_id
         params = request.kv_transfer_params
         self._local_hits.pop(rid, None)
+        self._layerwise_candidates.pop(rid, None)
         planned = rid in self._planned
         self._planned.discard(rid)
         if rid in self._receiving:
@@ -183,15 +216,18 @@ class SchedulerSide:
         if not self._config.sends or not wants_remote_decode(params):
             return False, None
         assert params is not None
-        tid = prefill_transfer_id(params, self._config.engine_id)
-        num_tokens = len(request.prompt_token_ids or ())
-        ours = tuple(block_ids[: _cdiv(num_tokens, self._config.block_size_tokens)])
-        if not ours:
-            return False, None
         computed = request.status in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
         )
+        num_tokens = len(request.prompt_token_ids or ())
+        early = self._opened_early.pop(rid, None)
+        if early is not None:
+            return self._finished_early(rid, early, num_tokens, computed)
+        tid = prefill_transfer_id(params, self._config.engine_id)
+        ours = tuple(block_ids[: _cdiv(num_tokens, self._config.block_size_tokens)])
+        if not ours:
+            return False, None
         self._plan.sends.append(Send(rid, tid, ours, cancel=not computed))
         self._sending[rid] = tid
         if not computed:
@@ -204,12 +240,66 @@ class SchedulerSide:
             num_tokens=num_tokens,
         )
 
+    def _finished_early(
+        self, rid: str, blocks: tuple[int, ...], num_tokens: int, computed: bool
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """A request whose transfer was opened layer by layer has finished."""
+        if rid in self._ended_early:
+            # Its transfer ended already (its finished_sending was held back): vLLM may
+            # free the blocks now. Computed, its KV went (or failed) as reported.
+            self._ended_early.discard(rid)
+            tid = self._sending.pop(rid)
+            if not computed:
+                return False, None
+        else:
+            tid = self._sending[rid]
+            if not computed:
+                self._plan.aborts.append(tid)
+                return True, None
+        answer = prefill_answer(
+            self._config,
+            transfer_id=tid,
+            request_id=rid,
+            block_ids=list(blocks),
+            num_tokens=num_tokens,
+        )
+        return rid in self._sending, answer
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()
         plan.idle = scheduler_output.total_num_scheduled_tokens == 0
+        if self._layerwise_candidates:
+            self._open_layerwise(plan, scheduler_output)
         return plan
 
+    def _open_layerwise(self, plan: StepPlan, scheduler_output: SchedulerOutput) -> None:
+        """Open, on this step's plan, the transfers of the requests whose last prompt
+        tokens this step computes (called before vLLM advances their computed tokens)."""
+        assert self._block_ids_of is not None
+        scheduled = scheduler_output.num_scheduled_tokens
+        bs = self._config.block_size_tokens
+        for rid, request in list(self._layerwise_candidates.items()):
+            n = scheduled.get(rid, 0)
+            num_tokens = len(request.prompt_token_ids or ())
+            if n <= 0 or request.num_computed_tokens + n < num_tokens:
+                continue  # not scheduled, or an earlier chunk of its prompt
+            del self._layerwise_candidates[rid]
+            blocks = tuple(self._block_ids_of(rid)[: _cdiv(num_tokens, bs)])
+            if not blocks:
+                continue  # offered whole when it finishes, as without layer-wise push
+            assert request.kv_transfer_params is not None
+            tid = prefill_transfer_id(request.kv_transfer_params, self._config.engine_id)
+            plan.sends.append(Send(rid, tid, blocks, layerwise=True))
+            self._sending[rid] = tid
+            self._opened_early[rid] = blocks
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        if self._opened_early and output.finished_sending:
+            # vLLM frees the blocks of every request in finished_sending; a request
+            # still running keeps its blocks until request_finished (see the module).
+            early = output.finished_sending & self._opened_early.keys()
+            output.finished_sending -= early
+            self._ended_early |= early
         for rid in output.finished_sending or ():
             self._sending.pop(rid, None)
         for rid in output.finished_recving or ():

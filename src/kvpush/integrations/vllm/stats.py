@@ -9,6 +9,11 @@ counters and histograms on vLLM's `/metrics`:
 - `vllm:kvpush_transfer_bytes_total{side}`: bytes of finished transfers.
 - `vllm:kvpush_transfer_seconds{side}`: from the step that started a transfer to the
   step that saw it end.
+- `vllm:kvpush_sends_total{push}`: prefill transfers opened, `layerwise` (each layer
+  announced as it is computed) or `whole` (when the request finished).
+- `vllm:kvpush_layers_announced_total{by}`: layers of layer-wise sends announced, by
+  `save_kv_layer` (as computed) or by `wait_for_save` (at the step's end: layers that
+  vLLM computed without calling `save_kv_layer` for them, e.g. in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -32,12 +37,16 @@ def _key(side: str, outcome: str, reason: str) -> str:
     return f"{side}|{outcome}|{reason}"
 
 
+def _empty() -> dict[str, Any]:
+    return {"ended": {}, "bytes": {}, "seconds": {}, "opened": {}, "layers": {}}
+
+
 @dataclass
 class TransferStats(KVConnectorStats):
     """`data`: `ended` {"side|outcome|reason": count}, `bytes` {side: n},
     `seconds` {side: [durations]} (plain values: vLLM serializes them)."""
 
-    data: dict[str, Any] = field(default_factory=lambda: {"ended": {}, "bytes": {}, "seconds": {}})
+    data: dict[str, Any] = field(default_factory=_empty)
 
     def ended(self, result: TransferResult, seconds: float, nbytes: int) -> None:
         outcome = "finished" if result.ok else "failed"
@@ -48,6 +57,14 @@ class TransferStats(KVConnectorStats):
             b[result.side] = b.get(result.side, 0) + nbytes
             self.data["seconds"].setdefault(result.side, []).append(seconds)
 
+    def opened(self, push: str) -> None:
+        o = self.data.setdefault("opened", {})
+        o[push] = o.get(push, 0) + 1
+
+    def layers_announced(self, by: str, n: int) -> None:
+        a = self.data.setdefault("layers", {})
+        a[by] = a.get(by, 0) + n
+
     def ended_at_once(self, side: str, why: str) -> None:
         self._count(_key(side, "failed", "local_error"))
 
@@ -56,7 +73,7 @@ class TransferStats(KVConnectorStats):
         ended[key] = ended.get(key, 0) + 1
 
     def reset(self) -> None:
-        self.data = {"ended": {}, "bytes": {}, "seconds": {}}
+        self.data = _empty()
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         mine, theirs = self.data, other.data
@@ -68,7 +85,17 @@ class TransferStats(KVConnectorStats):
         for src in (mine.get("seconds", {}), theirs.get("seconds", {})):
             for side, values in src.items():
                 seconds.setdefault(side, []).extend(values)
-        self.data = {"ended": dict(ended), "bytes": dict(nbytes), "seconds": seconds}
+        opened = Counter(mine.get("opened", {}))
+        opened.update(theirs.get("opened", {}))
+        layers = Counter(mine.get("layers", {}))
+        layers.update(theirs.get("layers", {}))
+        self.data = {
+            "ended": dict(ended),
+            "bytes": dict(nbytes),
+            "seconds": seconds,
+            "opened": dict(opened),
+            "layers": dict(layers),
+        }
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -83,10 +110,14 @@ class TransferStats(KVConnectorStats):
             if values:
                 ordered = sorted(values)
                 out[f"{side} p50 ms"] = round(ordered[len(ordered) // 2] * 1000, 3)
+        for push, n in sorted(self.data.get("opened", {}).items()):
+            out[f"sends {push}"] = n
+        for by, n in sorted(self.data.get("layers", {}).items()):
+            out[f"layers by {by}"] = n
         return out
 
     def is_empty(self) -> bool:
-        return not self.data.get("ended")
+        return not (self.data.get("ended") or self.data.get("opened") or self.data.get("layers"))
 
 
 class KvpushPromMetrics(KVConnectorPromMetrics):
@@ -114,6 +145,16 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
             buckets=_SECONDS_BUCKETS,
             labelnames=[*labelnames, "side"],
         )
+        self._opened = self._counter_cls(
+            name="vllm:kvpush_sends_total",
+            documentation="Prefill transfers opened through kvpush, layer-wise or whole.",
+            labelnames=[*labelnames, "push"],
+        )
+        self._layers = self._counter_cls(
+            name="vllm:kvpush_layers_announced_total",
+            documentation="Layers of layer-wise kvpush sends announced, by which hook.",
+            labelnames=[*labelnames, "by"],
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
@@ -126,3 +167,7 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
             hist = self._seconds.labels(*engine, side)
             for v in values:
                 hist.observe(v)
+        for push, n in transfer_stats_data.get("opened", {}).items():
+            self._opened.labels(*engine, push).inc(n)
+        for by, n in transfer_stats_data.get("layers", {}).items():
+            self._layers.labels(*engine, by).inc(n)

@@ -14,6 +14,14 @@ transfer results:
 - a send that ended, either way, is in `finished_sending`: vLLM frees the prefill's
   blocks then, never while a write still reads them.
 
+Layer-wise push: a `Send(layerwise=True)` is opened with no layer ready on the step that
+computes the request's last prompt tokens, before its first layer is saved (vLLM may call
+`start_load_kv` after the forward pass, so whichever of `start_load_kv`, `save_kv_layer`
+and `wait_for_save` comes first opens it). Each `save_kv_layer` then announces that
+layer (`layers_ready`): on CPU the layer's KV is in the cache when vLLM calls it; on a
+GPU only once an event recorded on the compute stream after it has completed.
+`wait_for_save` announces whatever is left, as the step's forward is over by then.
+
 Misuse the runtime refuses at the call (a transfer id already in flight, params that
 cannot be used) ends that one request the same way, on the next results.
 """
@@ -24,6 +32,7 @@ import logging
 import sys
 import time
 import uuid
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvpush.errors import FailureReason, KVPushError
@@ -55,6 +64,13 @@ class WorkerSide:
         self._sent_at_once: set[str] = set()
         self._idle = False
         self._stats = TransferStats()
+        self._layer_of: dict[str, int] = {}  # vLLM's layer name -> the geometry's layer
+        self._all_layers: frozenset[int] = frozenset()
+        # Layer-wise sends of the current step: the plan they came from, and per
+        # transfer id the layers not announced yet; device events not yet complete.
+        self._opened_plan: StepPlan | None = None
+        self._announcing: dict[str, set[int]] = {}
+        self._events: list[tuple[int, torch.cuda.Event]] = []
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -67,6 +83,9 @@ class WorkerSide:
         if cfg.switch_interval_ms is not None:
             sys.setswitchinterval(cfg.switch_interval_ms / 1000)
         self._bytes_per_block = geometry.bytes_per_block
+        # Regions are numbered in the order vLLM hands the layers (as the peer does).
+        self._layer_of = {name: index for index, name in enumerate(kv_caches)}
+        self._all_layers = frozenset(r.layer for r in geometry.regions)
         incarnation = uuid.uuid4().hex
         identity = RuntimeIdentity(
             engine_id=cfg.engine_id,
@@ -116,6 +135,7 @@ class WorkerSide:
 
         runtime = self._require_runtime()
         self._idle = plan.idle
+        self._open_layerwise(plan)
         now = time.monotonic()
         for rcv in plan.receives:
             if not rcv.transfer_id:
@@ -139,6 +159,8 @@ class WorkerSide:
             except KVPushError as exc:
                 log.warning("could not refuse transfer %s: %s", ref.transfer_id, exc)
         for snd in plan.sends:
+            if snd.layerwise:
+                continue  # opened by _open_layerwise
             try:
                 runtime.send(snd.transfer_id, snd.blocks, ready_layers=[] if snd.cancel else None)
                 if snd.cancel:
@@ -148,9 +170,95 @@ class WorkerSide:
                 self._sent_at_once.add(snd.request_id)
                 continue
             self._sending[snd.transfer_id] = (snd.request_id, now, len(snd.blocks))
+            if not snd.cancel:
+                self._stats.opened("whole")
         for tid in plan.aborts:
             if tid in self._receiving or tid in self._sending:
                 runtime.abort(tid)
+
+    # ----------------------------------------------------------------- layer-wise push
+
+    def _open_layerwise(self, plan: StepPlan) -> None:
+        """Open this step's layer-wise sends, once (the first call of the step)."""
+        if plan is self._opened_plan:
+            return
+        if self._announcing:  # a step that never reached wait_for_save: all computed
+            self._flush_events(wait=True)
+            self._announce(self._all_layers, "wait_for_save")
+        self._opened_plan = plan
+        self._announcing = {}
+        runtime = self._require_runtime()
+        now = time.monotonic()
+        for snd in plan.sends:
+            if not snd.layerwise:
+                continue
+            try:
+                runtime.send(snd.transfer_id, snd.blocks, ready_layers=[])
+            except KVPushError as exc:
+                log.error("request %s: cannot send %s: %s", snd.request_id, snd.transfer_id, exc)
+                self._sent_at_once.add(snd.request_id)
+                continue
+            self._sending[snd.transfer_id] = (snd.request_id, now, len(snd.blocks))
+            self._announcing[snd.transfer_id] = set(self._all_layers)
+            self._stats.opened("layerwise")
+
+    def layer_saved(self, plan: StepPlan, layer_name: str, kv_layer: torch.Tensor) -> None:
+        """vLLM computed `layer_name` for this step (`save_kv_layer`)."""
+        self._open_layerwise(plan)
+        if not self._announcing:
+            return
+        layer = self._layer_of.get(layer_name)
+        if layer is None:
+            return  # not a layer we registered: nothing of ours to announce
+        if kv_layer.device.type == "cpu":
+            self._announce((layer,), "save_kv_layer")
+            return
+        import torch
+
+        # Kernels are queued, not done: announce once the stream got past this layer.
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(kv_layer.device))
+        self._events.append((layer, event))
+        self._flush_events(wait=False)
+
+    def step_saved(self, plan: StepPlan) -> None:
+        """The step's forward is over (`wait_for_save`): every layer is computed."""
+        self._open_layerwise(plan)
+        if self._announcing:
+            self._flush_events(wait=True)
+            self._announce(self._all_layers, "wait_for_save")
+
+    def _flush_events(self, *, wait: bool) -> None:
+        done: list[int] = []
+        while self._events:
+            layer, event = self._events[0]
+            if wait:
+                event.synchronize()
+            elif not event.query():  # type: ignore[no-untyped-call]
+                break
+            self._events.pop(0)
+            done.append(layer)
+        if done:
+            self._announce(done, "save_kv_layer")
+
+    def _announce(self, layers: Iterable[int], by: str) -> None:
+        runtime = self._require_runtime()
+        wanted = set(layers)
+        for tid, remaining in list(self._announcing.items()):
+            new = remaining & wanted
+            if not new:
+                continue
+            remaining.difference_update(new)
+            if not remaining:
+                del self._announcing[tid]
+            self._stats.layers_announced(by, len(new))
+            try:
+                runtime.layers_ready(tid, sorted(new))
+            except KVPushError as exc:
+                # It ended already (refused, aborted): its result says how.
+                log.info("transfer %s: layers %s not announced: %s", tid, sorted(new), exc)
+
+    # ----------------------------------------------------------------- results
 
     def transfer_results(self) -> KVConnectorTransferResults:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
