@@ -81,6 +81,58 @@ The fencing rules, which make "nothing is written after a failure" hold:
   claims) can write nothing more: its transfers end at once, and `DropPeer` tells the
   runtime to forget it, so the next transfer handshakes afresh.
 
+Who sent it
+-----------
+
+A message is attributed to the agent the data plane says sent it (NIXL keys every
+notification by the sending agent's name), never to what it says about itself, and an
+agent is believed to be an engine (id and incarnation) only once that engine's side
+channel (token-authenticated, when a token is configured) has named it:
+
+* The receiver writes to, and hears from, only senders it looked up itself: a message
+  from any other agent, a heartbeat that claims another engine or incarnation than the
+  agent's side channel said, or a `Done`/`Failed`/`CancelAck` for a transfer registered
+  with another sender is dropped and counted (`PushProtocol.forged_messages()`).
+* The sender learns receivers from their `Register` (or `Reject`), which names the
+  receiver's side channel. A first message from a new agent is kept unread (up to
+  `_MAX_UNREAD`) while the sender asks that side channel who it serves; nothing is bound
+  to the agent meanwhile. If the side channel names that agent, its messages are read
+  in order; if it names another (an impostor, or a receiver that restarted meanwhile) or
+  does not answer, they are dropped and counted. A verified agent's messages must claim
+  the engine, incarnation and address its side channel gave, else they are dropped.
+* A restart is proven only by the side channel that vouched for the old agent: the next
+  lookup of that address names a new agent (PEER_RESTARTED). A second address claiming
+  an engine that is vouched for elsewhere is believed only after the first address is
+  looked up again (`Handshake(revalidate=True)`) and no longer serves its agent, and that
+  lookup never ends the old agent's transfers by itself; what is certainly gone ends
+  them (the data plane's verdict, or that address naming someone else), what merely went
+  quiet ends them the safe way (liveness, lease, deadline).
+* Only a transfer's own counterpart can end it: `Cancel`, `Reject`, `Done`, `Failed`,
+  `CancelAck` and heartbeats act only on transfers bound to the agent they came from.
+  A `Cancel` for an id its agent has not registered (yet) is remembered for that agent
+  only (`_early_cancels`): it ends that agent's Register for the id when it comes, and
+  a transfer of ours that nobody registered yet waits for its own receiver's Register
+  or its deadline, since it names no receiver that could end it.
+
+The data plane does not authenticate agent names: any process holding our NIXL metadata
+can connect and send notifications under any name, a real peer's included (tried with
+NIXL 1.5.1 over UCX: a second process that named its agent as a real peer's was reported
+under that name). So the runtime also gives every incarnation a random 16-byte message
+key, publishes it in its side-channel metadata, and has `PushProtocol(message_key=...)`
+drop every message that does not begin with it ("bad_key"): with a token configured,
+only a peer the side channel admitted can put a message in front of us at all, under
+any name. Measured on one (shared, 2-core) host by `scripts/measure_message_key.py`:
+checking the key costs about 0.4 us per message on top of a 0.7-1.3 us decode, against
+about 4.5-5 us for an HMAC-SHA256 of the message on each side. The key travels in
+clear, as the side channel's token does, so a MAC would add protection only against
+someone who can read the network, and that someone can read the token (and so every
+key) from the side channel anyway; hence the key, not a MAC. Without a token the side
+channel serves the key to anyone who asks, and identity rests on the rules above,
+which hold against any agent that does not borrow a real peer's name. What an agent
+admitted by the side channel can still do: claim, under its own name and an engine id
+its own side channel serves, a transfer id that no receiver has registered yet (the
+sender's engine does not say which receiver a transfer is for).
+
 Leases measured on the receiver's clock
 ---------------------------------------
 
@@ -131,7 +183,7 @@ Every transfer the engine handed in ends with exactly one `TransferEnded`, on ea
 within `transfer_deadline_s` plus the fence, except a sender whose data plane never
 reports on a write (above). Tombstones make late, duplicate and reordered messages
 harmless: a late `Register` gets the recorded answer again, a `Cancel` that overtakes its
-`Register` leaves a tombstone that the `Register` then meets.
+`Register` is remembered for its agent, and that agent's `Register` then meets it.
 
 Errors: engine misuse raises `LocalProtocolError` at the call; bytes that are not a
 message raise `RemoteProtocolError` from `PushProtocol.receive_message` with no state
@@ -141,7 +193,9 @@ sense for its transfer fails that transfer with MALFORMED_MESSAGE.
 
 from __future__ import annotations
 
+import collections
 import enum
+import hmac
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Literal, Protocol, TypeVar
@@ -166,6 +220,7 @@ from kvpush.protocol.messages import (
     Register,
     Reject,
     decode,
+    encode,
 )
 
 Side = Literal["sender", "receiver"]
@@ -198,12 +253,15 @@ class PeerInfo:
     """What a handshake learned from a peer's side channel, as the protocol uses it.
 
     `compat` is the peer's `CacheGeometry.compat_fields()`; the protocol compares it with
-    ours under its `CompatibilityPolicy` before anything is registered or written."""
+    ours under its `CompatibilityPolicy` before anything is registered or written.
+    `message_key` is the key the peer wants in front of every message we send it (see
+    `PushProtocol`); empty: it wants none."""
 
     agent: str
     engine_id: str
     incarnation: str
     compat: Mapping[str, object]
+    message_key: bytes = b""
 
 
 # --------------------------------------------------------------------------- effects
@@ -241,10 +299,15 @@ class Handshake:
     `peer` is the agent we expect to find there: the agent whose `Register` named this
     address (the sender handshaking back), or None (the receiver, before it registers).
     Both machines may ask for the same address; one lookup answers both, and a machine
-    asks again only after the answer came."""
+    asks again only after the answer came.
+
+    `revalidate`: ask the side channel itself, even if what it said before is at hand;
+    the sender checks this way that an engine still runs where it was vouched for before
+    it believes a second address that claims the same engine (see "Who sent it")."""
 
     address: PeerAddress
     peer: str | None = None
+    revalidate: bool = False
 
     @property
     def host(self) -> str:
@@ -309,6 +372,13 @@ class _Peer:
     agent: str
     engine_id: str
     last_heard: float
+    incarnation: str = ""
+    # Sender: the side channel at `address` named this agent (until then its messages
+    # wait in `inbox`, unread); `rival`: the address and agent of another peer vouched
+    # for the same engine, being looked up again before this one is believed.
+    verified: bool = True
+    inbox: list[tuple[float, Message]] = field(default_factory=list)  # (when, message)
+    rival: tuple[PeerAddress, str] | None = None
     last_heartbeat_sent: float = float("-inf")
     ready: bool = True
     outbox: list[Message] = field(default_factory=list)
@@ -381,9 +451,15 @@ class _Side(Generic[_Rec]):
     _clock: _Clock
     _transfers: dict[str, _Rec]
     _peers: dict[str, _Peer]
+    # Messages dropped unread because of who sent them, by reason (see "Who sent it").
+    forged: collections.Counter[str]
 
     def in_flight(self) -> bool:
         return bool(self._transfers)
+
+    def _drop(self, reason: str, count: int = 1) -> list[Effect]:
+        self.forged[reason] += count
+        return []
 
     def peer_lost(self, now: float, peer: str, reason: FailureReason, detail: str) -> list[Effect]:
         """`peer` is certainly gone: it can write or confirm nothing more, so its
@@ -400,15 +476,18 @@ class _Side(Generic[_Rec]):
         out.append(DropPeer(peer, reason, detail))
         return out
 
-    def _restarted(self, now: float, info: PeerInfo) -> list[Effect]:
-        """A handshake proved `info.engine_id` runs as `info.agent` now: every other agent
-        we know for that engine is an earlier incarnation, certainly gone."""
+    def _restarted(self, now: float, address: PeerAddress, info: PeerInfo) -> list[Effect]:
+        """The side channel at `address` serves `info.agent` now: every other agent it
+        vouched for before is an earlier incarnation, certainly gone. Only the side
+        channel that vouched for an agent can say so; another address that claims the
+        same engine proves nothing about it (see "Who sent it")."""
         out: list[Effect] = []
         for old in list(self._peers.values()):
-            if old.engine_id == info.engine_id and old.agent != info.agent:
+            if old.verified and old.address == address and old.agent != info.agent:
                 detail = (
-                    f"peer engine {info.engine_id} restarted: its side channel now serves "
-                    f"incarnation {info.incarnation} (agent {info.agent}), not agent {old.agent}"
+                    f"peer engine {old.engine_id} restarted: its side channel at {address} "
+                    f"now serves incarnation {info.incarnation} (agent {info.agent}), not "
+                    f"agent {old.agent}"
                 )
                 out += self.peer_lost(now, old.agent, FailureReason.PEER_RESTARTED, detail)
         return out
@@ -420,6 +499,46 @@ class _Side(Generic[_Rec]):
         self, now: float, rec: _Rec, reason: FailureReason, detail: str
     ) -> list[Effect]:
         raise NotImplementedError
+
+
+# How many messages an agent may send before a side channel vouched for it (a real
+# receiver sends a Register or Reject or two, and a heartbeat, in that time); the rest
+# are dropped and counted. And how many early Cancels are remembered at once.
+_MAX_UNREAD = 64
+_MAX_EARLY_CANCELS = 65536
+
+
+def _named_address(message: Message) -> PeerAddress | None:
+    """The side channel a message names as its sender's (Register, and Reject from a
+    peer that fills it in), to ask whether it vouches for the agent that sent it."""
+    match message:
+        case Register(receiver_host=host, receiver_port=port, receiver_rank=rank):
+            return PeerAddress(host, port, rank)
+        case Reject(receiver_host=host, receiver_port=port, receiver_rank=rank) if host:
+            return PeerAddress(host, port, rank)
+    return None
+
+
+def _claims(p: _Peer, message: Message) -> bool:
+    """Whether what `message` says about its sender is what `p`'s side channel said."""
+    match message:
+        case Register(receiver_engine_id=engine, receiver_incarnation=inc):
+            return (engine, inc, _named_address(message)) == (
+                p.engine_id,
+                p.incarnation,
+                p.address,
+            )
+        case Reject(receiver_engine_id=engine, receiver_incarnation=inc, receiver_host=host):
+            if not host:
+                return True
+            return (engine, inc, _named_address(message)) == (
+                p.engine_id,
+                p.incarnation,
+                p.address,
+            )
+        case Heartbeat(engine_id=engine, incarnation=inc):
+            return (engine, inc) == (p.engine_id, p.incarnation)
+    return True
 
 
 # --------------------------------------------------------------------------- sender
@@ -486,6 +605,10 @@ class SenderProtocol(_Side["_Outgoing"]):
         self._next_write_id = 1
         self.ignored_messages = 0
         self.stale_registers = 0  # Registers refused because their lease had run out
+        self.forged = collections.Counter()
+        # (agent, transfer id) -> forget after: a Cancel from that agent for an id it had
+        # not registered (yet). It ends that agent's Register for the id, nobody else's.
+        self._early_cancels: dict[tuple[str, str], float] = {}
         self._tombstone_s = timing.transfer_deadline_s + timing.lease_s
 
     # ----- inspection (read-only; what statistics and tests read)
@@ -624,41 +747,124 @@ class SenderProtocol(_Side["_Outgoing"]):
     # ----- handshakes back, peer and transport events
 
     def handshake_done(self, now: float, address: PeerAddress, info: PeerInfo) -> list[Effect]:
-        """The side channel at `address` answered with `info`: a receiver waiting there is
-        checked (same agent, compatible cache) and, if it passes, ready for writes."""
+        """The side channel at `address` answered with `info`.
+
+        An agent vouched for there before and not named now restarted (PEER_RESTARTED).
+        An agent waiting there (its messages unread in its inbox) is believed if it is
+        the one named, and its messages are read; any other is an impostor, and its
+        messages are dropped and counted. A believed one whose engine another address
+        was vouched for first waits until that address is looked up again. A believed
+        one with an incompatible cache is refused (INCOMPATIBLE_PEER); else it is ready
+        for writes."""
         now = self._clock.advance(now)
-        out = self._restarted(now, info)
+        out = self._restarted(now, address, info)
         problem = self._compat.problem(info.compat)
-        for p in [p for p in self._peers.values() if p.address == address and not p.ready]:
-            if p.agent != info.agent:
+        for p in list(self._peers.values()):
+            if p.rival is None or p.rival[0] != address:
+                continue
+            if info.agent == p.rival[1]:
                 detail = (
-                    f"the side channel at {address} now serves agent {info.agent}, not "
-                    f"{p.agent}: the receiver restarted"
+                    f"agent {p.agent} claims engine {p.engine_id}, which its side channel "
+                    f"at {address} still serves as agent {info.agent}"
                 )
-                out += self.peer_lost(now, p.agent, FailureReason.PEER_RESTARTED, detail)
-            elif problem is not None:
-                # Nothing was written (writes wait for this handshake): say so with a
-                # Failed, so the receiver gives its blocks back now, not at its deadline.
-                failure = FailureReason.INCOMPATIBLE_PEER
-                view = f"sender refused our KV cache: {self._compat.their_view(info.compat)}"
-                for rec in [r for r in self._transfers.values() if r.peer == p.agent]:
-                    out.append(SendMessage(p.agent, Failed(rec.transfer_id, failure, view)))
-                detail = f"receiver at {address}: {problem}"
-                out += self.peer_lost(now, p.agent, failure, detail)
+                out += self._refuse(now, p, "impostor", detail)
+            else:  # that address now serves another agent: the one it vouched for is gone
+                p.rival = None
+                out += self._verified(now, p)
+        for p in [p for p in self._peers.values() if p.address == address and not p.verified]:
+            if p.rival is not None:
+                continue
+            if p.agent != info.agent:
+                detail = f"the side channel at {address} serves agent {info.agent}, not {p.agent}"
+                out += self._refuse(now, p, "impostor", detail)
+                continue
+            p.engine_id, p.incarnation = info.engine_id, info.incarnation
+            rival = next(
+                (
+                    q
+                    for q in self._peers.values()
+                    if q.verified
+                    and q.engine_id == info.engine_id
+                    and q.address is not None
+                    and q.address != address
+                ),
+                None,
+            )
+            if problem is None and rival is not None and rival.address is not None:
+                # Two addresses claim one engine: the one that vouched first is asked
+                # again, and believed if it still serves its agent.
+                p.rival = (rival.address, rival.agent)
+                out.append(Handshake(rival.address, rival.agent, revalidate=True))
+                continue
+            if problem is not None:
+                out += self._incompatible(now, p, address, info, problem)
             else:
-                out += self._peer_ready(now, p)
+                out += self._verified(now, p)
         return out
 
     def handshake_failed(
         self, now: float, address: PeerAddress, reason: FailureReason, detail: str
     ) -> list[Effect]:
-        """The lookup of `address` failed: the receivers waiting there are forgotten and
-        their transfers fail (nothing was written: writes wait for the handshake)."""
+        """The lookup of `address` failed: the agents waiting for it are not believed
+        (their messages are dropped and counted; nothing was bound to them). An agent
+        waiting for a second look at a rival's address is believed: that address no
+        longer vouches for the rival."""
         now = self._clock.advance(now)
         out: list[Effect] = []
-        for p in [p for p in self._peers.values() if p.address == address and not p.ready]:
-            out += self.peer_lost(now, p.agent, reason, detail)
+        for p in list(self._peers.values()):
+            if p.rival is not None and p.rival[0] == address:
+                p.rival = None
+                out += self._verified(now, p)
+        for p in [p for p in self._peers.values() if p.address == address and not p.verified]:
+            if p.rival is None:
+                why = f"the side channel at {address} could not vouch for it: {detail}"
+                out += self._refuse(now, p, "unverified", why)
         return out
+
+    def _refuse(self, now: float, p: _Peer, reason: str, detail: str) -> list[Effect]:
+        """`p` is not who its messages said: drop them unread, and forget it."""
+        self._drop(reason, len(p.inbox))
+        p.inbox.clear()
+        return self.peer_lost(now, p.agent, FailureReason.UNKNOWN_PEER, detail)
+
+    def _read_inbox(self, now: float, p: _Peer) -> list[Effect]:
+        """Read what a peer just vouched for sent meanwhile, in order; what waited longer
+        than `liveness_timeout_s` is dropped (a live receiver sends its Registers again
+        every heartbeat interval until we list them, so nothing is lost, and a message
+        that old may speak for a transfer its sender gave up since)."""
+        p.verified = True
+        out: list[Effect] = []
+        inbox, p.inbox = p.inbox, []
+        for at, m in inbox:
+            if self._too_old_to_read(now, at):
+                self.ignored_messages += 1
+            else:
+                out += self.handle(now, p.agent, m)
+        return out
+
+    def _too_old_to_read(self, now: float, arrived: float) -> bool:
+        return now - arrived > self._timing.liveness_timeout_s
+
+    def _verified(self, now: float, p: _Peer) -> list[Effect]:
+        """The side channel vouched for `p`: read what it sent meanwhile, then write."""
+        out = self._read_inbox(now, p)
+        if p.agent in self._peers:
+            out += self._peer_ready(now, p)
+        return out
+
+    def _incompatible(
+        self, now: float, p: _Peer, address: PeerAddress, info: PeerInfo, problem: str
+    ) -> list[Effect]:
+        # Nothing was written (writes wait for the handshake): read what it sent (writes
+        # still wait), then say why with a Failed per transfer, so the receiver gives its
+        # blocks back now, not at its deadline.
+        out = self._read_inbox(now, p)
+        failure = FailureReason.INCOMPATIBLE_PEER
+        view = f"sender refused our KV cache: {self._compat.their_view(info.compat)}"
+        for rec in [r for r in self._transfers.values() if r.peer == p.agent]:
+            out.append(SendMessage(p.agent, Failed(rec.transfer_id, failure, view)))
+        detail = f"receiver at {address}: {problem}"
+        return out + self.peer_lost(now, p.agent, failure, detail)
 
     def _peer_ready(self, now: float, p: _Peer) -> list[Effect]:
         p.ready = True
@@ -704,16 +910,42 @@ class SenderProtocol(_Side["_Outgoing"]):
         if rec.state is SenderState.ENDING:
             return self._end(now, rec) if not rec.inflight else []
         detail = f"write to {rec.peer} failed ({reason.value}): {detail}"
-        failure = FailureReason.WRITE_ERROR
+        # The data plane's word on why: a remote disconnect is the peer gone, whichever
+        # call of the data plane saw it; anything else is a failed write.
+        failure = (
+            FailureReason.PEER_GONE
+            if reason is FailureReason.PEER_GONE
+            else FailureReason.WRITE_ERROR
+        )
         return self._fail(now, rec, failure, detail, Failed(rec.transfer_id, failure, detail))
 
     # ----- messages (routed here by PushProtocol)
 
     def handle(self, now: float, peer: str, message: Message) -> list[Effect]:
+        """A message from agent `peer`, as the data plane attributes it (see "Who sent
+        it"): from an agent no side channel has vouched for yet it is kept unread until
+        one does (a Register or Reject names the address to ask), from any other agent
+        it is dropped and counted; one that claims an engine other than the one its
+        agent was vouched for is dropped and counted too."""
         now = self._clock.advance(now)
         p = self._peers.get(peer)
-        if p is not None:
-            p.last_heard = now
+        if p is None:
+            address = _named_address(message)
+            if address is not None:
+                return self._note_peer(now, peer, address, message)
+            if isinstance(message, Cancel):
+                # Counted, and still remembered against that agent's own Register: a
+                # receiver's Cancel may overtake (or outlive) its first Register.
+                self._remember_cancel(now, peer, message.transfer_id)
+            return self._drop("unknown_agent")
+        if not p.verified:
+            if len(p.inbox) >= _MAX_UNREAD:
+                return self._drop("unread_overflow")
+            p.inbox.append((now, message))
+            return []
+        if not _claims(p, message):
+            return self._drop("wrong_engine")
+        p.last_heard = now
         match message:
             case Register():
                 return self._on_register(now, peer, message)
@@ -729,7 +961,9 @@ class SenderProtocol(_Side["_Outgoing"]):
 
     def _on_register(self, now: float, peer: str, msg: Register) -> list[Effect]:
         tid = msg.transfer_id
-        out = self._note_peer(now, peer, msg)
+        out: list[Effect] = []
+        if self._early_cancels.pop((peer, tid), None) is not None:
+            return self._cancelled_before_register(now, peer, tid)
         tomb = self._tombstones.get(tid)
         if tomb is not None:
             if tomb.peer is None:  # it ended before any receiver registered: this one is it
@@ -792,28 +1026,54 @@ class SenderProtocol(_Side["_Outgoing"]):
             f"its {self._timing.lease_s}s lease: refused, nothing written"
         )
 
-    def _note_peer(self, now: float, peer: str, msg: Register) -> list[Effect]:
-        """Learn `peer` from its Register and handshake back to the address it names.
+    def _note_peer(self, now: float, peer: str, address: PeerAddress, msg: Message) -> list[Effect]:
+        """A first message from `peer`, naming the side channel at `address`: keep it
+        unread and ask that side channel who it serves (`handshake_done`).
 
-        What the message claims is not believed: a new incarnation of a known engine is
-        recognised only when the handshake to its address says so (`handshake_done`)."""
-        if peer in self._peers:
-            return []
-        address = PeerAddress(msg.receiver_host, msg.receiver_port, msg.receiver_rank)
+        What the message claims is not believed: nothing is bound to `peer` until the
+        side channel names it, and a new incarnation of a known engine is recognised only
+        when the side channel that vouched for the old one says so."""
+        engine = msg.receiver_engine_id if isinstance(msg, Register | Reject) else ""
         self._peers[peer] = _Peer(
-            peer, msg.receiver_engine_id, last_heard=now, ready=False, address=address
+            peer,
+            engine,
+            last_heard=now,
+            ready=False,
+            address=address,
+            verified=False,
+            inbox=[(now, msg)],
         )
         return [Handshake(address, peer)]
+
+    def _remember_cancel(self, now: float, peer: str, tid: str) -> None:
+        if len(self._early_cancels) < _MAX_EARLY_CANCELS:
+            self._early_cancels.pop((peer, tid), None)  # insertion order = expiry order
+            self._early_cancels[(peer, tid)] = now + self._tombstone_s
+
+    def _cancelled_before_register(self, now: float, peer: str, tid: str) -> list[Effect]:
+        """`peer` cancelled `tid` before its Register for it came: the transfer ends
+        CANCELLED for that receiver (nothing was written), and it gets its CancelAck."""
+        why = "receiver cancelled before its Register arrived"
+        reason = FailureReason.CANCELLED
+        rec = self._transfers.get(tid)
+        tomb = self._tombstones.get(tid)
+        if rec is not None and rec.register is None and rec.blocks is not None:
+            rec.peer = peer
+            return self._fail(now, rec, reason, why, CancelAck(tid))
+        if rec is None and tomb is None:
+            self._bury(now, tid, peer, CancelAck(tid), (reason, why))
+            return self._send(peer, CancelAck(tid))
+        if tomb is not None and tomb.peer in (None, peer):
+            tomb.peer = peer
+            return self._send(peer, CancelAck(tid))
+        # The id is another receiver's: this one's Register never bound anything.
+        return self._send(peer, CancelAck(tid))
 
     def _on_cancel(
         self, now: float, peer: str, tid: str, reason: FailureReason, detail: str
     ) -> list[Effect]:
         rec = self._transfers.get(tid)
         why = f"receiver cancelled ({reason.value}): {detail}"
-        if rec is not None and rec.peer is None:
-            # Submitted, but its Register never arrived (lost): nothing was written.
-            rec.peer = peer
-            return self._fail(now, rec, FailureReason.CANCELLED, why, CancelAck(tid))
         if rec is not None and rec.peer == peer:
             if rec.blocks is None:  # registered, never submitted: nothing to drain
                 del self._transfers[tid]
@@ -824,13 +1084,16 @@ class SenderProtocol(_Side["_Outgoing"]):
                 return []
             return self._fail(now, rec, FailureReason.CANCELLED, why, CancelAck(tid))
         tomb = self._tombstones.get(tid)
-        if tomb is None and rec is None:
-            # The Cancel overtook its Register (or the Register was lost): fence it here.
-            self._bury(now, tid, peer, CancelAck(tid), (FailureReason.CANCELLED, why))
-        elif tomb is None or tomb.peer != peer:
-            self.ignored_messages += 1
-            return []
-        return self._send(peer, CancelAck(tid)) if peer in self._peers else []
+        if tomb is not None and tomb.peer == peer:
+            return self._send(peer, CancelAck(tid))
+        if rec is None or rec.register is None:
+            # The Cancel overtook its Register (or the Register was lost): it ends that
+            # receiver's Register for the id when it comes, nobody else's. (Its blocks
+            # stay fenced on its side; ours, if submitted, wait for that Register or the
+            # deadline: an unregistered transfer names no receiver that could end it.)
+            self._remember_cancel(now, peer, tid)
+            return self._send(peer, CancelAck(tid))
+        return self._drop("not_counterpart")  # the transfer is another receiver's
 
     def _on_reject(
         self, now: float, peer: str, tid: str, detail: str, reason: FailureReason
@@ -848,8 +1111,7 @@ class SenderProtocol(_Side["_Outgoing"]):
                 self._bury(now, tid, peer, None, (failure, why))
             return []
         if rec.register is not None and rec.peer != peer:
-            self.ignored_messages += 1
-            return []
+            return self._drop("not_counterpart")
         if rec.state is SenderState.ENDING:
             return []
         if rec.blocks is None:
@@ -919,6 +1181,12 @@ class SenderProtocol(_Side["_Outgoing"]):
             if now < tombs[oldest].expires:
                 break
             del tombs[oldest]
+        early = self._early_cancels
+        while early:
+            key = next(iter(early))
+            if now < early[key]:
+                break
+            del early[key]
         for p in self._peers.values():
             out += self._heartbeat(now, p)
         return out
@@ -990,10 +1258,8 @@ class SenderProtocol(_Side["_Outgoing"]):
                 f"{reg.sender_offset}, but the sender has {len(rec.blocks)} blocks: expected "
                 f"offset + registered blocks = {len(rec.blocks)}"
             )
-            failure = FailureReason.MALFORMED_MESSAGE
+            failure = FailureReason.BLOCK_MISMATCH
             return self._fail(now, rec, failure, detail, Failed(rec.transfer_id, failure, detail))
-        if not reg.block_ids:
-            return self._maybe_done(now, rec)
         return self._issue_writes(now, rec)
 
     def _issue_writes(self, now: float, rec: _Outgoing) -> list[Effect]:
@@ -1001,8 +1267,10 @@ class SenderProtocol(_Side["_Outgoing"]):
         them: its handshake is done, its clock is bounded and the lease holds."""
         assert rec.blocks is not None and rec.register is not None and rec.peer is not None
         p = self._peers.get(rec.peer)
-        if p is None or not p.ready or not rec.register.block_ids:
-            return []
+        if p is None or not p.ready:
+            return []  # its handshake is not done: `_peer_ready` issues these
+        if not rec.register.block_ids:
+            return self._maybe_done(now, rec)  # a full prefix hit: nothing to write
         new = rec.ready_layers - rec.issued_layers
         if not new:
             return []
@@ -1224,6 +1492,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
         self._lookups: dict[PeerAddress, _Lookup] = {}
         self._heard_at: dict[str, float] = {}  # agent -> when it last sent us anything
         self.ignored_messages = 0
+        self.forged = collections.Counter()
 
     @property
     def fence_s(self) -> float:
@@ -1300,18 +1569,40 @@ class ReceiverProtocol(_Side["_Incoming"]):
         self, now: float, transfer_id: str, sender: PeerAddress, detail: str
     ) -> list[Effect]:
         """Refuse a request before allocating: the sender frees its blocks at once.
-        Nothing is reported locally; a lookup of `sender` goes first if it is not known."""
-        self._clock.advance(now)
+
+        Reported here too, at once: a `TransferEnded` on the receiver side with reason
+        REJECTED, our `detail` and no blocks (nothing was allocated), so the engine has
+        one record of every id it was handed, and the id counts as used. The Reject goes
+        once `sender` is known (a lookup of it goes first if it is not)."""
+        now = self._clock.advance(now)
+        if transfer_id in self._transfers:
+            raise LocalProtocolError(
+                f"reject({transfer_id!r}): the transfer is in flight here; abort() it instead"
+            )
+        why = f"rejected by this engine: {detail}" if detail else "rejected by this engine"
+        ended = [TransferEnded(transfer_id, "receiver", FailureReason.REJECTED, why, ())]
+        self._ended.pop(transfer_id, None)  # keep insertion order = expiry order
+        self._ended[transfer_id] = now + self._timing.transfer_deadline_s + self.fence_s
         known = self._known.get(sender)
         if known is not None:
-            return [SendMessage(known.info.agent, Reject(transfer_id, detail))]
+            return [SendMessage(known.info.agent, self._reject(transfer_id, detail)), *ended]
         lookup = self._lookups.get(sender)
         out: list[Effect] = []
         if lookup is None:
             lookup = self._lookups[sender] = _Lookup()
             out.append(Handshake(sender))
         lookup.rejects.append((transfer_id, detail))
-        return out
+        return out + ended
+
+    def _reject(
+        self, transfer_id: str, detail: str, reason: FailureReason = FailureReason.REJECTED
+    ) -> Reject:
+        """Our Reject, naming us as a Register does, so that a sender that has not heard
+        from us yet can ask our side channel who we are before it believes it."""
+        me = self._me
+        return Reject(
+            transfer_id, detail, reason, me.engine_id, me.incarnation, me.host, me.port, me.rank
+        )
 
     def abort(
         self,
@@ -1423,13 +1714,13 @@ class ReceiverProtocol(_Side["_Incoming"]):
                 now, address, lookup, FailureReason.INCOMPATIBLE_PEER, problem
             )
             for tid in [*waiting, *(t for t, _ in lookup.rejects)]:
-                reject = Reject(tid, view, FailureReason.INCOMPATIBLE_PEER)
+                reject = self._reject(tid, view, FailureReason.INCOMPATIBLE_PEER)
                 out.append(SendMessage(info.agent, reject))
             return out
-        out = self._restarted(now, info)
+        out = self._restarted(now, address, info)
         self._known[address] = _Known(info, now)
         for tid, detail in lookup.rejects:
-            out.append(SendMessage(info.agent, Reject(tid, detail)))
+            out.append(SendMessage(info.agent, self._reject(tid, detail)))
         for tid in lookup.transfers:
             rec = self._transfers.get(tid)
             if rec is not None and rec.state is ReceiverState.HANDSHAKING:
@@ -1487,7 +1778,13 @@ class ReceiverProtocol(_Side["_Incoming"]):
         peer = info.agent
         p = self._peers.get(peer)
         if p is None:
-            p = self._peers[peer] = _Peer(peer, info.engine_id, last_heard=now)
+            p = self._peers[peer] = _Peer(
+                peer,
+                info.engine_id,
+                last_heard=now,
+                incarnation=info.incarnation,
+                address=rec.address,
+            )
         elif not any(r.peer == peer for r in self._transfers.values()):
             p.last_heard = now  # idle until now: its silence so far says nothing
         me = self._me
@@ -1516,15 +1813,23 @@ class ReceiverProtocol(_Side["_Incoming"]):
         return self._end(now, rec, reason, detail)
 
     def handle(self, now: float, peer: str, message: Message) -> list[Effect]:
+        """A message from agent `peer`, as the data plane attributes it. Our senders are
+        agents we looked up ourselves (`handshake_done`): a message from any other agent,
+        one that claims another engine than its agent's side channel said, or one about
+        a transfer of another sender is dropped and counted, never acted on."""
         now = self._clock.advance(now)
         p = self._peers.get(peer)
-        if p is not None:
-            p.last_heard = now
+        if p is None:
+            return self._drop("unknown_agent")
+        if isinstance(message, Heartbeat) and (message.engine_id, message.incarnation) != (
+            p.engine_id,
+            p.incarnation,
+        ):
+            return self._drop("wrong_engine")
+        p.last_heard = now
         self.heard_from(peer, now)
         match message:
             case Heartbeat(role="sender", transfer_ids=ids, sent_at=sent_at):
-                if p is None:
-                    return []
                 p.known_by_them = frozenset(ids)
                 if sent_at is not None and (p.echo is None or sent_at > p.echo):
                     p.echo = sent_at
@@ -1533,9 +1838,11 @@ class ReceiverProtocol(_Side["_Incoming"]):
                 return self._resend_registers(now, peer) + self._heartbeat(now, p)
             case Done(transfer_id=tid) | Failed(transfer_id=tid) | CancelAck(transfer_id=tid):
                 rec = self._transfers.get(tid)
-                if rec is None or rec.peer != peer:
-                    self.ignored_messages += 1
+                if rec is None:
+                    self.ignored_messages += 1  # late (a resend for what already ended)
                     return []
+                if rec.peer != peer:
+                    return self._drop("not_counterpart")
                 return self._on_sender_final(now, rec, message)
             case _:
                 self.ignored_messages += 1
@@ -1546,8 +1853,9 @@ class ReceiverProtocol(_Side["_Incoming"]):
         after our Registers to it went out, so none of them can be withdrawn, and its
         cached handshake is still good."""
         p = self._peers.get(peer)
-        if p is not None:
-            p.messages_heard += 1
+        if p is None:
+            return  # not one of our senders: it proves nothing about them
+        p.messages_heard += 1
         if now is not None:
             self._heard_at[peer] = now
 
@@ -1561,7 +1869,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
                 return self._end(now, rec, None, "")
             case Done(num_blocks=n):
                 detail = f"sender wrote {n} blocks, we registered {len(rec.blocks)}"
-                return self._end(now, rec, FailureReason.MALFORMED_MESSAGE, detail)
+                return self._end(now, rec, FailureReason.BLOCK_MISMATCH, detail)
             case Failed(reason=reason, detail=detail):
                 return self._end(now, rec, reason, f"sender failed: {detail}")
             case _:
@@ -1601,9 +1909,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
                     and rec.peer is not None
                 ):
                     rec.cancel_sent_at = now
-                    out.append(
-                        SendMessage(rec.peer, Cancel(rec.transfer_id, rec.reason, rec.detail))
-                    )
+                    out += self._cancel(now, rec)
         ended = self._ended  # oldest first, as the sender's tombstones
         while ended:
             oldest = next(iter(ended))
@@ -1684,9 +1990,22 @@ class ReceiverProtocol(_Side["_Incoming"]):
         rec.reason, rec.detail = reason, detail
         rec.fence_until = now + self.fence_s
         rec.cancel_sent_at = now
-        if rec.peer is None or rec.peer not in self._peers:
+        return self._cancel(now, rec)
+
+    def _cancel(self, now: float, rec: _Incoming) -> list[Effect]:
+        """Our Cancel for a fenced transfer; and, while the sender has not shown that it
+        has our Register, that Register again after it, unchanged (the lease it asks for
+        is not renewed): a sender takes a Cancel only for a transfer that the same agent
+        registered, so one whose Register was lost must get it to hear the Cancel (it
+        then ends the transfer without writing)."""
+        p = self._peers.get(rec.peer) if rec.peer is not None else None
+        if p is None or rec.reason is None:
             return []
-        return [SendMessage(rec.peer, Cancel(rec.transfer_id, reason, detail))]
+        out: list[Effect] = [SendMessage(p.agent, Cancel(rec.transfer_id, rec.reason, rec.detail))]
+        unconfirmed = p.known_by_them is None or rec.transfer_id not in p.known_by_them
+        if rec.register is not None and unconfirmed and now < rec.deadline:
+            out.append(SendMessage(p.agent, rec.register))
+        return out
 
     def _end(
         self, now: float, rec: _Incoming, reason: FailureReason | None, detail: str
@@ -1706,6 +2025,13 @@ class PushProtocol:
 
     `compat` is our `CacheGeometry.compat_fields()`; every peer's is compared with it on
     every handshake, on both sides, under `compatibility` (default: nothing may differ).
+
+    `message_key`: when set, every message we accept must begin with it, and anything
+    else is dropped unread and counted ("bad_key"). We publish it on our side channel
+    (`PeerInfo.message_key` on the other side), so only a peer that the side channel let
+    read our metadata (with the token, when one is configured) can write to us at all,
+    whatever agent name it uses on the data plane. `wire()` puts each peer's own key in
+    front of what we send it. Why a key carried in clear and not a MAC: see "Who sent it".
     """
 
     def __init__(
@@ -1717,8 +2043,12 @@ class PushProtocol:
         *,
         compatibility: CompatibilityPolicy = STRICT_COMPATIBILITY,
         revalidate_after_s: float = REVALIDATE_AFTER_S,
+        message_key: bytes = b"",
     ) -> None:
         self.identity = identity
+        self._key = bytes(message_key)
+        self._peer_keys: dict[str, bytes] = {}  # agent -> the key it wants from us
+        self._forged: collections.Counter[str] = collections.Counter()
         self.sender = SenderProtocol(
             identity, timing, num_layers, compat, compatibility=compatibility
         )
@@ -1732,8 +2062,16 @@ class PushProtocol:
         self._compat = _Compatibility(compat, compatibility)
 
     def receive_message(self, now: float, peer: str, payload: bytes) -> list[Effect]:
-        """Decode and route one message. Raises `RemoteProtocolError` (nothing changed)
-        when the bytes are not a message; the caller then calls `peer_misbehaved`."""
+        """Decode and route one message from agent `peer` (as the data plane names the
+        sender). Without our message key in front it is dropped unread and counted.
+        Raises `RemoteProtocolError` (nothing changed) when the bytes are not a message;
+        the caller then calls `peer_misbehaved`."""
+        key = self._key
+        if key:
+            if not hmac.compare_digest(payload[: len(key)], key):
+                self._forged["bad_key"] += 1
+                return []
+            payload = payload[len(key) :]
         try:
             message = decode(payload)
         except RemoteProtocolError:
@@ -1746,8 +2084,26 @@ class PushProtocol:
             case _:
                 return self.receiver.handle(now, peer, message)
 
+    def wire(self, peer: str, message: Message) -> bytes:
+        """`message` as bytes for agent `peer`: its message key (from its handshake), then
+        the encoded message."""
+        return self._peer_keys.get(peer, b"") + encode(message)
+
+    def forged_messages(self) -> dict[str, int]:
+        """Messages dropped unread because of who sent them, by reason: "bad_key" (not
+        our message key), "unknown_agent" (an agent no side channel vouched for, naming
+        none to ask), "impostor" (the side channel it named serves another agent, or the
+        engine it claims still runs elsewhere), "unverified" (the side channel it named
+        did not answer), "wrong_engine" (its agent was vouched for as another engine),
+        "not_counterpart" (about a transfer of another peer), "unread_overflow" (too
+        many before a side channel vouched for it)."""
+        out = self._forged + self.sender.forged + self.receiver.forged
+        return dict(out)
+
     def handshake_done(self, now: float, address: PeerAddress, info: PeerInfo) -> list[Effect]:
         """A `Handshake` of `address` found `info`: both machines learn it."""
+        if info.message_key:
+            self._peer_keys[info.agent] = bytes(info.message_key)
         return self.receiver.handshake_done(now, address, info) + self.sender.handshake_done(
             now, address, info
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -91,6 +92,9 @@ class PushRuntime:
         self._kvpush_version = kvpush_version
         self._layers = sorted({r.layer for r in geometry.regions}) or [0]
         self._layer_set = frozenset(self._layers)
+        # Random per incarnation, published with our metadata: the data plane does not
+        # authenticate agent names, so a message without it is dropped unread.
+        self._message_key = secrets.token_bytes(16)
         protocol = PushProtocol(
             LocalIdentity(
                 identity.engine_id,
@@ -104,6 +108,7 @@ class PushRuntime:
             geometry.compat_fields(),
             compatibility=compatibility,
             revalidate_after_s=revalidate_after_s,
+            message_key=self._message_key,
         )
         self._driver = Driver(
             transport,
@@ -152,6 +157,7 @@ class PushRuntime:
             agent_metadata=self._transport.metadata(),
             geometry=self._geometry,
             kvpush_version=self._kvpush_version,
+            message_key=self._message_key,
         )
         self._driver.start(self._crashed)
 
@@ -243,10 +249,14 @@ class PushRuntime:
 
     def reject(self, transfer_id: str, sender: PeerAddress, detail: str = "") -> None:
         """Refuse `transfer_id` before allocating: the sender frees its blocks at once.
-        Nothing is reported for it on this side."""
+
+        Reported on this side too: `poll()` returns a result for it on the receiver
+        side, reason REJECTED, its detail saying "rejected by this engine", no blocks.
+        Raises `LocalProtocolError` if the id is in flight on the receiver side (abort
+        it instead)."""
         self._check_id(transfer_id)
         self._check_address(sender)
-        self._submit(None, RejectRequest(transfer_id, sender, detail))
+        self._submit(("receiver", transfer_id), RejectRequest(transfer_id, sender, detail))
 
     def abort(self, transfer_id: str) -> None:
         """Cancel `transfer_id` (either side). Its result still comes from poll()."""

@@ -55,6 +55,10 @@ class RuntimeStatistics:
     # The in-flight transfers themselves: transfer id -> state (the values counted above).
     sending_transfers: dict[str, str] = field(default_factory=dict)
     receiving_transfers: dict[str, str] = field(default_factory=dict)
+    # Data-plane messages dropped unread because of who sent them, by reason: see
+    # `kvpush.protocol.PushProtocol.forged_messages` (a message without our message key,
+    # from an agent no side channel vouched for, about another peer's transfer, ...).
+    forged_messages: dict[str, int] = field(default_factory=dict)
 
     @property
     def in_flight(self) -> int:
