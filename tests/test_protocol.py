@@ -609,6 +609,23 @@ def test_only_the_last_layer_write_carries_done(wire: Wire) -> None:
     assert wire.ended("p-1", "t1").ok and wire.ended("d-1", "t1").ok
 
 
+def test_a_write_the_data_plane_failed_as_peer_gone_ends_as_peer_gone(wire: Wire) -> None:
+    """NIXL reports a remote disconnect during a write (nixlRemoteDisconnectError, which
+    the transport maps to PEER_GONE): the transfer ends PEER_GONE, not WRITE_ERROR."""
+    wire.submit("p-1", "t1", [1])
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.deliver_register()
+    [w] = wire.writes
+    wire.writes.clear()
+    effects = wire.ends["p-1"].sender.write_failed(
+        wire.now, w.write.write_id, FailureReason.PEER_GONE, "remote disconnect"
+    )
+    wire.apply("p-1", effects)
+    wire.settle()
+    assert wire.ended("p-1", "t1").reason is FailureReason.PEER_GONE
+    assert wire.ended("d-1", "t1").reason is FailureReason.PEER_GONE
+
+
 def test_failed_last_write_delivers_no_done_and_the_sender_says_failed(wire: Wire) -> None:
     wire.submit("p-1", "t1", [1])
     wire.expect("d-1", "t1", "p-1", [3])
