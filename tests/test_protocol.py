@@ -419,6 +419,18 @@ def test_receiver_rejects_before_allocating_and_the_sender_frees_at_once(wire: W
     assert "out of memory" in mine.detail
 
 
+def test_reject_of_an_id_in_flight_here_leaves_its_record_to_the_transfer(wire: Wire) -> None:
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.settle()
+    effects = wire.ends["d-1"].receiver.reject(wire.now, "t1", wire.address_of["p-1"], "again")
+    assert [e for e in effects if isinstance(e, TransferEnded)] == []
+    # A refused id stays free: the request may come again.
+    reject = wire.ends["d-1"].receiver.reject(wire.now, "t2", wire.address_of["p-1"], "busy")
+    wire.apply("d-1", reject)
+    wire.expect("d-1", "t2", "p-1", [4])
+    assert wire.ends["d-1"].receiver.state_of("t2") is ReceiverState.WAITING
+
+
 def test_reject_that_arrives_before_submit_fails_the_submit_at_once(wire: Wire) -> None:
     wire.apply(
         "d-1", wire.ends["d-1"].receiver.reject(wire.now, "t1", wire.address_of["p-1"], "busy")

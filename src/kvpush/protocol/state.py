@@ -1572,17 +1572,15 @@ class ReceiverProtocol(_Side["_Incoming"]):
 
         Reported here too, at once: a `TransferEnded` on the receiver side with reason
         REJECTED, our `detail` and no blocks (nothing was allocated), so the engine has
-        one record of every id it was handed, and the id counts as used. The Reject goes
-        once `sender` is known (a lookup of it goes first if it is not)."""
-        now = self._clock.advance(now)
-        if transfer_id in self._transfers:
-            raise LocalProtocolError(
-                f"reject({transfer_id!r}): the transfer is in flight here; abort() it instead"
-            )
+        a record of every id it refused; unless the id is in flight here, whose own
+        result is its record (the Reject still goes). The id stays free for a later
+        `expect`: a refused request may come again. The Reject goes once `sender` is
+        known (a lookup of it goes first if it is not)."""
+        self._clock.advance(now)
         why = f"rejected by this engine: {detail}" if detail else "rejected by this engine"
-        ended = [TransferEnded(transfer_id, "receiver", FailureReason.REJECTED, why, ())]
-        self._ended.pop(transfer_id, None)  # keep insertion order = expiry order
-        self._ended[transfer_id] = now + self._timing.transfer_deadline_s + self.fence_s
+        ended: list[Effect] = []
+        if transfer_id not in self._transfers:
+            ended.append(TransferEnded(transfer_id, "receiver", FailureReason.REJECTED, why, ()))
         known = self._known.get(sender)
         if known is not None:
             return [SendMessage(known.info.agent, self._reject(transfer_id, detail)), *ended]

@@ -251,12 +251,15 @@ class PushRuntime:
         """Refuse `transfer_id` before allocating: the sender frees its blocks at once.
 
         Reported on this side too: `poll()` returns a result for it on the receiver
-        side, reason REJECTED, its detail saying "rejected by this engine", no blocks.
-        Raises `LocalProtocolError` if the id is in flight on the receiver side (abort
-        it instead)."""
+        side, reason REJECTED, its detail saying "rejected by this engine", no blocks;
+        unless the id is in flight on the receiver side, whose own result stays its
+        one record (the Reject is still sent)."""
         self._check_id(transfer_id)
         self._check_address(sender)
-        self._submit(("receiver", transfer_id), RejectRequest(transfer_id, sender, detail))
+        key: tuple[Side, str] = ("receiver", transfer_id)
+        with self._lock:
+            in_flight = key in self._live
+        self._submit(None if in_flight else key, RejectRequest(transfer_id, sender, detail))
 
     def abort(self, transfer_id: str) -> None:
         """Cancel `transfer_id` (either side). Its result still comes from poll()."""
