@@ -34,6 +34,7 @@ import functools
 import io
 import operator
 import pickle
+import sys
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -213,7 +214,12 @@ class Model:
         import kvpush.config
         import kvpush.errors
 
-        self.key_of = Keyer((state_module, self.api.messages, kvpush.config, kvpush.errors))
+        package = state_module.__name__.rsplit(".", 1)[0]
+        # The protocol's modules (one file before the split along the sender/receiver
+        # seam, several since), whose classes the keyer pickles quickly.
+        parts = [sys.modules.get(f"{package}.{n}") for n in ("_common", "sender", "receiver")]
+        modules = (state_module, *(m for m in parts if m is not None), self.api.messages)
+        self.key_of = Keyer((*modules, kvpush.config, kvpush.errors))
 
     # ----- the first state
 
