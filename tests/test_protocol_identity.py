@@ -64,6 +64,8 @@ def test_a_forged_register_for_a_predicted_id_binds_nothing(wire: Wire) -> None:
     assert (hs.address, hs.peer) == (wire.address_of["d-1"], "forger")
     assert wire.ends["p-1"].forged_messages() == {"impostor": 1}
     assert wire.results["p-1"] == []  # nothing ended: nothing was bound to the forger
+    # Nor is the name unloaded: the runtime never loaded it, and it may be borrowed.
+    assert wire.dropped_peers["p-1"] == []
     wire.expect("d-1", "t1", "p-1", [3])
     wire.settle()
     assert wire.ended("p-1", "t1").ok and wire.ended("d-1", "t1").ok

@@ -306,7 +306,8 @@ class SenderProtocol(_Side["_Outgoing"]):
                     f"agent {p.agent} claims engine {p.engine_id}, which its side channel "
                     f"at {address} still serves as agent {info.agent}"
                 )
-                out += self._refuse(now, p, "impostor", detail)
+                # Its own side channel named it, so the runtime loaded it: unload it.
+                out += self._refuse(now, p, "impostor", detail, loaded=True)
             else:  # that address now serves another agent: the one it vouched for is gone
                 p.rival = None
                 out += self._verified(now, p)
@@ -360,11 +361,19 @@ class SenderProtocol(_Side["_Outgoing"]):
                 out += self._refuse(now, p, "unverified", why)
         return out
 
-    def _refuse(self, now: float, p: _Peer, reason: str, detail: str) -> list[Effect]:
-        """`p` is not who its messages said: drop them unread, and forget it."""
+    def _refuse(
+        self, now: float, p: _Peer, reason: str, detail: str, *, loaded: bool = False
+    ) -> list[Effect]:
+        """`p` is not who its messages said: drop them unread, and forget it (nothing
+        was bound to it). `DropPeer` only if `loaded` (a side channel named this very
+        agent, so the runtime loaded it): else the runtime never loaded that name, and
+        the name may be a real peer's, borrowed, which must stay loaded."""
         self._drop(reason, len(p.inbox))
         p.inbox.clear()
-        return self.peer_lost(now, p.agent, FailureReason.UNKNOWN_PEER, detail)
+        if loaded:
+            return self.peer_lost(now, p.agent, FailureReason.UNKNOWN_PEER, detail)
+        del self._peers[p.agent]
+        return []
 
     def _read_inbox(self, now: float, p: _Peer) -> list[Effect]:
         """Read what a peer just vouched for sent meanwhile, in order; what waited longer
