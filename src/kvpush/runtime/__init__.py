@@ -76,6 +76,9 @@ What is dropped is counted in `statistics().forged_messages` by reason: "bad_key
 "unknown_agent", "impostor", "unverified", "wrong_engine", "not_counterpart",
 "unread_overflow" (`PushProtocol.forged_messages`). A peer restarted at a new address is
 believed once its old address no longer serves the old agent (it is looked up again).
+So engine ids must be unique: a second engine that claims the id of one that still
+runs elsewhere is refused as an impostor (counted, its Registers never read), and its
+transfers end at their deadline.
 
 Bounds (TimingConfig): a silent peer is declared dead after `liveness_timeout_s`; a
 peer the data plane reports gone, or one whose side channel now serves a new

@@ -11,7 +11,11 @@ __all__ = ["PeerAddress", "RuntimeIdentity", "RuntimeStatistics", "TransferResul
 
 @dataclass(frozen=True, slots=True)
 class RuntimeIdentity:
-    """Who this rank is: sent to senders in `Register` so they can handshake back."""
+    """Who this rank is: sent to senders in `Register` so they can handshake back.
+
+    `engine_id` must be unique among the engines that talk to each other (a second
+    engine claiming a running one's id is refused as an impostor); `incarnation` must
+    be new on every start of the process."""
 
     engine_id: str
     incarnation: str
