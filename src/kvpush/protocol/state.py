@@ -127,9 +127,10 @@ under that name). So the runtime also gives every incarnation a random 16-byte m
 key, publishes it in its side-channel metadata, and has `PushProtocol(message_key=...)`
 drop every message that does not begin with it ("bad_key"): with a token configured,
 only a peer the side channel admitted can put a message in front of us at all, under
-any name. Measured on one (shared, 2-core) host by `scripts/measure_message_key.py`:
-checking the key costs about 0.4 us per message on top of a 0.7-1.3 us decode, against
-about 4.5-5 us for an HMAC-SHA256 of the message on each side. The key travels in
+any name. Measured on one shared 2-core host (load 10-13) by
+`scripts/measure_message_key.py`, four runs: checking the key costs 0.3-0.9 us per
+message on top of a 0.7-1.3 us decode (a Done, a heartbeat listing 8 ids), against
+3.7-12 us for an HMAC-SHA256 of the message, on each side. The key travels in
 clear, as the side channel's token does, so a MAC would add protection only against
 someone who can read the network, and that someone can read the token (and so every
 key) from the side channel anyway; hence the key, not a MAC. Without a token the side
