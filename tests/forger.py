@@ -10,11 +10,18 @@ configured, so their message keys come with it), and runs three NIXL agents:
 - two name thieves, each named as one real rank's agent, sending the same messages to
   the other rank without the key (they hold the NIXL metadata, not the side channel's
   word): the data plane reports them under the real names, so only the key tells.
+- `rival`: an agent with registered memory and a side channel of its own that serves it
+  as a new incarnation of the receiver's engine (compatible cache, as a peer the token
+  admits could run). It sends the sender Registers naming that side channel: a sender
+  that knows the receiver's engine must ask its side channel again, find it still
+  running, and refuse. (To a sender that never heard of that engine, such a Register is
+  a new receiver like any other: see "Who sent it" in `kvpush.protocol.state`.)
 
     python tests/forger.py SENDER_PORT RECEIVER_PORT
         -> first line: @reply {"agents": [...]}
-    {"op": "burst", "transfer_ids": [...], "num_blocks": N}
+    {"op": "burst", "transfer_ids": [...], "num_blocks": N, "rival": bool}
         -> {"sent": {"sender"|"receiver": {"keyed": n, "unkeyed": n, "garbage": n}}}
+        (keyed: with the key, from `own` and `rival`; unkeyed: from the thieves)
     {"op": "exit"}
 """
 
@@ -31,6 +38,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import msgspec
+import numpy as np
+
+from kvpush.config import SideChannelConfig
 from kvpush.errors import FailureReason
 from kvpush.protocol.messages import (
     Cancel,
@@ -44,7 +55,9 @@ from kvpush.protocol.messages import (
     encode,
 )
 from kvpush.sidechannel import PeerMetadata, fetch_metadata
+from kvpush.sidechannel.server import MetadataServer
 from kvpush.transports._nixl_import import load_nixl
+from kvpush.transports.nixl import NixlTransport
 
 HOST = "127.0.0.1"
 GARBAGE = b"\xc1 not a message"
@@ -80,6 +93,41 @@ def forgeries(tid: str, claimed: PeerMetadata, port: int, num_blocks: int) -> li
     ]
 
 
+def rival_endpoint(
+    impersonated: PeerMetadata, peer: PeerMetadata
+) -> tuple[NixlTransport, MetadataServer, list[Any]]:
+    """An endpoint whose side channel serves it as a new incarnation of `impersonated`'s
+    engine, with a cache of the same shape in memory of its own, loaded with `peer`."""
+    buffers = [
+        np.zeros(r.num_blocks * r.block_stride, dtype=np.uint8)
+        for r in impersonated.geometry.regions
+    ]
+    geometry = msgspec.structs.replace(
+        impersonated.geometry,
+        regions=tuple(
+            msgspec.structs.replace(r, base_addr=b.ctypes.data)
+            for r, b in zip(impersonated.geometry.regions, buffers, strict=True)
+        ),
+    )
+    transport = NixlTransport(f"rival-{uuid.uuid4().hex[:8]}")
+    transport.start()
+    transport.register_memory(geometry)
+    transport.add_peer(peer.agent_name, peer.agent_metadata, peer.geometry)
+    ranks = {
+        0: msgspec.structs.replace(
+            impersonated,
+            incarnation="forged",
+            agent_name=transport.agent_name,
+            agent_metadata=transport.metadata(),
+            geometry=geometry,
+            message_key=b"",
+        )
+    }
+    server = MetadataServer(HOST, 0, SideChannelConfig(), ranks)
+    server.start()
+    return transport, server, buffers
+
+
 def main(argv: list[str]) -> int:
     logging.getLogger("nixl").setLevel(logging.WARNING)
     ports = {"sender": int(argv[0]), "receiver": int(argv[1])}
@@ -103,7 +151,9 @@ def main(argv: list[str]) -> int:
     for side, thief in thieves.items():
         thief.add_remote_agent(meta[side].agent_metadata)
     agents = [own, *thieves.values()]
-    emit({"agents": [own.name, *(t.name for t in thieves.values())]})
+    rival, rival_server, rival_memory = rival_endpoint(meta["receiver"], meta["sender"])
+    names = [own.name, *(t.name for t in thieves.values()), rival.agent_name]
+    emit({"agents": names, "rival_port": rival_server.port})
 
     def pump(seconds: float) -> None:
         # UCX progresses only when polled: sends complete here.
@@ -111,6 +161,7 @@ def main(argv: list[str]) -> int:
         while time.monotonic() < end:
             for a in agents:
                 a.get_new_notifs()
+            rival.poll()
             time.sleep(0.005)
 
     for line in sys.stdin:
@@ -131,12 +182,30 @@ def main(argv: list[str]) -> int:
                         counts["unkeyed"] += 1
                     own.send_notif(target.agent_name, key[side] + GARBAGE)
                     counts["garbage"] += 1
+                    if side == "sender" and cmd.get("rival"):
+                        claimed = meta["receiver"]
+                        blocks = tuple(range(cmd["num_blocks"]))
+                        register = Register(
+                            tid,
+                            claimed.engine_id,
+                            "forged",
+                            HOST,
+                            rival_server.port,
+                            0,
+                            blocks,
+                            sent_at=time.monotonic(),
+                        )
+                        rival.send_message(target.agent_name, key[side] + encode(register))
+                        counts["keyed"] += 1
                 pump(0.05)
             pump(0.5)
             emit({"sent": sent})
         except Exception as exc:
             emit({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
     pump(0.2)
+    rival_server.close()
+    rival.close()
+    del rival_memory
     return 0
 
 

@@ -62,9 +62,14 @@ class Forger:
         assert "error" not in reply, reply.get("trace", reply["error"])
         return reply
 
-    def burst(self, transfer_ids: list[str]) -> dict[str, dict[str, int]]:
+    def burst(self, transfer_ids: list[str], rival: bool) -> dict[str, dict[str, int]]:
         assert self.process.stdin is not None
-        cmd = {"op": "burst", "transfer_ids": transfer_ids, "num_blocks": BLOCKS_PER_TRANSFER}
+        cmd = {
+            "op": "burst",
+            "transfer_ids": transfer_ids,
+            "num_blocks": BLOCKS_PER_TRANSFER,
+            "rival": rival,
+        }
         self.process.stdin.write(json.dumps(cmd) + "\n")
         self.process.stdin.flush()
         sent: dict[str, dict[str, int]] = self._reply(60)["sent"]
@@ -90,6 +95,38 @@ def _add(total: dict[str, int], more: dict[str, int]) -> None:
         total[k] = total.get(k, 0) + v
 
 
+def _blocks(i: int, base: int) -> list[int]:
+    return list(range(base + i * BLOCKS_PER_TRANSFER, base + (i + 1) * BLOCKS_PER_TRANSFER))
+
+
+def _run(sender: RankProcess, receiver: RankProcess, tids: list[str], src: int, dst: int) -> None:
+    """Real transfers `tids` from the sender's blocks `src + ...` into the receiver's
+    `dst + ...`; half the receivers come first, half the senders."""
+    for i, tid in enumerate(tids):
+        first, second = (receiver, sender) if i % 2 else (sender, receiver)
+        for rank in (first, second):
+            if rank is sender:
+                sender.call(op="send", transfer_id=tid, blocks=_blocks(i, src))
+            else:
+                receiver.call(
+                    op="receive", transfer_id=tid, sender_port=sender.port, blocks=_blocks(i, dst)
+                )
+
+
+def _check(sender: RankProcess, receiver: RankProcess, tids: list[str], src: int, dst: int) -> None:
+    """Every one of `tids` ended ok on both sides, with the sender's bytes."""
+    want = {*tids}
+    for rank in (sender, receiver):
+        results = rank.wait_results(lambda rs: want <= {r["transfer_id"] for r in rs}, 60)
+        mine = [r for r in results if r["transfer_id"] in want]
+        assert [r for r in mine if r["reason"] is not None] == [], mine
+        assert len(mine) == len(tids), mine
+    for i, tid in enumerate(tids):
+        ours = sender.call(op="checksums", blocks=_blocks(i, src))["sums"]
+        theirs = receiver.call(op="checksums", blocks=_blocks(i, dst))["sums"]
+        assert ours == theirs, tid
+
+
 def test_forged_messages_from_foreign_agents_lose_no_real_transfer_and_are_all_counted() -> None:
     sender = RankProcess("engine-p", "sender", seed=1)
     receiver = RankProcess("engine-d", "receiver", seed=2)
@@ -98,41 +135,25 @@ def test_forged_messages_from_foreign_agents_lose_no_real_transfer_and_are_all_c
         sender.ready()
         receiver.ready()
         forger = Forger(sender.port, receiver.port)
-        tids = [f"req-{i}" for i in range(TRANSFERS)]
-        sent = {"sender": {}, "receiver": {}}  # type: dict[str, dict[str, int]]
+        first = [f"req-{i}" for i in range(TRANSFERS)]
+        second = [f"req-{i}" for i in range(TRANSFERS, 2 * TRANSFERS)]
+        sent: dict[str, dict[str, int]] = {"sender": {}, "receiver": {}}
+
+        def burst(tids: list[str], rival: bool) -> None:
+            for side, counts in forger.burst(tids, rival).items():  # type: ignore[union-attr]
+                _add(sent[side], counts)
+
         # Before the real transfers: the ids are predicted, the engines not started.
-        for side, counts in forger.burst(tids).items():
-            _add(sent[side], counts)
-        blocks = {
-            tid: list(range(i * BLOCKS_PER_TRANSFER, (i + 1) * BLOCKS_PER_TRANSFER))
-            for i, tid in enumerate(tids)
-        }
-        for i, tid in enumerate(tids):
-            # Half the receivers come first, half the senders.
-            first, second = (receiver, sender) if i % 2 else (sender, receiver)
-            for rank in (first, second):
-                if rank is sender:
-                    sender.call(op="send", transfer_id=tid, blocks=blocks[tid])
-                else:
-                    target = [b + 16 for b in blocks[tid]]
-                    receiver.call(
-                        op="receive", transfer_id=tid, sender_port=sender.port, blocks=target
-                    )
-        # And while they run.
-        for side, counts in forger.burst(tids).items():
-            _add(sent[side], counts)
-
-        def done(results: list[dict[str, Any]]) -> bool:
-            return len({r["transfer_id"] for r in results}) == TRANSFERS
-
-        for rank in (sender, receiver):
-            results = rank.wait_results(done, timeout=60)
-            assert [r for r in results if r["reason"] is not None] == [], results
-            assert len(results) == TRANSFERS, results
-        for tid in tids:
-            ours = sender.call(op="checksums", blocks=blocks[tid])["sums"]
-            theirs = receiver.call(op="checksums", blocks=[b + 16 for b in blocks[tid]])["sums"]
-            assert ours == theirs, tid
+        half = TRANSFERS * BLOCKS_PER_TRANSFER  # 16 of each rank's 32 blocks
+        burst(first, rival=False)
+        _run(sender, receiver, first, 0, half)
+        burst(first, rival=False)  # and while they run
+        _check(sender, receiver, first, 0, half)
+        # Now that the sender knows engine-d, a rival side channel that serves a new
+        # "incarnation" of it is checked against engine-d's own, which still runs.
+        _run(sender, receiver, second, half, 0)  # other blocks: other bytes
+        burst(second, rival=True)
+        _check(sender, receiver, second, half, 0)
 
         # Every forged message counted, once, on the rank it was sent to.
         for side, rank in (("sender", sender), ("receiver", receiver)):
@@ -147,7 +168,7 @@ def test_forged_messages_from_foreign_agents_lose_no_real_transfer_and_are_all_c
                     break
                 assert time.monotonic() < end, (side, want, stats["forged_messages"], stats)
                 time.sleep(0.1)
-            assert stats["failed"] == 0 and stats["finished"] == TRANSFERS, stats
+            assert stats["failed"] == 0 and stats["finished"] == 2 * TRANSFERS, stats
             assert stats["blocks_held_sending"] == stats["blocks_held_receiving"] == 0, stats
     finally:
         if forger is not None:
