@@ -136,9 +136,11 @@ someone who can read the network, and that someone can read the token (and so ev
 key) from the side channel anyway; hence the key, not a MAC. Without a token the side
 channel serves the key to anyone who asks, and identity rests on the rules above,
 which hold against any agent that does not borrow a real peer's name. What an agent
-admitted by the side channel can still do: claim, under its own name and an engine id
-its own side channel serves, a transfer id that no receiver has registered yet (the
-sender's engine does not say which receiver a transfer is for).
+admitted by the side channel can still do, under its own name and with a side channel of
+its own: register a transfer id that no receiver has registered yet, as any engine the
+sender has not heard from (even a real one's id), and so take that transfer (the
+sender's engine does not say which receiver a transfer is for; an optional receiver
+address on `submit` would let the sender refuse every other, and is not built yet).
 
 Leases measured on the receiver's clock
 ---------------------------------------
