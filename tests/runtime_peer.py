@@ -8,7 +8,7 @@ Driven by JSON lines on stdin; replies `@reply {...}` and, whenever a transfer e
     {"op": "send", "transfer_id", "blocks", "ready_layers": null | [..]}
     {"op": "receive", "transfer_id", "sender_port", "blocks"}
     {"op": "checksums", "blocks"}   -> {"sums": [[per region] per block]}
-    {"op": "stats"}                  -> a few RuntimeStatistics fields
+    {"op": "stats"}                  -> a few RuntimeStatistics fields (forged_messages too)
     {"op": "exit"}
 """
 
@@ -176,6 +176,10 @@ def handle(cmd: dict[str, Any], runtime: PushRuntime, geometry: Any) -> dict[str
             "peers": s.peers,
             "writes_in_flight": s.writes_in_flight,
             "stale_registers": s.stale_registers,
+            "malformed_messages": s.malformed_messages,
+            # getattr: so that this script also drives an older kvpush (the check that
+            # tests/test_nixl_forgery.py fails there).
+            "forged_messages": getattr(s, "forged_messages", {}),
             "sending": s.sending,
             "receiving": s.receiving,
         }

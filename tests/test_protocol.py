@@ -395,7 +395,7 @@ def test_prefix_mapping_that_does_not_add_up_fails_both_sides(wire: Wire) -> Non
     wire.settle()
     for agent in ("p-1", "d-1"):
         r = wire.ended(agent, "t1")
-        assert r.reason is FailureReason.MALFORMED_MESSAGE
+        assert r.reason is FailureReason.BLOCK_MISMATCH
     assert "offset 1" in wire.ended("p-1", "t1").detail
     assert wire.write_log == []
 
@@ -413,7 +413,22 @@ def test_receiver_rejects_before_allocating_and_the_sender_frees_at_once(wire: W
     r = wire.ended("p-1", "t1")
     assert r.reason is FailureReason.REJECTED and "out of memory" in r.detail
     assert wire.ends["p-1"].sender.held_blocks() == {}
-    assert wire.results["d-1"] == []
+    # The rejecting side has its own record, at once, holding no blocks.
+    [mine] = wire.results["d-1"]
+    assert (mine.side, mine.reason, mine.blocks) == ("receiver", FailureReason.REJECTED, ())
+    assert "out of memory" in mine.detail
+
+
+def test_reject_of_an_id_in_flight_here_leaves_its_record_to_the_transfer(wire: Wire) -> None:
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.settle()
+    effects = wire.ends["d-1"].receiver.reject(wire.now, "t1", wire.address_of["p-1"], "again")
+    assert [e for e in effects if isinstance(e, TransferEnded)] == []
+    # A refused id stays free: the request may come again.
+    reject = wire.ends["d-1"].receiver.reject(wire.now, "t2", wire.address_of["p-1"], "busy")
+    wire.apply("d-1", reject)
+    wire.expect("d-1", "t2", "p-1", [4])
+    assert wire.ends["d-1"].receiver.state_of("t2") is ReceiverState.WAITING
 
 
 def test_reject_that_arrives_before_submit_fails_the_submit_at_once(wire: Wire) -> None:
@@ -509,7 +524,11 @@ def test_cancel_after_a_lost_register_ends_the_sender_side_at_once(wire: Wire) -
     wire.expect("d-1", "t1", "p-1", [2])
     wire.queue.clear()  # the Register is lost
     wire.apply("d-1", wire.ends["d-1"].receiver.abort(wire.now, "t1"))
-    wire.deliver()  # the Cancel
+    # The Cancel, then the Register again (the sender never listed it): a Cancel ends
+    # only what its own agent registered, so the Register must reach the sender.
+    assert [type(decode(m[2])) for m in wire.queue] == [Cancel, Register]
+    wire.deliver()
+    wire.deliver()
     assert wire.ended("p-1", "t1").reason is FailureReason.CANCELLED
     wire.settle()
     wire.run_for(wire.ends["d-1"].receiver.fence_s + 0.5)
@@ -623,6 +642,23 @@ def test_only_the_last_layer_write_carries_done(wire: Wire) -> None:
     assert w.write.notification == Done("t1", 1)
     wire.settle()
     assert wire.ended("p-1", "t1").ok and wire.ended("d-1", "t1").ok
+
+
+def test_a_write_the_data_plane_failed_as_peer_gone_ends_as_peer_gone(wire: Wire) -> None:
+    """NIXL reports a remote disconnect during a write (nixlRemoteDisconnectError, which
+    the transport maps to PEER_GONE): the transfer ends PEER_GONE, not WRITE_ERROR."""
+    wire.submit("p-1", "t1", [1])
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.deliver_register()
+    [w] = wire.writes
+    wire.writes.clear()
+    effects = wire.ends["p-1"].sender.write_failed(
+        wire.now, w.write.write_id, FailureReason.PEER_GONE, "remote disconnect"
+    )
+    wire.apply("p-1", effects)
+    wire.settle()
+    assert wire.ended("p-1", "t1").reason is FailureReason.PEER_GONE
+    assert wire.ended("d-1", "t1").reason is FailureReason.PEER_GONE
 
 
 def test_failed_last_write_delivers_no_done_and_the_sender_says_failed(wire: Wire) -> None:
@@ -803,7 +839,14 @@ def test_handshake_back_failure_fails_the_sender_side(wire: Wire) -> None:
         wire.now, hs.address, FailureReason.HANDSHAKE_FAILED, "connection refused"
     )
     wire.apply("p-1", effects)
-    assert wire.ended("p-1", "t1").reason is FailureReason.HANDSHAKE_FAILED
+    # Nobody vouched for d-1, so its Register was never read: nothing is bound to it,
+    # and the engine's transfer still waits for a receiver that can be vouched for.
+    assert wire.ends["p-1"].forged_messages() == {"unverified": 1}
+    assert wire.ends["p-1"].sender.state_of("t1") is SenderState.AWAITING_REGISTER
+    wire.auto_handshake = True
+    wire.advance(TIMING.heartbeat_interval_s + 0.01)  # d-1 sends its Register again
+    wire.settle()
+    assert wire.ended("p-1", "t1").ok and wire.ended("d-1", "t1").ok
 
 
 # --------------------------------------------------------------------------- bad input
@@ -1170,5 +1213,6 @@ def test_a_receiver_resumed_past_its_deadline_sends_no_register_the_sender_forgo
         hb = [i for i in mine if isinstance(decode(w.queue[i][2]), Heartbeat)]
         w.deliver((hb or mine)[0])  # reading the sender's heartbeat first
     w.settle()
+    w.run_for(w.ends["d-1"].receiver.fence_s + 1.0)
     assert [t for _, _, t, _ in w.write_log] == []
     assert w.ended("d-1", "t1").reason is not None

@@ -20,6 +20,10 @@ from protocol_model import loader, scopes
 from protocol_model.checker import check
 from protocol_model.model import Model
 
+# Exhaustive searches: their wall time is their CPU time (tens of seconds) times the
+# host's load, so the per-test bound is wider than the project's 120 s.
+pytestmark = pytest.mark.timeout(300)
+
 STATE = loader.load(None)
 SCOPES = scopes.group(os.environ.get("KVPUSH_MODEL_SCOPE", "ci"))
 # Each CI scope explores at least this many distinct states (the smallest, two

@@ -198,7 +198,11 @@ def test_reject_frees_the_sender_at_once(cluster: Cluster) -> None:
     d.reject("t1", p_addr, "no room")
     [r] = wait_results(p)
     assert r.reason is FailureReason.REJECTED and "no room" in r.detail
-    assert d.poll() == []
+    # The rejecting side has its own record of the id: REJECTED, no blocks held.
+    [mine] = wait_results(d)
+    assert (mine.transfer_id, mine.side, mine.reason) == ("t1", "receiver", FailureReason.REJECTED)
+    assert mine.blocks == () and "no room" in mine.detail
+    assert d.statistics().failures == {"rejected": 1}
 
 
 # --------------------------------------------------------------------------- the failure queue
@@ -462,7 +466,11 @@ def test_garbage_from_a_peer_is_counted_and_does_not_stop_the_runtime(
     rogue.register_memory(make_kv(num_layers=2, num_blocks=16, block_bytes=64).geometry)
     meta = d.local_metadata()
     rogue.add_peer(meta.agent_name, meta.agent_metadata, meta.geometry)
+    # Without d's message key it is not even read; with it (the rogue read d's
+    # metadata, as a peer the side channel admits can), it is garbage, counted.
     rogue.send_message(meta.agent_name, b"\xc1 not msgpack")
+    wait_until(lambda: d.statistics().forged_messages == {"bad_key": 1})
+    rogue.send_message(meta.agent_name, meta.message_key + b"\xc1 not msgpack")
     wait_until(lambda: d.statistics().malformed_messages == 1)
     p.send("t1", [1])
     d.receive("t1", p_addr, [2])

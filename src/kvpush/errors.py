@@ -27,6 +27,9 @@ class FailureReason(enum.StrEnum):
     MALFORMED_MESSAGE = "malformed_message"  # a message could not be decoded or made no sense
     LOCAL_ERROR = "local_error"  # an unexpected exception on one of our threads
     SHUTDOWN = "shutdown"  # the runtime was closed with the transfer in flight
+    # The receiver's blocks do not match the sender's: registered blocks + offset differ
+    # from the blocks the sender submitted, or a Done counts other blocks than registered.
+    BLOCK_MISMATCH = "block_mismatch"
 
 
 class KVPushError(Exception):

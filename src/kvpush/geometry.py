@@ -21,7 +21,10 @@ import msgspec
 # Bumped whenever the meaning of any wire message or the geometry changes.
 # 2: leases are measured on the receiver's clock (Register/Heartbeat `sent_at`, `echo`);
 # a version-1 sender would grant leases by arrival time, which a stall makes unsafe.
-PROTOCOL_VERSION = 2
+# 3: every data-plane message begins with the receiving rank's message key (published in
+# its metadata), and a Reject names its receiver; a version-2 peer's messages would all
+# be dropped unread, so the side channel refuses the pair instead, saying why.
+PROTOCOL_VERSION = 3
 
 
 class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=False):

@@ -1,7 +1,10 @@
 """Which protocol the checker runs: the working tree's, or one from a git revision.
 
-`load(None)` is `kvpush.protocol` as imported. `load("main")` reads `messages.py` and
-`state.py` of that revision with `git show` and loads them as a separate package
+`load(None)` is `kvpush.protocol` as imported. `load("main")` reads the protocol's files
+of that revision with `git show` (`messages.py` and `state.py`, and, from the split along
+the sender/receiver seam on, `_common.py`, `sender.py` and `receiver.py` between them, in
+import order; a file a revision does not have is skipped) and loads them as a separate
+package
 (`kvpush_protocol_at_main`), so the checker can run an older protocol, unedited, next to
 the current one: the honest way to show that it finds a bug the current code fixed.
 """
@@ -15,7 +18,9 @@ import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-_FILES = ("messages", "state")
+_FILES = ("messages", "_common", "sender", "receiver", "state")
+# The files that every revision the checker can run has; the others are optional.
+_REQUIRED = ("messages", "state")
 
 
 def load(rev: str | None) -> types.ModuleType:
@@ -31,13 +36,16 @@ def load(rev: str | None) -> types.ModuleType:
     pkg.__path__ = []
     sys.modules[package] = pkg
     for name in _FILES:
-        source = subprocess.run(
+        shown = subprocess.run(
             ["git", "show", f"{rev}:src/kvpush/protocol/{name}.py"],
             cwd=REPO,
-            check=True,
+            check=name in _REQUIRED,
             capture_output=True,
             text=True,
-        ).stdout
+        )
+        if shown.returncode != 0:
+            continue  # a revision from before the split
+        source = shown.stdout
         # The only edit: its imports of its sibling modules point at this package.
         source = source.replace("kvpush.protocol.", f"{package}.")
         module = types.ModuleType(f"{package}.{name}")

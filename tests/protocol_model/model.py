@@ -34,6 +34,7 @@ import functools
 import io
 import operator
 import pickle
+import sys
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -42,6 +43,11 @@ from kvpush.config import TimingConfig
 from kvpush.errors import FailureReason, LocalProtocolError
 
 from . import api as api_mod
+from .api import PORTS
+
+# The foreign agent of scopes with a forgeries budget: no process of the model, no side
+# channel; it only puts messages on the network.
+FORGER = "X#1"
 
 
 class Violation(Exception):
@@ -65,6 +71,7 @@ KINDS = {
     "held-at-rest": "something is still held when nothing can happen any more",
     "refused-call": "the protocol raised on a call the engine may make",
     "incompatible-ok": "a transfer ended ok between incompatible geometries",
+    "forged-effect": "a forged message ended a transfer (a reason only the forger could cause)",
 }
 
 
@@ -85,6 +92,9 @@ class Budget:
     restarts: int = 0
     stalls: int = 0
     failures: int = 0  # write failures and failed handshakes
+    # Messages a foreign agent (`FORGER`) sends: any kind, naming the real engines and
+    # the scope's transfer ids (see `Model._forgeries`).
+    forgeries: int = 0
 
 
 @dataclass(frozen=True)
@@ -204,7 +214,12 @@ class Model:
         import kvpush.config
         import kvpush.errors
 
-        self.key_of = Keyer((state_module, self.api.messages, kvpush.config, kvpush.errors))
+        package = state_module.__name__.rsplit(".", 1)[0]
+        # The protocol's modules (one file before the split along the sender/receiver
+        # seam, several since), whose classes the keyer pickles quickly.
+        parts = [sys.modules.get(f"{package}.{n}") for n in ("_common", "sender", "receiver")]
+        modules = (state_module, *(m for m in parts if m is not None), self.api.messages)
+        self.key_of = Keyer((*modules, kvpush.config, kvpush.errors))
 
     # ----- the first state
 
@@ -260,8 +275,48 @@ class Model:
 
     # ----- actions
 
+    def _forgeries(self, w: World) -> list[tuple[str, bytes]]:
+        """What the forger may send, to whom: every kind, claiming to be the real
+        counterpart (its engine, incarnation and side-channel address), for every id."""
+        a = self.api
+        m = a.messages
+        reason = FailureReason.CANCELLED
+        rv = w.current["R"]
+        out: list[tuple[str, bytes]] = []
+        for t in self.scope.transfers:
+            inc = rv.split("#")[1]
+            port = PORTS["R"]
+            s_agent = w.current[t.sender]
+            s_inc = s_agent.split("#")[1]
+            blocks = tuple(range(t.n - t.offset))
+            # Stamped with the clocks of the processes it claims to be (the worst case:
+            # a forger that knows them), so that a Register it forges grants a lease.
+            r_now, s_now = self.local(w, rv), self.local(w, s_agent)
+            register = m.Register(
+                t.tid, "R", inc, "127.0.0.1", port, 0, blocks, t.offset, sent_at=r_now
+            )
+            to_sender = [
+                register,
+                m.Cancel(t.tid, reason, "forged"),
+                m.Reject(t.tid, "forged"),
+                m.Heartbeat("receiver", "R", inc, (t.tid,), sent_at=r_now),
+            ]
+            to_receiver = [
+                m.Done(t.tid, len(blocks)),
+                m.Failed(t.tid, reason, "forged"),
+                m.CancelAck(t.tid),
+                m.Heartbeat("sender", t.sender, s_inc, (t.tid,), sent_at=s_now),
+            ]
+            out += [(s_agent, a.encode(x)) for x in to_sender]
+            out += [(rv, a.encode(x)) for x in to_receiver]
+        return out
+
     def actions(self, w: World) -> list[tuple[Any, ...]]:
         out: list[tuple[Any, ...]] = []
+        if not self.spent(w, "forgeries"):
+            for dst, payload in self._forgeries(w):
+                if w.ends[dst].alive and (FORGER, dst, payload) not in w.net:
+                    out.append(("forge", dst, payload))
         catching_up = any(e.alive and e.phase == "catchup" for e in w.ends.values())
         # Engine calls.
         rv = self.receiver(w)
@@ -510,6 +565,11 @@ class Model:
         )
         verb = "deliver a copy of" if keep else "deliver"
         return f"{verb} {what} {src} -> {dst}" + self._apply(w, dst, effects)
+
+    def _do_forge(self, w: World, dst: str, payload: bytes) -> str:
+        self.spend(w, "forgeries")
+        self._send(w, FORGER, dst, payload)
+        return f"{FORGER} forges {self._describe(payload)} to {dst}"
 
     def _do_dup(self, w: World, m: tuple[str, str, bytes]) -> str:
         self.spend(w, "dups")
@@ -760,6 +820,14 @@ class Model:
                 "twice", f"{agent} reports {tid} a second time ({ended[0]}, now {outcome})"
             )
         ended.append(outcome)
+        if self.scope.budget.forgeries and (
+            eff.reason in self._forgery_reasons() or "forged" in eff.detail
+        ):
+            raise Violation(
+                "forged-effect",
+                f"{agent} reports {tid} {outcome}: {eff.detail}; nothing in the scope but a "
+                "forger could end it so",
+            )
         if eff.reason is None:
             geometry = dict(self.scope.geometry)
             engines = sorted({self.specs[tid].sender, "R"})
@@ -796,6 +864,16 @@ class Model:
             for b in want:
                 del w.held[agent][b]
         return f"reports {tid} {outcome}"
+
+    def _forgery_reasons(self) -> frozenset[FailureReason]:
+        """With a forger in the scope, the reasons that only it could cause there (what a
+        forged Cancel, Reject or Failed causes says "forged" in its detail instead)."""
+        b = self.scope.budget
+        out = {FailureReason.MALFORMED_MESSAGE, FailureReason.BLOCK_MISMATCH}
+        out.add(FailureReason.UNKNOWN_PEER)
+        if not b.restarts:
+            out |= {FailureReason.PEER_RESTARTED, FailureReason.PEER_GONE}
+        return frozenset(out)
 
     def _check_content(self, w: World, agent: str, tid: str, tx: Tx) -> None:
         t = self.specs[tid]

@@ -8,7 +8,8 @@ restores one old behaviour, so the checker can show that it finds the bug:
 * `bug2`: a sender abandons its transfers with a receiver silent for the liveness
   timeout at once, releasing the blocks while a write may still read them.
 * `bug3`: a sender writes for any Register it holds, however old: the lease is never
-  found expired where a write is issued and a stale Register is never refused.
+  found expired where a write is issued, a stale Register is never refused, and one
+  kept unread while its sender was being looked up is read however long that took.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def _bug3_sender(state: ModuleType) -> type:
     class Bug3Sender(state.SenderProtocol):  # type: ignore[name-defined,misc]
         def _stale_register(self, now: float, peer: str, granted: float) -> str | None:
             return None
+
+        def _too_old_to_read(self, now: float, arrived: float) -> bool:
+            return False  # a Register kept unread during the handshake back, however old
 
         def _issue_writes(self, now: float, rec: Any) -> list[Any]:
             # As if every lease held at the moment a write is issued.

@@ -97,6 +97,9 @@ CI = (
         max_depth=8,
     ),
     _ci("incompatible", (T("T1", "S1", 1),), Budget(), geometry=(("R", (("layout", "HND"),)),)),
+    # A foreign agent sends any message kind, claiming the real engines, for T1 (issue
+    # 11): a transfer it ended so would be a [forged-effect] violation.
+    _ci("forger", (T("T1", "S1", 1),), Budget(forgeries=1), max_depth=9),
 )
 
 # A receiver whose runtime thread is stuck while its side channel still answers: finds
@@ -122,6 +125,7 @@ LARGE = (
         max_depth=12,
     ),
     STUCK_RECEIVER,
+    _ci("forger-2", (T("T1", "S1", 1),), Budget(forgeries=2), max_depth=9),
 )
 
 GROUPS: dict[str, tuple[Scope, ...]] = {

@@ -102,11 +102,22 @@ class Reject(msgspec.Struct, frozen=True, tag_field="type", tag="reject"):
 
     `reason` says why: REJECTED (the engine refused the request) or INCOMPATIBLE_PEER
     (the receiver's handshake found the sender's cache incompatible with its own; the
-    detail then names each field that differs from the sender's point of view)."""
+    detail then names each field that differs from the sender's point of view).
+
+    A Reject may be the first message a sender hears from this receiver, so it names
+    the receiver as a `Register` does: the sender acts on it only once the side channel
+    at that address has vouched for the agent that sent it (see `kvpush.protocol.state`,
+    "Who sent it"). An empty `receiver_host` (an older peer) names nobody: such a Reject
+    is taken only from an agent the sender already trusts."""
 
     transfer_id: TransferId
     detail: Detail = ""
     reason: FailureReason = FailureReason.REJECTED
+    receiver_engine_id: str = ""
+    receiver_incarnation: str = ""
+    receiver_host: str = ""
+    receiver_port: Port = 0
+    receiver_rank: Count = 0
 
 
 class Cancel(msgspec.Struct, frozen=True, tag_field="type", tag="cancel"):

@@ -20,6 +20,7 @@ Public engine API (every method is thread-safe and never blocks on the network):
         # blocks[i] receives the sender's block number sender_offset + i
         # (sender_offset = number of blocks we already had from the prefix cache).
     rt.reject(transfer_id, sender, detail)            # refuse before allocating
+        # reported here too: poll() returns it on the receiver side, REJECTED, no blocks
 
     rt.abort(transfer_id)            # either side; the result still comes from poll()
     rt.poll() -> list[TransferResult]            # what ended since the last call
@@ -28,6 +29,8 @@ Public engine API (every method is thread-safe and never blocks on the network):
         # side "sender"/"receiver"; None once ended (result in poll()) or never handed in
     rt.statistics() -> RuntimeStatistics   # counts, and the in-flight ids with their
                                            # states (sending_transfers/receiving_transfers)
+        # forged_messages: data-plane messages dropped unread because of who sent them,
+        # by reason (see "Identity" below)
     rt.close()                       # in-flight transfers end as SHUTDOWN; joins threads
 
 The contract: every transfer handed in through `send` or `receive` comes back from
@@ -58,6 +61,25 @@ cache differs from ours in protocol version, layout, block size, dtype, mode or 
 fails the transfers that needed it with INCOMPATIBLE_PEER, the detail naming each field
 that differs, theirs and ours. Only an explicit `kvpush.config.CompatibilityPolicy`
 (fields that may differ, and why) relaxes that.
+
+Failure reasons an engine may want to tell apart: BLOCK_MISMATCH (the receiver's blocks
+plus `sender_offset` do not add up to the sender's blocks, on both sides), PEER_GONE (the
+data plane lost the peer, a remote disconnect during a write included), REJECTED (the
+receiver's `reject()`, on both sides).
+
+Identity: a data-plane message is attributed to the agent the data plane says sent it,
+never to what it claims, and an agent is believed to be an engine only once that
+engine's side channel (the directory's lookup, with the token when one is configured)
+named it; see `kvpush.protocol.state`, "Who sent it". Each runtime incarnation has a
+random message key, published in `local_metadata()` (`PeerMetadata.message_key`) and
+required in front of every message it accepts: NIXL does not authenticate agent names.
+What is dropped is counted in `statistics().forged_messages` by reason: "bad_key",
+"unknown_agent", "impostor", "unverified", "wrong_engine", "not_counterpart",
+"unread_overflow" (`PushProtocol.forged_messages`). A peer restarted at a new address is
+believed once its old address no longer serves the old agent (it is looked up again).
+So engine ids must be unique: a second engine that claims the id of one that still
+runs elsewhere is refused as an impostor (counted, its Registers never read), and its
+transfers end at their deadline.
 
 Bounds (TimingConfig): a silent peer is declared dead after `liveness_timeout_s`; a
 peer the data plane reports gone, or one whose side channel now serves a new

@@ -38,7 +38,6 @@ from kvpush.protocol import (
     Side,
     TransferEnded,
     WriteBlocks,
-    encode,
 )
 from kvpush.runtime.directory import LookupPool, PeerDirectory, handshake_reason
 from kvpush.runtime.values import RuntimeStatistics
@@ -439,7 +438,11 @@ class Driver:
             self._apply(self._protocol.handshake_failed(now, address, reason, f"{error}"))
             return
         info = PeerInfo(
-            meta.agent_name, meta.engine_id, meta.incarnation, meta.geometry.compat_fields()
+            meta.agent_name,
+            meta.engine_id,
+            meta.incarnation,
+            meta.geometry.compat_fields(),
+            meta.message_key,
         )
         ours = meta.agent_name == self._transport.agent_name
         compatible = self._protocol.incompatibility(info.compat) is None
@@ -465,7 +468,7 @@ class Driver:
         self._apply(self._protocol.handshake_done(now, address, info))
 
     def _lookup(self, now: float, hs: Handshake) -> None:
-        info = self._infos.get(hs.peer) if hs.peer is not None else None
+        info = self._infos.get(hs.peer) if hs.peer is not None and not hs.revalidate else None
         if info is not None and self._transport.has_peer(info.agent):
             # The sender handshaking back to an agent our receiver side looked up
             # already, and just heard from: that lookup answers this one too.
@@ -486,7 +489,7 @@ class Driver:
                     # Fire and forget: a lost message shows up as silence.
                     self._active = True
                     with contextlib.suppress(TransportError):
-                        self._transport.send_message(peer, encode(msg))
+                        self._transport.send_message(peer, self._protocol.wire(peer, msg))
                 case WriteBlocks():
                     self._write(now, eff)
                 case Handshake():
@@ -511,7 +514,7 @@ class Driver:
                 w.write_id,
                 w.our_blocks,
                 w.their_blocks,
-                None if w.notification is None else encode(w.notification),
+                None if w.notification is None else self._protocol.wire(w.peer, w.notification),
                 regions,
             )
         except TransportError as exc:
@@ -549,6 +552,7 @@ class Driver:
             register_retries=self._register_retries,
             writes_in_flight=sender.writes_in_flight(),
             stale_registers=sender.stale_registers,
+            forged_messages=self._protocol.forged_messages(),
             sending_transfers=sending_ids,
             receiving_transfers=receiving_ids,
             **counters,  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -92,6 +93,9 @@ class PushRuntime:
         self._kvpush_version = kvpush_version
         self._layers = sorted({r.layer for r in geometry.regions}) or [0]
         self._layer_set = frozenset(self._layers)
+        # Random per incarnation, published with our metadata: the data plane does not
+        # authenticate agent names, so a message without it is dropped unread.
+        self._message_key = secrets.token_bytes(16)
         protocol = PushProtocol(
             LocalIdentity(
                 identity.engine_id,
@@ -105,6 +109,7 @@ class PushRuntime:
             geometry.compat_fields(),
             compatibility=compatibility,
             revalidate_after_s=revalidate_after_s,
+            message_key=self._message_key,
         )
         self._driver = Driver(
             transport,
@@ -153,6 +158,7 @@ class PushRuntime:
             agent_metadata=self._transport.metadata(),
             geometry=self._geometry,
             kvpush_version=self._kvpush_version,
+            message_key=self._message_key,
         )
         self._driver.start(self._crashed)
 
@@ -244,10 +250,17 @@ class PushRuntime:
 
     def reject(self, transfer_id: str, sender: PeerAddress, detail: str = "") -> None:
         """Refuse `transfer_id` before allocating: the sender frees its blocks at once.
-        Nothing is reported for it on this side."""
+
+        Reported on this side too: `poll()` returns a result for it on the receiver
+        side, reason REJECTED, its detail saying "rejected by this engine", no blocks;
+        unless the id is in flight on the receiver side, whose own result stays its
+        one record (the Reject is still sent)."""
         self._check_id(transfer_id)
         self._check_address(sender)
-        self._submit(None, RejectRequest(transfer_id, sender, detail))
+        key: tuple[Side, str] = ("receiver", transfer_id)
+        with self._lock:
+            in_flight = key in self._live
+        self._submit(None if in_flight else key, RejectRequest(transfer_id, sender, detail))
 
     def refuse(self, transfer_id: str, detail: str = "") -> None:
         """Sender side: refuse a receiver's registration of `transfer_id`, which this

@@ -11,7 +11,11 @@ __all__ = ["PeerAddress", "RuntimeIdentity", "RuntimeStatistics", "TransferResul
 
 @dataclass(frozen=True, slots=True)
 class RuntimeIdentity:
-    """Who this rank is: sent to senders in `Register` so they can handshake back."""
+    """Who this rank is: sent to senders in `Register` so they can handshake back.
+
+    `engine_id` must be unique among the engines that talk to each other (a second
+    engine claiming a running one's id is refused as an impostor); `incarnation` must
+    be new on every start of the process."""
 
     engine_id: str
     incarnation: str
@@ -55,6 +59,10 @@ class RuntimeStatistics:
     # The in-flight transfers themselves: transfer id -> state (the values counted above).
     sending_transfers: dict[str, str] = field(default_factory=dict)
     receiving_transfers: dict[str, str] = field(default_factory=dict)
+    # Data-plane messages dropped unread because of who sent them, by reason: see
+    # `kvpush.protocol.PushProtocol.forged_messages` (a message without our message key,
+    # from an agent no side channel vouched for, about another peer's transfer, ...).
+    forged_messages: dict[str, int] = field(default_factory=dict)
 
     @property
     def in_flight(self) -> int:

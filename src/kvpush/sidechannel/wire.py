@@ -56,6 +56,10 @@ class PeerMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     agent_metadata: bytes  # what a peer's Transport.add_peer needs; b"" when no agent
     geometry: CacheGeometry
     kvpush_version: str
+    # The key every data-plane message to this rank must begin with (random per
+    # incarnation; see `kvpush.protocol.PushProtocol`). Served only to requests the
+    # token admits, as the rest of the metadata. Empty: this rank checks none.
+    message_key: bytes = b""
     # Append new fields with defaults only.
 
 
