@@ -138,7 +138,13 @@ def create_proxy_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+        # Servers close a keep-alive connection after 5 s idle (uvicorn's default, vLLM's
+        # too), httpx reuses one for 5 s: a request sent into a connection the server is
+        # closing fails with ReadError before the server ever saw it. Reusing only
+        # connections idle under 2 s leaves the server's close no such window.
+        limits = httpx.Limits(
+            max_connections=1000, max_keepalive_connections=100, keepalive_expiry=2.0
+        )
         async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
             state["client"] = client
             yield
