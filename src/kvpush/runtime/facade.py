@@ -71,6 +71,7 @@ class PushRuntime:
         revalidate_after_s: float = REVALIDATE_AFTER_S,
         kvpush_version: str = __version__,
         compatibility: CompatibilityPolicy = STRICT_COMPATIBILITY,
+        drive_in_step: bool = True,
     ) -> None:
         if identity.role not in ROLES:
             raise ConfigError(f"role {identity.role!r} is not one of {', '.join(ROLES)}")
@@ -87,6 +88,7 @@ class PushRuntime:
         self._transport = transport
         self._geometry = geometry
         self._identity = identity
+        self._drive_in_step = drive_in_step
         self._timing = timing or TimingConfig()
         self._kvpush_version = kvpush_version
         self._layers = sorted({r.layer for r in geometry.regions}) or [0]
@@ -110,7 +112,7 @@ class PushRuntime:
             geometry,
             protocol,
             directory,
-            Sink(self._report, self._counters, self._fail_remaining),
+            Sink(self._report, self._counters, self._fail_remaining, self._nudge),
             clock=clock,
             idle_poll_s=idle_poll_s or self._timing.heartbeat_interval_s / 2,
             max_backoff_s=max_backoff_s,
@@ -254,23 +256,55 @@ class PushRuntime:
         self._submit(None, Abort(transfer_id))
 
     def poll(self) -> list[TransferResult]:
-        """Every transfer that ended since the last call; never blocks."""
+        """Every transfer that ended since the last call; never blocks.
+
+        It also drives the runtime one pass on the caller's thread (the data plane
+        polled, what arrived handled) when no other thread is doing so: an engine that
+        polls once per step gets what arrived by then without waiting for a hand-off
+        to the runtime's thread."""
+        if self._can_drive():
+            self._driver.drive()
         with self._lock:
-            out = list(self._results)
-            self._results.clear()
-            self._queued_sending.clear()
-            return out
+            return self._take_locked()
 
     def wait(self, timeout: float | None = None) -> list[TransferResult]:
-        """Like poll(), but waits up to `timeout` seconds for at least one result."""
-        with self._results_cv:
-            self._results_cv.wait_for(
-                lambda: bool(self._results) or self._stopped_locked(), timeout
-            )
-            out = list(self._results)
-            self._results.clear()
-            self._queued_sending.clear()
-            return out
+        """Like poll(), but waits up to `timeout` seconds for at least one result.
+
+        The waiting thread polls the data plane itself, paced as the runtime's thread
+        would (briefly every ~60 us after activity, backing off to `max_backoff_s`), and
+        the runtime's thread stands by meanwhile: a result then costs one wake-up."""
+        if not self._drive_in_step:
+            with self._results_cv:
+                self._results_cv.wait_for(
+                    lambda: bool(self._results) or self._stopped_locked(), timeout
+                )
+                return self._take_locked()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        driver = self._driver
+        with driver.engine_waiting():
+            while True:
+                if self._can_drive():
+                    driver.drive()
+                with self._results_cv:
+                    if self._results or self._stopped_locked():
+                        return self._take_locked()
+                    delay = driver.poll_delay()
+                    if deadline is not None:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            return self._take_locked()
+                        delay = min(delay, remaining)
+                    driver.waiter_sleeps_until = time.monotonic() + delay
+                    self._results_cv.wait(delay)
+
+    def _take_locked(self) -> list[TransferResult]:
+        out = list(self._results)
+        self._results.clear()
+        self._queued_sending.clear()
+        return out
+
+    def _can_drive(self) -> bool:
+        return self._drive_in_step and self._started and not self._closed and self._crash is None
 
     def transfer_state(self, transfer_id: str, side: Side) -> SenderState | ReceiverState | None:
         """Where `transfer_id` stands on our `side` ("sender" or "receiver"): its
@@ -329,7 +363,11 @@ class PushRuntime:
                         f"transfer {key[1]!r} is already in flight on the {key[0]} side"
                     )
                 self._live.add(key)
-        self._driver.commands.put(command)
+        if self._drive_in_step:
+            # Run on this thread now when no other thread is driving: no hand-off.
+            self._driver.drive(command)
+        else:
+            self._driver.commands.put(command)
 
     def _check_id(self, transfer_id: str) -> None:
         if not isinstance(transfer_id, str) or not transfer_id:
@@ -398,6 +436,11 @@ class PushRuntime:
                 "results_queued": len(self._results),
                 "duplicate_reports": self._duplicates,
             }
+
+    def _nudge(self) -> None:
+        """Work was left in flight while a wait()er sleeps long: it should pace it."""
+        with self._results_cv:
+            self._results_cv.notify_all()
 
     def _crashed(self, exc: BaseException) -> None:
         with self._results_cv:
