@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpush.errors import (
@@ -151,8 +151,6 @@ class Sink:
     # Last resort after the thread stopped: fail whatever the engine still waits for
     # (only if the protocol could not end it, its state broken by a crash).
     fail_remaining: Callable[[FailureReason, str], None]
-    # Wake the engine threads polling in wait(): work is in flight and they sleep long.
-    nudge: Callable[[], None]
 
 
 # --------------------------------------------------------------------------- driver
@@ -204,8 +202,6 @@ class Driver:
         self._busy = False
         self._spin_until = 0.0
         self._backoff = 0.0
-        self._engine_waiters = 0  # engine threads polling in wait(): the thread stands by
-        self.waiter_sleeps_until = float("-inf")  # set by a wait()er before it sleeps
         self._thread_sleeps_until = float("inf")
         # Owned by whoever holds _drive.
         self._active = False  # set when the loop's pass wrote or sent something
@@ -299,7 +295,7 @@ class Driver:
                 raise self._in_step_crash  # an engine thread's pass failed: end as a crash
             if self._drain_until is not None and self._drained():
                 return
-            timeout = self._idle_poll_s if self._engine_waiters else self.poll_delay()
+            timeout = self.poll_delay()
             self._thread_sleeps_until = time.monotonic() + timeout
             commands = take(timeout)
             self._thread_sleeps_until = float("-inf")
@@ -378,29 +374,11 @@ class Driver:
                 return True
         finally:
             self._drive.release()
-        # Work left in flight while its poller sleeps long (it slept with nothing in
-        # flight): wake the one that paces it, a wait()er if there is one, else the thread.
-        if self._busy:
-            soon = time.monotonic() + self._max_backoff_s
-            if self._engine_waiters:
-                if self.waiter_sleeps_until > soon:
-                    self._sink.nudge()
-            elif self._thread_sleeps_until > soon:
-                self.commands.put(Wake())
+        # Work left in flight while the thread sleeps long (it slept with nothing in
+        # flight): wake it, so that it paces the polls from now on.
+        if self._busy and self._thread_sleeps_until > time.monotonic() + self._max_backoff_s:
+            self.commands.put(Wake())
         return True
-
-    @contextlib.contextmanager
-    def engine_waiting(self) -> Iterator[None]:
-        """An engine thread polls while it waits (wait()): the driver's thread stands by
-        (wakes only for commands, or every `idle_poll_s`), so a result costs one
-        wake-up, the waiter's own, instead of two."""
-        self._engine_waiters += 1
-        try:
-            yield
-        finally:
-            self._engine_waiters -= 1
-            if not self._engine_waiters and self._busy:
-                self.commands.put(Wake())  # the thread takes the pacing back
 
     def _drained(self) -> bool:
         """Stopping: nothing left that waiting could still settle, or out of time."""

@@ -4,17 +4,21 @@ Theory of operation.
 
 - One agent, driven by one thread at a time (the runtime's lock). NIXL's listener is
   off (metadata travels over kvpush's side channel: `metadata()` is
-  `get_agent_metadata()`, `add_peer` is `add_remote_agent`). NIXL's UCX progress thread
-  is on, waiting in poll() on UCX's event fd with a timeout of
-  `progress_thread_wait_ms` (default 10 ms; NIXL's Python API would make that wait 0, a
-  spin of a whole core: `_nixl_import.NixlModule.make_agent`). On one host UCX runs
-  over TCP (its shared-memory transports cannot detect a dead peer), so a WRITE
-  completes only after a round trip with the peer's worker, and its notification goes
-  out only then: without that thread, each of those steps waited for the next `poll()`
-  of one side or the other (three alternating polls per write, measured). With it, the
-  data plane moves on its own, an idle endpoint still costs ~0% of a core, and
-  `poll()` only collects what happened. `progress_thread_wait_ms=0` turns the thread
-  off: then every step waits for the owner's `poll()`.
+  `get_agent_metadata()`, `add_peer` is `add_remote_agent`). By default NIXL's
+  progress thread is off too, and all progress happens when the owner calls `poll()`:
+  checking transfer states and fetching notifications is what drives UCX. An idle
+  endpoint therefore costs nothing, but a peer that writes to us only progresses as
+  fast as both sides poll. On one host UCX runs over TCP (its shared-memory transports
+  cannot detect a dead peer), so a WRITE completes only after a round trip with the
+  peer's worker, and its notification goes out only then: three alternating polls,
+  receiver, sender, receiver, per write (measured).
+- `progress_thread_wait_ms=N` turns NIXL's UCX progress thread on, waiting in poll()
+  on UCX's event fd with an N ms timeout (NIXL's Python API would make that wait 0, a
+  spin of a whole core: `_nixl_import.NixlModule.make_agent`). The data plane then
+  moves on its own and `poll()` only collects what happened: inside a busy engine
+  (GIL-bound polls) a 1-block transfer's latency fell ~3x; but large transfers cost
+  2-4x the sender CPU per GB (UCX's worker lock shared by two threads; measured on 2
+  cores, docs/benchmarks.md), so it is off by default.
 - Memory is registered once per region (the span of its blocks). At registration we
   prepare our local descriptor list, one descriptor per (region, block), index
   `region * num_blocks + block`; at `add_peer` the same for the peer's regions. A write
@@ -152,7 +156,7 @@ class NixlTransport(Transport):
         backend: str = "UCX",
         merge_descriptors: bool = True,
         num_threads: int = 0,
-        progress_thread_wait_ms: int = 10,
+        progress_thread_wait_ms: int = 0,
     ) -> None:
         if not name:
             raise ValueError("a NIXL endpoint needs a non-empty agent name")
