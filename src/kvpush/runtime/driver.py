@@ -55,6 +55,10 @@ from kvpush.transports.base import (
 log = logging.getLogger(__name__)
 
 _SPIN_WAIT_S = 20e-6  # ~60 us with the kernel's timer slack
+# An engine that calls poll() drives the runtime itself, once per step: for this long
+# after its last poll() the thread does not poll (it still takes commands at once), so
+# that inside a busy engine it does not wait for the GIL, and take it, for nothing.
+_STANDBY_AFTER_ENGINE_POLL_S = 0.01
 # How long close() waits for senders to acknowledge our cancels: a live sender answers
 # within a round trip (or once its own writes drained); a dead one never does, and its
 # transfers are reported anyway once the transport is closed.
@@ -203,6 +207,7 @@ class Driver:
         self._spin_until = 0.0
         self._backoff = 0.0
         self._thread_sleeps_until = float("inf")
+        self._engine_polled_at = float("-inf")  # the last poll() that drove a pass
         # Owned by whoever holds _drive.
         self._active = False  # set when the loop's pass wrote or sent something
         self._lookups: set[PeerAddress] = set()  # addresses being looked up
@@ -296,7 +301,11 @@ class Driver:
             if self._drain_until is not None and self._drained():
                 return
             timeout = self.poll_delay()
-            self._thread_sleeps_until = time.monotonic() + timeout
+            now = time.monotonic()
+            standby = self._engine_polled_at + _STANDBY_AFTER_ENGINE_POLL_S - now
+            # While the engine polls: wake for commands only, or once it stopped polling.
+            timeout = max(timeout, standby)
+            self._thread_sleeps_until = now + timeout
             commands = take(timeout)
             self._thread_sleeps_until = float("-inf")
             with self._drive:
@@ -345,7 +354,7 @@ class Driver:
 
     # ----------------------------------------------------------------- in-step driving
 
-    def drive(self, command: Command | None = None) -> bool:
+    def drive(self, command: Command | None = None, *, engine_poll: bool = False) -> bool:
         """On an engine thread: run `command` now, after whatever was queued before it,
         and one pass (a poll of the transport), if no other thread is driving; else
         queue it for the driver's thread. True if it ran here.
@@ -353,7 +362,8 @@ class Driver:
         What this saves is a thread hand-off per call: inside a busy engine every
         wake-up of another thread waits for the GIL, up to the switch interval. A
         failure here ends the runtime as a crash of its thread would: the thread is
-        woken to raise it."""
+        woken to raise it. `engine_poll`: the engine's poll(), which it calls once per
+        step; the thread stands by for a while after it (`_STANDBY_AFTER_ENGINE_POLL_S`)."""
         if self._thread is None or not self._drive.acquire(blocking=False):
             if command is not None:
                 self.commands.put(command)
@@ -368,6 +378,8 @@ class Driver:
                 commands.append(command)
             try:
                 self._pass(commands)
+                if engine_poll:
+                    self._engine_polled_at = time.monotonic()
             except BaseException as exc:
                 self._in_step_crash = exc
                 self.commands.put(Wake())
@@ -375,8 +387,14 @@ class Driver:
         finally:
             self._drive.release()
         # Work left in flight while the thread sleeps long (it slept with nothing in
-        # flight): wake it, so that it paces the polls from now on.
-        if self._busy and self._thread_sleeps_until > time.monotonic() + self._max_backoff_s:
+        # flight): wake it, so that it paces the polls from now on (or, after an
+        # engine's poll(), once the engine stops polling).
+        if (
+            self._busy
+            and self._thread_sleeps_until
+            > max(time.monotonic(), self._engine_polled_at + _STANDBY_AFTER_ENGINE_POLL_S)
+            + self._max_backoff_s
+        ):
             self.commands.put(Wake())
         return True
 

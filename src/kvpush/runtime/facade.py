@@ -261,9 +261,11 @@ class PushRuntime:
         It also drives the runtime one pass on the caller's thread (the data plane
         polled, what arrived handled) when no other thread is doing so: an engine that
         polls once per step gets what arrived by then without waiting for a hand-off
-        to the runtime's thread."""
+        to the runtime's thread. While the engine keeps polling (at least every 10 ms),
+        the runtime's thread leaves the polling to it and wakes only for commands:
+        inside a busy engine every wake-up of another thread waits for the GIL."""
         if self._can_drive():
-            self._driver.drive()
+            self._driver.drive(engine_poll=True)
         with self._lock:
             return self._take_locked()
 
