@@ -66,7 +66,7 @@ class PushRuntime:
         timing: TimingConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         idle_poll_s: float | None = None,
-        max_backoff_s: float = 0.001,
+        max_backoff_s: float = 0.00025,
         spin_s: float = 0.0005,
         revalidate_after_s: float = REVALIDATE_AFTER_S,
         kvpush_version: str = __version__,
