@@ -22,7 +22,7 @@ Every result is printed as `@result {...}` with what the engine did with its blo
         -> {"sums": [[per region] per block]}: what the engine submitted
     {"op": "layers_ready", "transfer_id", "layers"}
     {"op": "receive", "transfer_id", "sender_port", "blocks", "host"?}
-    {"op": "stop_after", "then": [send or layers_ready commands]}
+    {"op": "stop_after", "then": [send or layers_ready commands]}   (with --queue-engine-calls)
         -> {"sums": {transfer_id: sums}} for the sends, then `@resumed {}` after SIGCONT.
         The engine makes the calls, then the process stops itself with SIGSTOP before
         the runtime thread can take them (os.kill keeps the GIL): they wait in the
@@ -103,6 +103,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--blocks", type=int, default=16)
     p.add_argument("--block-bytes", type=int, default=2048)
     p.add_argument("--revalidate-after", type=float, default=None)
+    p.add_argument(
+        "--queue-engine-calls",
+        action="store_true",
+        help="PushRuntime(drive_in_step=False): engine calls only queue commands for "
+        "the runtime's thread (what stop_after needs to stop with calls still queued)",
+    )
     return p.parse_args(argv)
 
 
@@ -342,6 +348,8 @@ def main(argv: list[str]) -> int:
     extra: dict[str, Any] = {}
     if args.revalidate_after is not None:
         extra["revalidate_after_s"] = args.revalidate_after
+    if args.queue_engine_calls:
+        extra["drive_in_step"] = False
     # The directory exactly as the README builds it: every safety check at its default.
     runtime = PushRuntime(
         transport,

@@ -78,7 +78,7 @@ def test_every_mode_has_a_figure_or_a_reason(quick_run: dict[str, Any]) -> None:
 @pytest.mark.nixl
 def test_bytes_arrived_intact_in_every_mode(quick_run: dict[str, Any]) -> None:
     for m in quick_run["report"]["modes"]:
-        for s in m["sizes"] + ([m["rate"]] if m["rate"] else []):
+        for s in m["sizes"] + [x for x in (m["latency"], m["rate"]) if x]:
             sums = s["checksums"]
             assert sums["slots"] >= 1
             assert sums["src"] == sums["dst"], (m["mode"], s["bytes"])
@@ -102,6 +102,16 @@ def test_throughput_is_bytes_over_batch_wall_time(quick_run: dict[str, Any]) -> 
             assert s["wall_s"] * 1e6 >= s["p99_us"] * 0.999
         if m["status"] == "ok" and m["mode"] != "memcpy":
             assert m["rate"]["blocks"] == 1
+            assert m["rate"]["inflight"] == report["workload"]["rate_inflight"] == 8
+            assert m["latency"]["blocks"] == 1 and m["latency"]["inflight"] == 1
+            for run in (m["rate"], m["latency"]):
+                # CPU per transfer is the batch's CPU over its transfers, on each side.
+                assert math.isclose(
+                    run["sender_cpu_us_per_transfer"],
+                    run["sender_cpu_s_per_gb"] * run["total_bytes"] / 1e9 / run["transfers"] * 1e6,
+                    rel_tol=1e-6,
+                )
+                assert run["receiver_cpu_us_per_transfer"] is not None
             assert m["idle_cpu_percent"] is not None and m["idle_cpu_percent"] >= 0
 
 
@@ -230,7 +240,7 @@ def test_remote_bench_pushes_kvpush_transfers_into_a_live_endpoint(
     for m in report["modes"]:
         assert m["status"] == "ok" and m["reason"] is None, m
         assert [s["bytes"] for s in m["sizes"]] == sizes
-        for s in [*m["sizes"], m["rate"]]:
+        for s in [*m["sizes"], m["latency"], m["rate"]]:
             sums = s["checksums"]
             assert sums["slots"] >= 1 and sums["match"] is True
             assert sums["src"] == sums["dst"], (m["mode"], s["bytes"])
@@ -246,9 +256,15 @@ def test_remote_bench_pushes_kvpush_transfers_into_a_live_endpoint(
         assert s["receiver_cpu_s_per_gb"] is not None and s["receiver_cpu_s_per_gb"] >= 0
     assert kvpush["idle_cpu_percent"] is not None and kvpush["idle_cpu_percent"] >= 0
     assert report["ratios"]["kvpush"]["vs_nixl-raw"]
-    # Every kvpush transfer (warm-up, sizes, rate) ended finished at the endpoint, too.
+    # Every kvpush transfer (warm-up, sizes, latency, rate) ended finished at the
+    # endpoint, too.
     warmup = max(4, report["workload"]["inflight"])
-    total = warmup + sum(s["transfers"] for s in kvpush["sizes"]) + kvpush["rate"]["transfers"]
+    total = (
+        warmup
+        + sum(s["transfers"] for s in kvpush["sizes"])
+        + kvpush["latency"]["transfers"]
+        + kvpush["rate"]["transfers"]
+    )
     last = ep.output[-1].strip().splitlines()[-1]
     assert last.startswith("kvpush endpoint stopped: ")
     assert f"transfers {total} finished, 0 failed" in last, last

@@ -139,7 +139,10 @@ def test_sender_stopped_past_every_timer(
     receiver = ranks(
         "decode", "receiver", "--host", host, "--seed", "1", "--revalidate-after", "600"
     )
-    sender = ranks("prefill", "sender", "--host", host, "--seed", "2")
+    # Calls queued across the stall need a runtime whose engine calls only queue them
+    # (by default an engine call runs the runtime's pass itself, when it can).
+    queue_calls = ("--queue-engine-calls",) if waiting == "queued_calls" else ()
+    sender = ranks("prefill", "sender", "--host", host, "--seed", "2", *queue_calls)
     receiver.ready()
     sender.ready()
     ledger = Ledger(receiver, sender)

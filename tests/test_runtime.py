@@ -837,3 +837,63 @@ def test_a_stalled_sender_never_writes_into_blocks_the_receiver_gave_back(
     assert [kv.block(r, 2) for r in range(len(kv.geometry.regions))] == canary
     assert cluster.fabric.statistics().writes_done == writes_before
     assert p.statistics().stale_registers == 1
+
+
+# --------------------------------------------------------------------------- in-step driving
+
+
+class ThreadNotingTransport(LoopbackTransport):
+    """A loopback endpoint that notes which thread polls it and which issues each write."""
+
+    def __init__(self, fabric: LoopbackFabric, name: str) -> None:
+        super().__init__(fabric, name)
+        self.last_poll_thread = ""
+        self.write_threads: list[str] = []
+
+    def poll(self) -> list[TransportEvent]:
+        self.last_poll_thread = threading.current_thread().name
+        return super().poll()
+
+    def write_blocks(
+        self,
+        peer: str,
+        write_id: int,
+        our_blocks: Sequence[int],
+        their_blocks: Sequence[int],
+        notification: bytes | None,
+        regions: Sequence[int] | None = None,
+    ) -> None:
+        self.write_threads.append(threading.current_thread().name)
+        super().write_blocks(peer, write_id, our_blocks, their_blocks, notification, regions)
+
+
+def _registered_sender(
+    cluster: Cluster, **kwargs: object
+) -> tuple[ThreadNotingTransport, PushRuntime]:
+    noting = ThreadNotingTransport(cluster.fabric, "p-1")
+    p, p_addr = cluster.add("p-1", "engine-p", transport=noting, **kwargs)
+    d, _ = cluster.add("d-1", "engine-d")
+    d.receive("t1", p_addr, [2])
+    wait_until(lambda: p.statistics().sending == {"registered": 1})
+    return noting, p
+
+
+def test_an_engine_call_runs_the_runtime_pass_on_the_engine_thread(cluster: Cluster) -> None:
+    # No hand-off to the runtime's thread: the engine's send() writes itself, when no
+    # other thread is driving. An engine that polls has the runtime thread stand by.
+    noting, p = _registered_sender(cluster)
+    me = threading.current_thread().name
+    wait_until(lambda: not p.poll() and noting.last_poll_thread == me)
+    p.send("t1", [1])
+    assert noting.write_threads == [me]
+    [r] = wait_results(p)
+    assert r.ok
+    assert same_block(cluster.kv["p-1"], 1, cluster.kv["d-1"], 2)
+
+
+def test_without_in_step_driving_the_runtime_thread_writes(cluster: Cluster) -> None:
+    noting, p = _registered_sender(cluster, drive_in_step=False)
+    p.send("t1", [1])
+    [r] = wait_results(p)
+    assert r.ok and noting.write_threads == ["kvpush-runtime-p-1"]
+    assert noting.last_poll_thread == "kvpush-runtime-p-1"

@@ -142,7 +142,7 @@ def _remote_main(
             finished: dict[int, int] = {}
             deadline = time.monotonic() + 300
             submitted = tx.run_batch(
-                plan.transfers, workload.inflight, deadline, finished, notify=False
+                plan.transfers, plan.inflight or workload.inflight, deadline, finished, notify=False
             )
             cpu = cpu_seconds() - cpu0
             dst_crc = {}
@@ -334,7 +334,9 @@ def _remote_kvpush_main(
             rx_cpu0 = tx.expect(plan.transfers)
             tx.end.wait_registered(len(plan.transfers), deadline, "the endpoint")
             cpu0 = cpu_seconds()
-            submitted, finished = tx.end.push(plan.transfers, workload.inflight, deadline)
+            submitted, finished = tx.end.push(
+                plan.transfers, plan.inflight or workload.inflight, deadline
+            )
             cpu = cpu_seconds() - cpu0
             confirmed_ns, rx_cpu1 = tx.confirm(plan.transfers, deadline)
             dst_crc = tx.endpoint_checksums(slots)

@@ -47,7 +47,12 @@ def format_table(report: dict[str, Any]) -> str:
         f"kvpush bench{target}: preset {w['preset']}, {w['layers']} layers x 2 regions, "
         f"{w['block_size_tokens']}-token blocks of {human_bytes(w['block_bytes'])} per region "
         f"({human_bytes(w['bytes_per_block'])} per block id, "
-        f"{human_bytes(w['bytes_per_token'])}/token), {w['inflight']} in flight",
+        f"{human_bytes(w['bytes_per_token'])}/token), {w['inflight']} in flight"
+        + (
+            ", busy engine (a Python thread computing in every process)"
+            if w.get("busy_engine")
+            else ""
+        ),
         "GB/s = bytes of a batch / wall time of the whole batch (10^9 B/s). "
         f"Latency: blocks ready -> {_latency_end(report)}.",
         "",
@@ -71,19 +76,35 @@ def format_table(report: dict[str, Any]) -> str:
             )
         if m["status"] != "ok":
             lines.append(f"{m['mode']:<9} {m['status'].upper()}: {m['reason']}")
-    lines += ["", "Control plane (1-block transfers) and idle endpoint:"]
-    head2 = f"{'mode':<9} {'xfers/s':>9} {'p50 us':>9} {'p99 us':>9} {'idle CPU %core':>15}"
+    lines += [
+        "",
+        "1-block transfers: latency with one in flight; rate with "
+        f"{w.get('rate_inflight', w['inflight'])} in flight, its CPU per transfer; idle endpoint:",
+    ]
+    head2 = (
+        f"{'mode':<9} {'1x p50 us':>9} {'1x p99 us':>9} {'xfers/s':>8} {'p50 us':>8} "
+        f"{'p99 us':>8} {'tx cpu us':>9} {'rx cpu us':>9} {'idle CPU %core':>15}"
+    )
     lines += [head2, "-" * len(head2)]
     for m in report["modes"]:
-        r = m.get("rate")
-        if r is None:
+        r, lat = m.get("rate"), m.get("latency")
+        if r is None and lat is None:
             why = m["reason"] or "no rate measured"
-            lines.append(f"{m['mode']:<9} {'-':>9} {'-':>9} {'-':>9} {'-':>15}  ({why})")
+            lines.append(f"{m['mode']:<9} {'-':>9}  ({why})")
             continue
+        r = r or {}
+        lat = lat or {}
         lines.append(
-            f"{m['mode']:<9} {r['transfers_per_s']:>9.0f} {r['p50_us']:>9.0f} "
-            f"{r['p99_us']:>9.0f} {_num(m.get('idle_cpu_percent'), '15.1f'):>15}"
+            f"{m['mode']:<9} {_num(lat.get('p50_us'), '9.0f'):>9} "
+            f"{_num(lat.get('p99_us'), '9.0f'):>9} {_num(r.get('transfers_per_s'), '8.0f'):>8} "
+            f"{_num(r.get('p50_us'), '8.0f'):>8} {_num(r.get('p99_us'), '8.0f'):>8} "
+            f"{_num(r.get('sender_cpu_us_per_transfer'), '9.0f'):>9} "
+            f"{_num(r.get('receiver_cpu_us_per_transfer'), '9.0f'):>9} "
+            f"{_num(m.get('idle_cpu_percent'), '15.1f'):>15}"
         )
+    lat_ratio = _latency_ratio(report)
+    if lat_ratio:
+        lines.append(f"1-block latency p50 (one in flight), kvpush / nixl-raw: {lat_ratio:.2f}")
     ratios = report.get("ratios") or {}
     if ratios:
         lines += ["", "GB/s ratios, size by size:"]
@@ -97,6 +118,14 @@ def format_table(report: dict[str, Any]) -> str:
         if any("vs_nixl-raw" in bases for bases in ratios.values()):
             lines += ["", NIXL_RAW_CAVEAT]
     return "\n".join(lines)
+
+
+def _latency_ratio(report: dict[str, Any]) -> float | None:
+    by_mode = {m["mode"]: m.get("latency") for m in report["modes"]}
+    ours, base = by_mode.get("kvpush"), by_mode.get("nixl-raw")
+    if not ours or not base or not base.get("p50_us"):
+        return None
+    return float(ours["p50_us"]) / float(base["p50_us"])
 
 
 def write_plot(report: dict[str, Any], path: str) -> None:

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import resource
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -116,6 +117,11 @@ def batch_result(workload: Workload, plan: Plan, m: Measured) -> dict[str, Any]:
         "p99_us": percentile(lat, 99),
         "sender_cpu_s_per_gb": m.sender_cpu / gb,
         "receiver_cpu_s_per_gb": None if m.receiver_cpu is None else m.receiver_cpu / gb,
+        "sender_cpu_us_per_transfer": m.sender_cpu / len(plan.transfers) * 1e6,
+        "receiver_cpu_us_per_transfer": (
+            None if m.receiver_cpu is None else m.receiver_cpu / len(plan.transfers) * 1e6
+        ),
+        "inflight": plan.inflight or workload.inflight,
         "checksums": {
             "slots": len(src_crc),
             "src": [src_crc[k] for k in src_crc],
@@ -175,8 +181,27 @@ def measure_plans(
             parent.send(("batch", batch_result(workload, plan, measured)))
 
 
+def start_busy_engine(stack: contextlib.ExitStack) -> None:
+    """`--busy-engine`: a thread that computes in Python for as long as the child lives,
+    as an engine's model loop does (it holds the GIL but at switch requests)."""
+    stop = threading.Event()
+
+    def compute() -> None:
+        x = 0
+        while not stop.is_set():
+            for i in range(10_000):
+                x ^= i
+
+    thread = threading.Thread(target=compute, name="bench-busy-engine", daemon=True)
+    thread.start()
+    stack.callback(thread.join, 5.0)
+    stack.callback(stop.set)
+
+
 def _receiver_main(mode: str, workload: Workload, peer: Connection) -> None:
     with child_process(peer, prefix="receiver: ") as stack:
+        if workload.busy_engine:
+            start_busy_engine(stack)
         rx = factories(mode)[0](workload)
         stack.callback(close_quietly, rx)
         meta = rx.setup(peer)
@@ -207,6 +232,8 @@ def _receiver_main(mode: str, workload: Workload, peer: Connection) -> None:
 
 def _sender_main(mode: str, workload: Workload, peer: Connection, parent: Connection) -> None:
     with child_process(parent) as stack:
+        if workload.busy_engine:
+            start_busy_engine(stack)
         tx = factories(mode)[1](workload)
         stack.callback(close_quietly, tx)
         _, meta = _recv(peer, PIPE_TIMEOUT_S, "receiver metadata")
@@ -219,7 +246,9 @@ def _sender_main(mode: str, workload: Workload, peer: Connection, parent: Connec
             tx.prepare(plan.transfers, time.monotonic() + PIPE_TIMEOUT_S)
             cpu0 = cpu_seconds()
             submitted = tx.run_batch(
-                plan.transfers, workload.inflight, time.monotonic() + PIPE_TIMEOUT_S
+                plan.transfers,
+                plan.inflight or workload.inflight,
+                time.monotonic() + PIPE_TIMEOUT_S,
             )
             cpu = cpu_seconds() - cpu0
             _, finished, rx_cpu, dst_crc = _recv(peer, PIPE_TIMEOUT_S, "receiver completion")
@@ -270,6 +299,7 @@ def stop_children(procs: list[mp.process.BaseProcess]) -> None:
 def empty_result(mode: str) -> dict[str, Any]:
     return {"mode": mode, "status": "ok", "reason": None, "sizes": []} | {
         "rate": None,
+        "latency": None,
         "idle_cpu_percent": None,
     }
 
@@ -316,6 +346,8 @@ def run_children(
             elif kind == "batch":
                 if msg[1]["label"] == "rate":
                     result["rate"] = msg[1]
+                elif msg[1]["label"] == "latency":
+                    result["latency"] = msg[1]
                 else:
                     result["sizes"].append(msg[1])
             elif kind == "idle":

@@ -28,6 +28,7 @@ GIB = 1024 * MIB
 # Bytes of one element, by the torch dtype names presets use. `ModelPreset`'s own byte
 # counts ask torch, which would cost the bench's parent process seconds to import.
 _ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+RATE_INFLIGHT = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,11 @@ class Workload:
     max_iters: int
     rate_transfers: int  # 1-block transfers for the control-plane rate
     idle_s: float
+    latency_transfers: int = 200  # 1-block transfers, one at a time, for the latency row
+    rate_inflight: int = RATE_INFLIGHT  # 1-block transfers outstanding in the rate run
+    # A Python thread computing all the time in each process of a two-process mode, as
+    # an engine's model loop does: every other thread that wakes waits for the GIL.
+    busy_engine: bool = False
     seed: int = 20260101
     kv_heads: int = 8
     head_dim: int = 128
@@ -88,6 +94,9 @@ class Workload:
             "sizes_bytes": [b * self.bytes_per_block for b in self.sizes_blocks],
             "inflight": self.inflight,
             "rate_transfers": self.rate_transfers,
+            "rate_inflight": self.rate_inflight,
+            "latency_transfers": self.latency_transfers,
+            "busy_engine": self.busy_engine,
             "idle_s": self.idle_s,
             "seed": self.seed,
         }
@@ -122,6 +131,7 @@ def make_workload(
     sizes_bytes: list[int] | None = None,
     inflight: int = 4,
     quick: bool = False,
+    busy_engine: bool = False,
 ) -> Workload:
     """Build a workload from a `kvpush.kvcache` preset (its layers, KV heads, head dim,
     dtype and block size) and overrides; raises `ConfigError` on bad values."""
@@ -173,7 +183,7 @@ def make_workload(
             "lower --max-size, --context or --layers"
         )
     # Enough blocks for the largest transfer, and for `inflight` distinct 1-block slots.
-    num_blocks = max(largest, inflight * 4, 16)
+    num_blocks = max(largest, inflight * 4, RATE_INFLIGHT * 4, 16)
     return Workload(
         preset=preset,
         layers=layers,
@@ -187,6 +197,8 @@ def make_workload(
         max_iters=30 if quick else 200,
         rate_transfers=300 if quick else 1000,
         idle_s=1.0 if quick else 3.0,
+        latency_transfers=100 if quick else 300,
+        busy_engine=busy_engine,
         kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
         dtype=model.dtype,
@@ -210,6 +222,7 @@ class Plan:
     label: str
     blocks: int
     transfers: list[Transfer] = field(default_factory=list)
+    inflight: int | None = None  # None: the workload's
 
     @property
     def slots(self) -> list[Transfer]:
@@ -242,14 +255,21 @@ def make_plan(workload: Workload, label: str, blocks: int, count: int, first_tag
 
 
 def plans(workload: Workload) -> list[Plan]:
-    """Warm-up, every size, then the 1-block control-plane rate run."""
+    """Warm-up, every size, then the 1-block runs: latency (one in flight) and the
+    control-plane rate (`rate_inflight` in flight)."""
     out = [make_plan(workload, "warmup", 1, max(4, workload.inflight), first_tag=1)]
     tag = 1000
     for blocks in workload.sizes_blocks:
         count = workload.iterations(blocks)
         out.append(make_plan(workload, f"size:{blocks}", blocks, count, first_tag=tag))
         tag += count
-    out.append(make_plan(workload, "rate", 1, workload.rate_transfers, first_tag=tag))
+    latency = make_plan(workload, "latency", 1, workload.latency_transfers, first_tag=tag)
+    latency.inflight = 1
+    out.append(latency)
+    tag += workload.latency_transfers
+    rate = make_plan(workload, "rate", 1, workload.rate_transfers, first_tag=tag)
+    rate.inflight = workload.rate_inflight
+    out.append(rate)
     return out
 
 

@@ -36,6 +36,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help=f"comma-separated subset of {','.join(ALL_MODES)}",
     )
     p.add_argument("--quick", action="store_true", help="a small run, under a minute")
+    p.add_argument(
+        "--busy-engine",
+        action="store_true",
+        help="run a Python thread that computes all the time in each process (as an "
+        "engine's model loop does), at Python's default switch interval: what kvpush "
+        "costs inside a busy serving process",
+    )
     p.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot GB/s against transfer size")
     p.add_argument(
@@ -94,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         sizes_bytes=[parse_size(s) for s in args.sizes.split(",")] if args.sizes else None,
         inflight=args.inflight,
         quick=args.quick,
+        busy_engine=args.busy_engine,
     )
     _check_outputs(args)
     bar = _ProgressBar(enabled=not args.no_progress)

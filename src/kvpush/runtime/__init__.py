@@ -3,7 +3,8 @@
 Public engine API (every method is thread-safe and never blocks on the network)::
 
     rt = PushRuntime(transport, geometry, identity, directory, timing=..., clock=...,
-                     compatibility=CompatibilityPolicy())   # the default: strict
+                     compatibility=CompatibilityPolicy(),   # the default: strict
+                     drive_in_step=True)   # engine calls run the runtime's pass (below)
     rt.start()                       # starts the transport, registers memory, threads
     rt.local_metadata() -> PeerMetadata   # what to publish on this rank's side channel
 
@@ -119,10 +120,25 @@ only its own transfers: known-good addresses go first, addresses never seen or w
 last lookup got no answer hold at most three quarters of the pool (those at most half),
 and an unanswered address is tried again only after a back-off (50 ms doubling to 2 s,
 cleared by an answer) while its transfers wait within their own deadline.
+In-step driving (the default; `drive_in_step=False` turns it off): an engine call
+(`send`, `receive`, `layers_ready`, `abort`, `reject`, `poll`, and `wait` before it
+waits) runs the driver's pass itself, on the engine's thread, when no other thread is
+in one (a try-lock: the transport and the protocol are only ever touched under that
+lock, by one thread at a time). It runs the commands queued before it, then its own,
+then polls the transport once: a `send()` posts its write at once, with no hand-off to
+the runtime's thread. When the lock is taken the call only queues its command, as it
+always did. An exception in an in-step pass ends the runtime as a crash of its thread
+does (the thread is woken to re-raise it). An engine that calls `poll()` once per step
+drives the runtime itself: for 10 ms after each `poll()` the runtime's thread wakes
+for commands only.
+
 The driver's thread blocks on its command queue while nothing is in flight (waking every
 `idle_poll_s`, default half a heartbeat interval, to look for registrations: NIXL cannot
 wake a thread on an incoming notification), and polls the transport with exponential
-backoff (50 us up to `max_backoff_s`, default 1 ms) while transfers are in flight. Right
+backoff (50 us up to `max_backoff_s`, default 0.25 ms) while transfers are in flight
+(measured with scripts/runtime-latency: 1 ms -> 0.25 ms took the 1-block p50 from 2.3 to
+1.2-1.3 ms; a receiver whose transfer waits for its sender costs 12.7 instead of 6.7 %
+of a core meanwhile; nothing in flight, nothing changes). Right
 after data-plane activity (an event in, a write or message out) it keeps polling at the
 shortest wait (~60 us) for `spin_s` (default 0.5 ms): NIXL progresses only when polled,
 and the next event (WriteDone, the peer's answer) is usually that close. It never polls
@@ -131,12 +147,14 @@ without waiting: a hot loop would hold the GIL from the engine's own Python thre
 Idle, nothing spins.
 
 Latency inside a busy engine: when another thread of the process computes in Python, each
-wake-up of the runtime thread (a command, the next poll) and of the thread in `wait()`
-waits for the GIL up to `sys.getswitchinterval()` (5 ms by default), and a transfer
-needs a few of them. Measured with `scripts/runtime-latency` (one 16-token block,
-receiver first, send() 10-50 ms later): p50 send()-to-receiver-result 2.3 ms with idle
-engines, 14-26 ms with a computing thread in both processes, 4-7 ms when those processes
-set a switch interval of 0.2-1 ms. That setting is the engine's to choose, not ours.
+wake-up of a thread that does not hold the GIL (the runtime's thread, or the thread in
+`wait()`) waits for it up to `sys.getswitchinterval()` (5 ms by default). On one host UCX
+runs over TCP and a write needs three alternating polls (receiver, sender, receiver), so
+a transfer needs several such wake-ups. What removes them: in-step calls (above), an
+engine that takes results with `poll()` on its own thread, and NIXL's UCX progress
+thread (`NixlTransport(progress_thread_wait_ms=10)`, opt-in: it moves the data plane
+without the GIL but costs 2-4x the sender CPU per GB on large transfers). Figures, and
+the commands: docs/benchmarks.md, "Per-transfer cost".
 
 Publishing: the runtime does not serve its own side channel. Pass `local_metadata()` to
 a `kvpush.sidechannel.MetadataServer` (one per engine, all ranks) after `start()`; the

@@ -54,6 +54,10 @@ from kvpush.transports.base import (
 log = logging.getLogger(__name__)
 
 _SPIN_WAIT_S = 20e-6  # ~60 us with the kernel's timer slack
+# An engine that calls poll() drives the runtime itself, once per step: for this long
+# after its last poll() the thread does not poll (it still takes commands at once), so
+# that inside a busy engine it does not wait for the GIL, and take it, for nothing.
+_STANDBY_AFTER_ENGINE_POLL_S = 0.01
 # How long close() waits for senders to acknowledge our cancels: a live sender answers
 # within a round trip (or once its own writes drained); a dead one never does, and its
 # transfers are reported anyway once the transport is closed.
@@ -124,6 +128,11 @@ class StateRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Wake:
+    """Nothing to do but look again: an engine thread left work for the thread."""
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     drain_until: float  # time.monotonic(): stop waiting for writes and acks then
 
@@ -138,6 +147,7 @@ Command = (
     | _LookupResult
     | StatsRequest
     | StateRequest
+    | Wake
     | Stop
 )
 
@@ -192,7 +202,19 @@ class Driver:
             name=f"kvpush-handshake-{transport.agent_name}",
         )
         self._thread: threading.Thread | None = None
-        # Owned by the driver's thread.
+        # Held by whichever thread runs a pass (the driver's, or an engine thread that
+        # drives in-step): the transport and the protocol below are touched under it only.
+        self._drive = threading.Lock()
+        self._finished = False  # set under _drive once the transport is closed
+        self._in_step_crash: BaseException | None = None
+        # Pacing, written by every pass and read (racily, harmlessly) to decide how long
+        # to sleep: whether anything is in flight, and the spin/back-off schedule.
+        self._busy = False
+        self._spin_until = 0.0
+        self._backoff = 0.0
+        self._thread_sleeps_until = float("inf")
+        self._engine_polled_at = float("-inf")  # the last poll() that drove a pass
+        # Owned by whoever holds _drive.
         self._active = False  # set when the loop's pass wrote or sent something
         self._lookups: set[PeerAddress] = set()  # addresses being looked up
         self._infos: dict[str, PeerInfo] = {}  # agent -> what its handshake said
@@ -245,11 +267,14 @@ class Driver:
             on_crash(exc)
         finally:
             # Closed first: once the transport is closed no write can read or land in our
-            # memory, so only then are the blocks of what is left handed back.
-            try:
-                self._transport.close()
-            except Exception:
-                log.exception("closing the transport failed")
+            # memory, so only then are the blocks of what is left handed back. Under
+            # _drive, so that no engine thread is in a pass, and none starts one after.
+            with self._drive:
+                self._finished = True
+                try:
+                    self._transport.close()
+                except Exception:
+                    log.exception("closing the transport failed")
             if crash is None:
                 reason, detail = (
                     FailureReason.SHUTDOWN,
@@ -261,7 +286,8 @@ class Driver:
                     f"push runtime thread crashed: {crash!r}",
                 )
             try:
-                self._end_everything(reason, detail)
+                with self._drive:
+                    self._end_everything(reason, detail)
             except Exception:
                 log.exception("the protocol could not end its transfers")
             self._sink.fail_remaining(reason, detail)
@@ -274,47 +300,109 @@ class Driver:
     # ----------------------------------------------------------------- the loop
 
     def _loop(self) -> None:
-        backoff = 0.0
-        spin_until = 0.0
-        take, poll = self._take_commands, self._transport.poll
+        take = self._take_commands
         while True:
+            if self._in_step_crash is not None:
+                raise self._in_step_crash  # an engine thread's pass failed: end as a crash
             if self._drain_until is not None and self._drained():
                 return
-            if not self._in_flight():
-                timeout = self._idle_poll_s
-            elif spin_until and time.monotonic() < spin_until:
-                # Just active: the next event is likely microseconds away. The shortest
-                # wait, not none: a wait drops the GIL, so the engine's threads (woken
-                # by a result) are not held off for the interpreter's 5 ms switch interval.
-                timeout = _SPIN_WAIT_S
-            else:
-                timeout = backoff
+            timeout = self.poll_delay()
+            now = time.monotonic()
+            standby = self._engine_polled_at + _STANDBY_AFTER_ENGINE_POLL_S - now
+            # While the engine polls: wake for commands only, or once it stopped polling.
+            timeout = max(timeout, standby)
+            self._thread_sleeps_until = now + timeout
             commands = take(timeout)
-            busy = bool(commands)
-            self._active = False
-            for cmd in commands:
-                self._execute(cmd)
-            events = poll()
-            self._polls += 1
-            if events:
-                self._handle_events(events)
-            self._unconfirmed.clear()
-            now = self._clock()
-            if now >= self._next_tick:
-                self._next_tick = now + self._tick_interval_s
-                self._apply(self._protocol.tick(now))
-            if events or self._active:
-                # Data-plane activity (events in, writes or messages out): poll at the
-                # shortest interval for a moment, since NIXL progresses only when we poll
-                # and the answer (WriteDone, the peer's next message) follows quickly.
-                # Engine commands alone (statistics, a send waiting for its receiver) do
-                # not spin, so an in-flight but quiet endpoint still backs off.
-                spin_until = time.monotonic() + self._spin_s
-                backoff = 0.0
-            elif busy:
-                backoff = 0.0
-            else:
-                backoff = min(max(backoff * 2, 50e-6), self._max_backoff_s)
+            self._thread_sleeps_until = float("-inf")
+            with self._drive:
+                self._pass(commands)
+
+    def poll_delay(self) -> float:
+        """How long the next wait before a pass may be: the idle interval with nothing in
+        flight; right after data-plane activity the shortest wait, for `spin_s`; else
+        the back-off. Never zero while in flight: a wait drops the GIL, so the engine's
+        threads (woken by a result) are not held off for the interpreter's 5 ms switch
+        interval."""
+        if not self._busy:
+            return self._idle_poll_s
+        if self._spin_until and time.monotonic() < self._spin_until:
+            return _SPIN_WAIT_S
+        return self._backoff
+
+    def _pass(self, commands: list[Command]) -> None:
+        """Commands, one poll of the transport, its events, the protocol's tick. Under
+        `_drive`, on whichever thread drives."""
+        self._active = False
+        for cmd in commands:
+            self._execute(cmd)
+        events = self._transport.poll()
+        self._polls += 1
+        if events:
+            self._handle_events(events)
+        self._unconfirmed.clear()
+        now = self._clock()
+        if now >= self._next_tick:
+            self._next_tick = now + self._tick_interval_s
+            self._apply(self._protocol.tick(now))
+        if events or self._active:
+            # Data-plane activity (events in, writes or messages out): poll at the
+            # shortest interval for a moment, since NIXL progresses only when we poll
+            # and the answer (WriteDone, the peer's next message) follows quickly.
+            # Engine commands alone (statistics, a send waiting for its receiver) do
+            # not spin, so an in-flight but quiet endpoint still backs off.
+            self._spin_until = time.monotonic() + self._spin_s
+            self._backoff = 0.0
+        elif commands:
+            self._backoff = 0.0
+        else:
+            self._backoff = min(max(self._backoff * 2, 50e-6), self._max_backoff_s)
+        self._busy = self._in_flight()
+
+    # ----------------------------------------------------------------- in-step driving
+
+    def drive(self, command: Command | None = None, *, engine_poll: bool = False) -> bool:
+        """On an engine thread: run `command` now, after whatever was queued before it,
+        and one pass (a poll of the transport), if no other thread is driving; else
+        queue it for the driver's thread. True if it ran here.
+
+        What this saves is a thread hand-off per call: inside a busy engine every
+        wake-up of another thread waits for the GIL, up to the switch interval. A
+        failure here ends the runtime as a crash of its thread would: the thread is
+        woken to raise it. `engine_poll`: the engine's poll(), which it calls once per
+        step; the thread stands by for a while after it (`_STANDBY_AFTER_ENGINE_POLL_S`)."""
+        if self._thread is None or not self._drive.acquire(blocking=False):
+            if command is not None:
+                self.commands.put(command)
+            return False
+        try:
+            if self._finished or self._in_step_crash is not None or self._drain_until:
+                if command is not None:
+                    self.commands.put(command)
+                return False
+            commands = self._take_commands(0.0)
+            if command is not None:
+                commands.append(command)
+            try:
+                self._pass(commands)
+                if engine_poll:
+                    self._engine_polled_at = time.monotonic()
+            except BaseException as exc:
+                self._in_step_crash = exc
+                self.commands.put(Wake())
+                return True
+        finally:
+            self._drive.release()
+        # Work left in flight while the thread sleeps long (it slept with nothing in
+        # flight): wake it, so that it paces the polls from now on (or, after an
+        # engine's poll(), once the engine stops polling).
+        if (
+            self._busy
+            and self._thread_sleeps_until
+            > max(time.monotonic(), self._engine_polled_at + _STANDBY_AFTER_ENGINE_POLL_S)
+            + self._max_backoff_s
+        ):
+            self.commands.put(Wake())
+        return True
 
     def _drained(self) -> bool:
         """Stopping: nothing left that waiting could still settle, or out of time."""
@@ -412,6 +500,8 @@ class Driver:
             case StateRequest(transfer_id=tid, side=side):
                 cmd.result = self.state_of(tid, side)
                 cmd.done.set()
+            case Wake():
+                pass
             case Stop(drain_until=until):
                 self._begin_stop(now, until)
 

@@ -2,12 +2,23 @@
 
 Theory of operation.
 
-- One agent, driven by one thread. NIXL's progress thread is off (it spins a whole core
-  even when idle) and so is its listener (metadata travels over kvpush's side channel:
-  `metadata()` is `get_agent_metadata()`, `add_peer` is `add_remote_agent`). All progress
-  happens when the owner calls `poll()`: checking transfer states and fetching
-  notifications is what drives UCX. An idle endpoint therefore costs nothing, but a peer
-  that writes to us only progresses as fast as both sides poll.
+- One agent, driven by one thread at a time (the runtime's lock). NIXL's listener is
+  off (metadata travels over kvpush's side channel: `metadata()` is
+  `get_agent_metadata()`, `add_peer` is `add_remote_agent`). By default NIXL's
+  progress thread is off too, and all progress happens when the owner calls `poll()`:
+  checking transfer states and fetching notifications is what drives UCX. An idle
+  endpoint therefore costs nothing, but a peer that writes to us only progresses as
+  fast as both sides poll. On one host UCX runs over TCP (its shared-memory transports
+  cannot detect a dead peer), so a WRITE completes only after a round trip with the
+  peer's worker, and its notification goes out only then: three alternating polls,
+  receiver, sender, receiver, per write (measured).
+- `progress_thread_wait_ms=N` turns NIXL's UCX progress thread on, waiting in poll()
+  on UCX's event fd with an N ms timeout (NIXL's Python API would make that wait 0, a
+  spin of a whole core: `_nixl_import.NixlModule.make_agent`). The data plane then
+  moves on its own and `poll()` only collects what happened: inside a busy engine
+  (GIL-bound polls) a 1-block transfer's latency fell ~3x; but large transfers cost
+  2-4x the sender CPU per GB (UCX's worker lock shared by two threads; measured on 2
+  cores, docs/benchmarks.md), so it is off by default.
 - Memory is registered once per region (the span of its blocks). At registration we
   prepare our local descriptor list, one descriptor per (region, block), index
   `region * num_blocks + block`; at `add_peer` the same for the peer's regions. A write
@@ -27,6 +38,7 @@ Theory of operation.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -144,9 +156,16 @@ class NixlTransport(Transport):
         backend: str = "UCX",
         merge_descriptors: bool = True,
         num_threads: int = 0,
+        progress_thread_wait_ms: int = 0,
     ) -> None:
         if not name:
             raise ValueError("a NIXL endpoint needs a non-empty agent name")
+        if progress_thread_wait_ms < 0:
+            raise ValueError(
+                f"progress_thread_wait_ms must be >= 0 (0: no progress thread), "
+                f"got {progress_thread_wait_ms}"
+            )
+        self._progress_wait_ms = progress_thread_wait_ms
         self._name = name
         self._backend = backend
         self._merge = merge_descriptors
@@ -159,6 +178,10 @@ class NixlTransport(Transport):
         self._registered: list[Any] = []
         self._our_descriptors: npt.NDArray[np.uint64] = np.zeros((0, 3), dtype=np.uint64)
         self._our_dlist: Any = None
+        self._backends = [backend]
+        self._region_bytes: tuple[int, ...] = ()
+        self._bytes_per_block = 0
+        self._regions_adjacent = False
         self._peers: dict[str, _Peer] = {}
         self._in_flight: dict[int, _InFlight] = {}
         self._events: list[TransportEvent] = []
@@ -179,13 +202,13 @@ class NixlTransport(Transport):
             return
         nixl = load_nixl()
         config = nixl.nixl_agent_config(
-            enable_prog_thread=False,
+            enable_prog_thread=self._progress_wait_ms > 0,
             enable_listen_thread=False,
             backends=[self._backend],
             num_threads=self._num_threads,
         )
         try:
-            agent = nixl.nixl_agent(self._name, config)
+            agent = nixl.make_agent(self._name, config, self._progress_wait_ms * 1000)
         except Exception as exc:
             raise TransportError(
                 FailureReason.LOCAL_ERROR, f"cannot create NIXL agent {self._name}: {exc!r}"
@@ -265,6 +288,17 @@ class NixlTransport(Transport):
         self._mem_type = mem_type
         self._our_descriptors = descriptors
         self._our_dlist = dlist
+        self._region_bytes = tuple(r.block_bytes for r in geometry.regions)
+        self._bytes_per_block = sum(self._region_bytes)
+        # Whether one block's descriptors could ever merge across regions: only if the
+        # spans of two regions touch or interleave (K and V in one tensor, say). Separate
+        # allocations never do, and a one-block write then skips the merge count.
+        extents = sorted(
+            (r.base_addr, r.base_addr + (r.num_blocks - 1) * r.block_stride + r.block_bytes)
+            for r in geometry.regions
+            if r.num_blocks > 0
+        )
+        self._regions_adjacent = any(b[0] <= a[1] for a, b in itertools.pairwise(extents))
 
     def metadata(self) -> bytes:
         agent = self._live_agent()
@@ -373,17 +407,23 @@ class NixlTransport(Transport):
             self._writes_done += 1
             self._events.append(WriteDone(write_id))
             return
-        region_arr = np.asarray(region_ids, dtype=np.int64)[:, None]
-        our_index = (
-            (region_arr * self._geometry.num_blocks + np.asarray(our_blocks, dtype=np.int64))
-            .astype(np.int32)
-            .ravel()
-        )
-        their_index = (
-            (region_arr * target.geometry.num_blocks + np.asarray(their_blocks, dtype=np.int64))
-            .astype(np.int32)
-            .ravel()
-        )
+        # Descriptor row of (region r, block b) is r * num_blocks + b on each side. A
+        # one-block write (the common small case) skips numpy's per-call overhead.
+        nb, their_nb = self._geometry.num_blocks, target.geometry.num_blocks
+        if len(our_blocks) == 1:
+            ob, tb = our_blocks[0], their_blocks[0]
+            our_index = np.array([r * nb + ob for r in region_ids], dtype=np.int32)
+            their_index = np.array([r * their_nb + tb for r in region_ids], dtype=np.int32)
+        else:
+            region_arr = np.asarray(region_ids, dtype=np.int64)[:, None]
+            our_index = (
+                (region_arr * nb + np.asarray(our_blocks, dtype=np.int64)).astype(np.int32).ravel()
+            )
+            their_index = (
+                (region_arr * their_nb + np.asarray(their_blocks, dtype=np.int64))
+                .astype(np.int32)
+                .ravel()
+            )
         try:
             handle = agent.make_prepped_xfer(
                 "WRITE",
@@ -392,7 +432,7 @@ class NixlTransport(Transport):
                 target.dlist,
                 their_index,
                 notif,
-                [self._backend],
+                self._backends,
                 skip_desc_merge=not self._merge,
             )
         except Exception as exc:
@@ -406,11 +446,7 @@ class NixlTransport(Transport):
             )
             return
         try:
-            state = (
-                agent.transfer(handle, notif)
-                if notification is not None
-                else (agent.transfer(handle))
-            )
+            state = agent.transfer(handle, notif)
         except Exception as exc:
             _release_quietly(handle)
             reason = self._reason(exc)
@@ -418,18 +454,26 @@ class NixlTransport(Transport):
             self._writes_failed += 1
             self._events.append(WriteFailed(write_id, reason, f"NIXL refused the write: {exc!r}"))
             return
-        nbytes = sum(self._geometry.regions[r].block_bytes for r in region_ids) * len(our_blocks)
+        block_bytes = self._region_bytes
+        nbytes = (
+            self._bytes_per_block if regions is None else sum(block_bytes[r] for r in region_ids)
+        ) * len(our_blocks)
         self._writes_posted += 1
         self._bytes_posted += nbytes
         self._last_block_descriptors = len(our_index)
-        self._last_descriptors = (
-            merged_descriptor_count(
+        if not self._merge or len(our_blocks) == 1:
+            # One block: its regions are separate allocations, never contiguous.
+            merged = len(our_index)
+            if self._merge and self._regions_adjacent:
+                merged = merged_descriptor_count(
+                    self._our_descriptors, target.descriptors, our_index, their_index
+                )
+        else:
+            merged = merged_descriptor_count(
                 self._our_descriptors, target.descriptors, our_index, their_index
             )
-            if self._merge
-            else len(our_index)
-        )
-        self._descriptors_posted += self._last_descriptors
+        self._last_descriptors = merged
+        self._descriptors_posted += merged
         if state == "ERR":
             _release_quietly(handle)
             self._writes_failed += 1
