@@ -20,7 +20,6 @@ ended, so no late write can land in a reused block.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import time
@@ -36,7 +35,6 @@ from kvpush.errors import FailureReason, KVPushError
 from kvpush.kvcache import KVLayout, register_kv_cache
 from kvpush.serving.engine import (
     Engine,
-    EngineStats,
     FinishReason,
     RequestRejected,
     SamplingParams,
@@ -219,12 +217,8 @@ class PrefillWorker(_TransferWorker):
     def _has_pending(self) -> bool:
         return bool(self._by_transfer) or bool(self._waiting)
 
-    def _num_queued(self) -> int:
-        return super()._num_queued() + len(self._waiting)
-
-    def _snapshot(self) -> EngineStats:
-        stats = super()._snapshot()
-        return dataclasses.replace(stats, num_waiting=stats.num_waiting + len(self._waiting))
+    def _queued_outside_engine(self) -> int:
+        return len(self._waiting)
 
     def _accept(self, job: Job) -> None:
         kvp = job.kv_transfer_params or {}
@@ -537,12 +531,8 @@ class DecodeWorker(_TransferWorker):
     def _has_pending(self) -> bool:
         return bool(self._incoming) or bool(self._queued)
 
-    def _num_queued(self) -> int:
-        return super()._num_queued() + len(self._queued)
-
-    def _snapshot(self) -> EngineStats:
-        stats = super()._snapshot()
-        return dataclasses.replace(stats, num_waiting=stats.num_waiting + len(self._queued))
+    def _queued_outside_engine(self) -> int:
+        return len(self._queued)
 
     def _accept(self, job: Job) -> None:
         kvp = job.kv_transfer_params or {}

@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvpush.errors import ClosedError
 from kvpush.serving.engine import (
@@ -233,7 +233,12 @@ class EngineWorker:
             self._abort_transfer(arg)
 
     def _num_queued(self) -> int:
-        return self.engine.num_waiting
+        return self.engine.num_waiting + self._queued_outside_engine()
+
+    def _queued_outside_engine(self) -> int:
+        """Hook for roles: requests waiting in a queue of the role's own, not yet handed
+        to the engine (they count against `max_waiting` and show in `num_waiting`)."""
+        return 0
 
     def _queue_full(self, job: Job) -> Rejected | None:
         n = self._num_queued()
@@ -319,7 +324,9 @@ class EngineWorker:
                 job.sink(Done(FinishReason.ERROR, None, error=message))
 
     def _snapshot(self) -> EngineStats:
-        return self.engine.statistics()
+        stats = self.engine.statistics()
+        held = self._queued_outside_engine()
+        return replace(stats, num_waiting=stats.num_waiting + held) if held else stats
 
     def _pump(self) -> None:
         """Hook for roles: run on the engine thread before each step."""
