@@ -397,6 +397,23 @@ def _decode_kvp(stack: Stack, tid: str) -> dict[str, object]:
     }
 
 
+def _decode_leg(
+    stack: Stack,
+    tid: str,
+    prompt: object,
+    *,
+    server: ServerProcess | None = None,
+    timeout: float = 60,
+    **fields: object,
+) -> httpx.Response:
+    """The decode leg of `tid` (on `server`, the stack's decode server by default);
+    `fields` add to the body (max_tokens is 8 unless given)."""
+    body = {"prompt": prompt, "max_tokens": 8, **fields}
+    body["kv_transfer_params"] = _decode_kvp(stack, tid)
+    url = (server or stack.decode).url
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+
+
 def _token_args(stack: Stack) -> list[str]:
     token_file = stack.options.token_file
     return [] if token_file is None else ["--token-file", str(token_file)]
@@ -435,16 +452,7 @@ def test_a_decode_side_refusal_frees_the_prefill_blocks_within_a_second(
     prompt = "kv " * 150  # 450 tokens: 57 blocks held by the prefill server
     assert _prefill_leg(stack, tid, prompt).status_code == 200
     assert _held(stack.prefill) > 0
-    refused = httpx.post(
-        f"{stack.decode.url}/v1/completions",
-        json={
-            "prompt": prompt,
-            "max_tokens": 8,
-            "n": 2,
-            "kv_transfer_params": _decode_kvp(stack, tid),
-        },
-        timeout=60,
-    )
+    refused = _decode_leg(stack, tid, prompt, n=2)
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["type"] == "invalid_request_error"
     freed_after = _until(lambda: _held(stack.prefill) == 0, timeout_s=10)
@@ -579,16 +587,7 @@ def test_a_full_decode_server_queues_in_order_and_refuses_only_a_full_queue(
             queued: list[httpx.Response] = []
             waiter = threading.Thread(
                 target=lambda: queued.append(
-                    httpx.post(
-                        f"{small.url}/v1/completions",
-                        timeout=60,
-                        json={
-                            "prompt": prompt_a,
-                            "max_tokens": 8,
-                            "return_token_ids": True,
-                            "kv_transfer_params": _decode_kvp(stack, tid_a),
-                        },
-                    )
+                    _decode_leg(stack, tid_a, prompt_a, server=small, return_token_ids=True)
                 )
             )
             waiter.start()
@@ -596,15 +595,7 @@ def test_a_full_decode_server_queues_in_order_and_refuses_only_a_full_queue(
             assert _until(waiting, 30) is not None
             assert _prefill_leg(stack, tid_b, prompt_b).status_code == 200
             assert _held(stack.prefill) > held_a
-            full = httpx.post(
-                f"{small.url}/v1/completions",
-                timeout=30,
-                json={
-                    "prompt": prompt_b,
-                    "max_tokens": 8,
-                    "kv_transfer_params": _decode_kvp(stack, tid_b),
-                },
-            )
+            full = _decode_leg(stack, tid_b, prompt_b, server=small, timeout=30)
             assert full.status_code == 429, full.text
             assert full.headers["retry-after"] == "1"
             error = full.json()["error"]
@@ -778,15 +769,7 @@ def test_legs_sharing_a_transfer_id_but_not_a_prompt_fail_at_once_saying_so(
     assert len(fingerprint) == 16
     assert _held(stack.prefill) > 0
     started = time.monotonic()
-    decoded = httpx.post(
-        f"{stack.decode.url}/v1/completions",
-        json={
-            "prompt": "zzzz yyyy xxxx",
-            "max_tokens": 4,
-            "kv_transfer_params": _decode_kvp(stack, tid),
-        },
-        timeout=30,
-    )
+    decoded = _decode_leg(stack, tid, "zzzz yyyy xxxx", max_tokens=4, timeout=30)
     failed_after = time.monotonic() - started
     assert decoded.status_code == 502, decoded.text
     message = decoded.json()["error"]["message"]
@@ -801,15 +784,7 @@ def test_legs_sharing_a_transfer_id_but_not_a_prompt_fail_at_once_saying_so(
     answers: list[httpx.Response] = []
     waiter = threading.Thread(
         target=lambda: answers.append(
-            httpx.post(
-                f"{stack.decode.url}/v1/completions",
-                json={
-                    "prompt": "qqqq rrrr ssss",
-                    "max_tokens": 4,
-                    "kv_transfer_params": _decode_kvp(stack, tid),
-                },
-                timeout=30,
-            )
+            _decode_leg(stack, tid, "qqqq rrrr ssss", max_tokens=4, timeout=30)
         )
     )
     waiter.start()
