@@ -3,7 +3,7 @@
 Driven by JSON lines on stdin; replies `@reply {...}` and, whenever a transfer ends,
 `@result {...}` (from a thread that waits on the runtime). Tests kill it with SIGKILL.
 
-    python tests/runtime_peer.py ENGINE_ID ROLE PORT SEED [LIVENESS_S LEASE_S]
+    [KVPUSH_TOKEN=...] python tests/runtime_peer.py ENGINE_ID ROLE PORT SEED [LIVENESS_S LEASE_S]
         -> first line: @reply {"port", "agent_name", "incarnation"}
     {"op": "send", "transfer_id", "blocks", "ready_layers": null | [..]}
     {"op": "receive", "transfer_id", "sender_port", "blocks"}
@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import json
 import logging
+import os
 import sys
 import threading
 import traceback
@@ -83,13 +84,18 @@ def main(argv: list[str]) -> int:
     )
 
     ranks: dict[int, PeerMetadata] = {}
-    server = MetadataServer(HOST, port, SideChannelConfig(), ranks)
+    token = os.environ.get("KVPUSH_TOKEN")
+    server = MetadataServer(HOST, port, SideChannelConfig(token=token), ranks)
     server.start()
     incarnation = uuid.uuid4().hex
     identity = RuntimeIdentity(engine_id, incarnation, HOST, server.port, 0, role)
     transport = NixlTransport(f"{engine_id}-{incarnation[:12]}")
     runtime = PushRuntime(
-        transport, geometry, identity, SideChannelPeerDirectory(timeout_ms=1000), timing=timing
+        transport,
+        geometry,
+        identity,
+        SideChannelPeerDirectory(timeout_ms=1000, token=token),
+        timing=timing,
     )
     runtime.start()
     ranks[0] = runtime.local_metadata()

@@ -108,13 +108,24 @@ def test_unknown_rank_exits_1(tiny_endpoint: Endpoint) -> None:
 def test_incompatible_endpoint_exits_1_naming_what_differs(
     tiny_endpoint: Endpoint, v6_endpoint: Endpoint, token_file: Path
 ) -> None:
-    code, out, err = _probe(
-        v6_endpoint, "--token-file", str(token_file), "--expect-peer", tiny_endpoint.address
-    )
+    reference = start_endpoint("--preset", "tiny", "--blocks", "8", "--token-file", str(token_file))
+    try:
+        code, out, err = _probe(
+            v6_endpoint, "--token-file", str(token_file), "--expect-peer", reference.address
+        )
+    finally:
+        reference.stop()
     assert (code, out) == (1, "")
     assert err.startswith("IncompatiblePeer: ")
     assert "regions differ first at #0" in err
     assert "block_bytes" in err
+    # A reference that cannot prove it holds the token is not believed either.
+    code, out, err = _probe(
+        v6_endpoint, "--token-file", str(token_file), "--expect-peer", tiny_endpoint.address
+    )
+    assert (code, out) == (1, "")
+    assert err.startswith("AuthenticationRefused: the reference peer")
+    assert "without proving that it holds the shared token" in err
 
     code, out, _ = _probe(tiny_endpoint, "--json")
     the_hash = json.loads(out)["compat_hash"]

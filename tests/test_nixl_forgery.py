@@ -25,22 +25,28 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
+from kvpush.sidechannel import fetch_metadata
 from test_nixl_multiprocess import RankProcess
 
 pytestmark = pytest.mark.nixl
 
 FORGER = Path(__file__).with_name("forger.py")
+SQUATTER = Path(__file__).with_name("squatter.py")
 TRANSFERS = 8
 BLOCKS_PER_TRANSFER = 2
 COUNTED_WITHIN_S = 30.0  # a loaded 2-core machine; counting is done in well under 1 s
 
 
-class Forger:
-    def __init__(self, sender_port: int, receiver_port: int) -> None:
+class Driven:
+    """A test script in its own process, driven by JSON lines: `call` one command, get its
+    `@reply`."""
+
+    def __init__(self, script: Path, *args: str) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, str(FORGER), str(sender_port), str(receiver_port)],
+            [sys.executable, str(script), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -48,32 +54,25 @@ class Forger:
         )
         self.replies: queue.Queue[dict[str, Any]] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        self.agents = self._reply(60)["agents"]
+        self.hello = self._reply(60)
 
     def _read(self) -> None:
         assert self.process.stdout is not None
         for line in self.process.stdout:
             if line.startswith("@reply "):
                 self.replies.put(json.loads(line[len("@reply ") :]))
-        self.replies.put({"error": f"forger exited ({self.process.wait()})"})
+        self.replies.put({"error": f"{self.process.args} exited ({self.process.wait()})"})
 
     def _reply(self, timeout: float) -> dict[str, Any]:
         reply = self.replies.get(timeout=timeout)
         assert "error" not in reply, reply.get("trace", reply["error"])
         return reply
 
-    def burst(self, transfer_ids: list[str], rival: bool) -> dict[str, dict[str, int]]:
+    def call(self, **cmd: Any) -> dict[str, Any]:
         assert self.process.stdin is not None
-        cmd = {
-            "op": "burst",
-            "transfer_ids": transfer_ids,
-            "num_blocks": BLOCKS_PER_TRANSFER,
-            "rival": rival,
-        }
         self.process.stdin.write(json.dumps(cmd) + "\n")
         self.process.stdin.flush()
-        sent: dict[str, dict[str, int]] = self._reply(60)["sent"]
-        return sent
+        return self._reply(60)
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -88,6 +87,19 @@ class Forger:
         for stream in (self.process.stdin, self.process.stdout):
             if stream is not None:
                 stream.close()
+
+
+class Forger(Driven):
+    def __init__(self, sender_port: int, receiver_port: int) -> None:
+        super().__init__(FORGER, str(sender_port), str(receiver_port))
+        self.agents = self.hello["agents"]
+
+    def burst(self, transfer_ids: list[str], rival: bool) -> dict[str, dict[str, int]]:
+        reply = self.call(
+            op="burst", transfer_ids=transfer_ids, num_blocks=BLOCKS_PER_TRANSFER, rival=rival
+        )
+        sent: dict[str, dict[str, int]] = reply["sent"]
+        return sent
 
 
 def _add(total: dict[str, int], more: dict[str, int]) -> None:
@@ -173,5 +185,51 @@ def test_forged_messages_from_foreign_agents_lose_no_real_transfer_and_are_all_c
     finally:
         if forger is not None:
             forger.close()
+        sender.close()
+        receiver.close()
+
+
+def test_a_squatter_without_the_token_gets_no_transfer_and_never_sees_the_token() -> None:
+    """Issue 11: the sender's metadata, message key included, was seen on the network by
+    a process without the side channel's token. It registers the predicted transfer ids
+    first, naming a side channel of its own that answers as a compatible receiver. The
+    sender asks that side channel to prove it holds the token (it cannot), so it writes
+    nothing there and never sends the token; the real transfers all finish."""
+    token = "the-shared-token-0123"
+    sender = RankProcess("engine-p", "sender", seed=3, token=token)
+    receiver = RankProcess("engine-d", "receiver", seed=4, token=token)
+    squatter: Driven | None = None
+    try:
+        sender.ready()
+        receiver.ready()
+        seen = fetch_metadata("127.0.0.1", sender.port, token=token)  # what the network saw
+        squatter = Driven(SQUATTER)
+        tids = [f"req-{i}" for i in range(TRANSFERS)]
+        squatted = squatter.call(
+            op="squat",
+            sender=msgspec.msgpack.encode(seen).hex(),
+            transfer_ids=tids,
+            num_blocks=BLOCKS_PER_TRANSFER,
+        )
+        assert squatted["sent"] == TRANSFERS
+        end = time.monotonic() + COUNTED_WITHIN_S
+        while (report := squatter.call(op="report", token=token))["requests"] == 0:
+            assert time.monotonic() < end, "the sender never looked the squatter up"
+            time.sleep(0.05)
+        half = TRANSFERS * BLOCKS_PER_TRANSFER
+        _run(sender, receiver, tids, 0, half)
+        for rank in (sender, receiver):
+            rank.wait_results(lambda rs: {*tids} <= {r["transfer_id"] for r in rs}, 60)
+        report = squatter.call(op="report", token=token)
+        assert not report["token_seen"], "the token travelled to the squatter"
+        assert report["bytes_written"] == 0, f"KV written into the squatter's memory: {report}"
+        _check(sender, receiver, tids, 0, half)
+        stats = sender.call(op="stats")
+        assert stats["forged_messages"] == {"unverified": TRANSFERS}, stats
+        assert stats["failed"] == 0 and stats["finished"] == TRANSFERS, stats
+        assert stats["blocks_held_sending"] == 0, stats
+    finally:
+        if squatter is not None:
+            squatter.close()
         sender.close()
         receiver.close()

@@ -65,8 +65,13 @@ MARGIN_S = 4.0  # scheduling noise on a shared 2-core machine, never a speed cla
 class RankProcess:
     """One `runtime_peer.py` process: commands in, replies and transfer results out."""
 
-    def __init__(self, engine_id: str, role: str, port: int = 0, seed: int = 0) -> None:
+    def __init__(
+        self, engine_id: str, role: str, port: int = 0, seed: int = 0, token: str | None = None
+    ) -> None:
         self.engine_id = engine_id
+        env = {k: v for k, v in os.environ.items() if k != "KVPUSH_TOKEN"}
+        if token is not None:
+            env["KVPUSH_TOKEN"] = token
         self.process = subprocess.Popen(
             [
                 sys.executable,
@@ -82,6 +87,7 @@ class RankProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
+            env=env,
         )
         self.replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self.results: list[dict[str, Any]] = []

@@ -28,10 +28,18 @@ from kvpush.sidechannel import (
     GET_META_MSG,
     MetadataServer,
     PeerMetadata,
+    control_request,
     fetch_metadata,
     fetch_metadata_timed,
 )
-from kvpush.sidechannel.wire import decode_header
+from kvpush.sidechannel.wire import (
+    REQUEST_FORM,
+    Refusal,
+    ReplyHeader,
+    decode_header,
+    encode_request,
+    new_nonce,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -101,6 +109,92 @@ def test_token_is_required_when_configured(host: str) -> None:
         assert fetch_metadata(host, server.port, token="s3cret") == _meta()
         stats = server.statistics()
     assert (stats.refused_auth, stats.served, stats.refused_unknown_rank) == (3, 1, 0)
+
+
+def test_the_token_never_travels_and_a_side_channel_without_it_is_refused(host: str) -> None:
+    """Issue 11: a forged Register can name any side channel. One that does not hold the
+    token sees only a proof of it, and nothing it answers is used: not the real server's
+    answer replayed, not a made-up proof, not an answer with no proof."""
+    token = "the-shared-token-1234"
+    with MetadataServer(host, 0, SideChannelConfig(token=token), {0: _meta()}) as real:
+        with _dealer(host, real.port) as sock:  # an exchange an eavesdropper saw
+            sock.send(encode_request(0, token, new_nonce()))
+            captured = sock.recv_multipart()
+        assert len(captured) == 3
+        seen: list[bytes] = []
+        answers = [captured[:2], captured, [*captured[:2], bytes(32)]]
+
+        def impostor(request: bytes) -> list[bytes]:
+            seen.append(request)
+            return answers[len(seen) - 1]
+
+        with _fake_server(impostor, host) as port:
+            with pytest.raises(AuthenticationRefused, match="without proving that it holds"):
+                fetch_metadata(host, port, token=token)
+            for _replayed_or_made_up in range(2):
+                with pytest.raises(
+                    AuthenticationRefused, match="proof of the shared token is wrong"
+                ):
+                    fetch_metadata(host, port, token=token)
+        assert len(seen) == 3
+        assert all(token.encode() not in request for request in seen), "the token travelled"
+        assert fetch_metadata(host, real.port, token=token) == _meta()
+
+
+def test_a_client_with_a_token_refuses_a_side_channel_configured_without_one(host: str) -> None:
+    with MetadataServer(host, 0, SideChannelConfig(), {0: _meta()}) as open_server:
+        with pytest.raises(AuthenticationRefused, match="it has none configured"):
+            fetch_metadata(host, open_server.port, token="s3cret")
+        assert fetch_metadata(host, open_server.port) == _meta()
+
+
+def test_the_proof_covers_the_request_byte_for_byte(host: str) -> None:
+    """A signed request changed on the way (rank 0 made rank 1) is refused."""
+    with MetadataServer(
+        host, 0, SideChannelConfig(token="s3cret"), {0: _meta(0), 1: _meta(1)}
+    ) as server:
+        frame = bytearray(encode_request(0, "s3cret", new_nonce()))
+        rank_at = frame.index(GET_META_MSG) + len(GET_META_MSG)
+        assert frame[rank_at] == 0
+        frame[rank_at] = 1
+        with _dealer(host, server.port) as sock:
+            sock.send(bytes(frame))
+            header = decode_header(sock.recv_multipart()[0])
+        assert (header.status, header.refusal) == ("refused", Refusal.AUTH_REFUSED)
+        assert "wrong token" in header.detail
+        assert server.statistics().refused_auth == 1
+
+
+def test_control_requests_prove_the_token_both_ways(host: str) -> None:
+    calls: list[object] = []
+
+    def echo(body: object) -> object:
+        calls.append(body)
+        return body
+
+    control = {b"kvpush_test_echo": echo}
+    config = SideChannelConfig(token="s3cret")
+    with MetadataServer(host, 0, config, {0: _meta()}, control=control) as server:
+        assert control_request(host, server.port, b"kvpush_test_echo", [1], token="s3cret") == [1]
+        with pytest.raises(AuthenticationRefused, match="wrong token"):
+            control_request(host, server.port, b"kvpush_test_echo", [2], token="guess")
+        with pytest.raises(AuthenticationRefused, match="no token given"):
+            control_request(host, server.port, b"kvpush_test_echo", [3])
+    assert calls == [[1]]
+    open_server = MetadataServer(host, 0, SideChannelConfig(), {0: _meta()}, control=control)
+    with open_server, pytest.raises(AuthenticationRefused, match="it has none configured"):
+        control_request(host, open_server.port, b"kvpush_test_echo", [4], token="s3cret")
+    assert calls == [[1], [4]]  # it ran there, but its answer was not believed
+
+
+def test_a_peer_of_an_older_protocol_is_told_apart_from_a_wrong_token() -> None:
+    """A protocol-3 server cannot read our proof: the refusal says the versions differ."""
+    old = ReplyHeader("refused", 3, "", "0.0.9", Refusal.MALFORMED_REQUEST, "an array of 4")
+    with (
+        _fake_server(lambda _r: [msgspec.msgpack.encode(old), b""]) as port,
+        pytest.raises(IncompatiblePeer, match="protocol version differs: theirs 3"),
+    ):
+        fetch_metadata("127.0.0.1", port, token="s3cret")
 
 
 def test_incompatible_peer_is_refused_naming_what_differs(
@@ -225,7 +319,10 @@ def test_malformed_requests_get_an_error_reply_saying_what_was_expected() -> Non
             msgspec.msgpack.encode(("get_meta_msg", 0)): "got a first element 'get_meta_msg'",
             msgspec.msgpack.encode((GET_META_MSG, -1)): "got rank -1",
             msgspec.msgpack.encode((GET_META_MSG, True)): "got rank True",
-            msgspec.msgpack.encode((GET_META_MSG, 0, b"tok")): "token of type bytes",
+            msgspec.msgpack.encode((GET_META_MSG, 0, b"tok")): "1 extra element(s)",
+            msgspec.msgpack.encode((GET_META_MSG, 0, "tok")): "token in clear text",
+            msgspec.msgpack.encode((GET_META_MSG, 0, b"n", bytes(32))): "nonce that is not",
+            msgspec.msgpack.encode((GET_META_MSG, 0, bytes(16), b"p")): "proof that is not",
             msgspec.msgpack.encode({"rank": 0}): "not a msgpack",
         }
         with _dealer("127.0.0.1", server.port) as sock:
@@ -239,7 +336,7 @@ def test_malformed_requests_get_an_error_reply_saying_what_was_expected() -> Non
                     b"",
                 )
                 assert expected in header.detail
-                assert '(b"get_meta_msg", rank: int >= 0[, token: str])' in header.detail
+                assert REQUEST_FORM in header.detail
         assert server.statistics().malformed == len(cases)
 
 
@@ -335,15 +432,17 @@ class _dealer:
 class _fake_server:
     """A ROUTER that answers every request with `reply(request)`: a misbehaving peer."""
 
-    def __init__(self, reply: object) -> None:
+    def __init__(self, reply: object, host: str = "127.0.0.1") -> None:
         self.reply = reply
+        self.host = host
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IPV6, 1)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run)
 
     def __enter__(self) -> int:
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        port = self.sock.bind_to_random_port(f"tcp://{'[::1]' if ':' in self.host else self.host}")
         self.thread.start()
         return port
 

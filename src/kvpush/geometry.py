@@ -24,7 +24,9 @@ import msgspec
 # 3: every data-plane message begins with the receiving rank's message key (published in
 # its metadata), and a Reject names its receiver; a version-2 peer's messages would all
 # be dropped unread, so the side channel refuses the pair instead, saying why.
-PROTOCOL_VERSION = 3
+# 4: the side channel's token is proven both ways (HMAC over a nonce) instead of sent in
+# clear (`kvpush.sidechannel.wire`); a version-3 peer's request is refused, saying why.
+PROTOCOL_VERSION = 4
 
 
 class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=False):

@@ -7,6 +7,7 @@ in the background, and a server that drops us (a frame over its size cap) is not
 
 from __future__ import annotations
 
+import hmac
 import socket
 import time
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from kvpush.sidechannel.wire import (
     describe_differences,
     encode_control_request,
     encode_request,
+    new_nonce,
+    reply_proof,
 )
 
 _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
@@ -64,9 +67,12 @@ def fetch_metadata(
 ) -> PeerMetadata:
     """Fetch and check one rank's metadata from an engine's side channel.
 
+    With `token`, the request proves we hold it and the answer is used only if it proves
+    the server holds it too; the token itself is never sent (see `kvpush.sidechannel.wire`).
+
     Raises `PeerUnreachable` (refused, closed on us, or no answer within `timeout_ms`),
-    `AuthenticationRefused`, `IncompatiblePeer` (naming what differs), `UnknownRank` or
-    `MalformedReply`.
+    `AuthenticationRefused` (they refused our proof, or gave none of their own),
+    `IncompatiblePeer` (naming what differs), `UnknownRank` or `MalformedReply`.
     """
     return fetch_metadata_timed(
         host,
@@ -97,13 +103,19 @@ def fetch_metadata_timed(
         raise UnknownRank(f"rank must be >= 0, got {rank}")
     address = zmq_address(host, port)
     where = f"{address} rank {rank}"
+    nonce = new_nonce()
     started = time.perf_counter()
     frames = _exchange(
-        context, host, port, encode_request(rank, token), where=where, timeout_ms=timeout_ms
+        context,
+        host,
+        port,
+        encode_request(rank, token, nonce),
+        where=where,
+        timeout_ms=timeout_ms,
     )
     round_trip = time.perf_counter() - started
     return _check_reply(
-        frames,
+        _proven_frames(frames, token, nonce, where),
         where=where,
         rank=rank,
         round_trip=round_trip,
@@ -161,6 +173,8 @@ def control_request(
 ) -> Any:
     """Send one control request (see `kvpush.sidechannel.wire`) and return the answer.
 
+    The token is proven both ways, as for `fetch_metadata`.
+
     Raises `PeerUnreachable`, `AuthenticationRefused`, `RequestRejected` (the handler
     refused the body; the message says why), `MalformedReply` or `SideChannelError`.
     """
@@ -168,14 +182,16 @@ def control_request(
         raise SideChannelError(f"timeout_ms must be positive, got {timeout_ms}")
     address = zmq_address(host, port)
     where = f"{address} {kind.decode(errors='replace')}"
+    nonce = new_nonce()
     frames = _exchange(
         context,
         host,
         port,
-        encode_control_request(kind, body, token),
+        encode_control_request(kind, body, token, nonce),
         where=where,
         timeout_ms=timeout_ms,
     )
+    frames = _proven_frames(frames, token, nonce, where)
     if len(frames) != 2:
         raise MalformedReply(f"{where}: expected a reply of 2 frames, got {len(frames)}")
     try:
@@ -190,6 +206,34 @@ def control_request(
         return decode_control_reply(frames[1])
     except MalformedReply as exc:
         raise MalformedReply(f"{where}: {exc}") from None
+
+
+def _proven_frames(frames: list[bytes], token: str | None, nonce: bytes, where: str) -> list[bytes]:
+    """A reply's frames 1 and 2, once its frame 3 proved that the server holds `token`.
+
+    Without a token there is nothing to prove. A refusal needs no proof: it is used only
+    for its reason, and a forged one can do no more than the silence of a wrong address.
+    An answer without a right proof is refused whole."""
+    if token is None or len(frames) < 2:
+        return frames
+    try:
+        refused = decode_header(frames[0]).status == "refused"
+    except MalformedReply:
+        return frames  # reported as malformed by the caller
+    if refused:
+        return frames[:2]
+    if len(frames) != 3:
+        raise AuthenticationRefused(
+            f"{where}: the side channel answered without proving that it holds the shared "
+            "token: it has none configured, or it is not the peer it claims to be; nothing "
+            "it sent is used"
+        )
+    if not hmac.compare_digest(frames[2], reply_proof(token, nonce, frames[0], frames[1])):
+        raise AuthenticationRefused(
+            f"{where}: the side channel's proof of the shared token is wrong: it holds "
+            "another token, or it is not the peer it claims to be; nothing it sent is used"
+        )
+    return frames[:2]
 
 
 def _why_not_connected(host: str) -> str:
@@ -293,6 +337,15 @@ def _check_reply(
 
 def _raise_refusal(header: ReplyHeader, where: str) -> None:
     message = f"{where}: {header.detail or header.refusal}"
+    if header.protocol_version != PROTOCOL_VERSION and header.refusal in (
+        Refusal.MALFORMED_REQUEST,
+        Refusal.AUTH_REFUSED,
+    ):
+        raise IncompatiblePeer(
+            f"{where}: protocol version differs: theirs {header.protocol_version} "
+            f"(kvpush {header.kvpush_version}), ours {PROTOCOL_VERSION}; they refused our "
+            f"request: {header.detail or header.refusal}"
+        )
     if header.refusal == Refusal.AUTH_REFUSED:
         raise AuthenticationRefused(message)
     if header.refusal == Refusal.UNKNOWN_RANK:

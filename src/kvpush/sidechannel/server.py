@@ -17,17 +17,16 @@ option, which is always on (an IPv4 address still binds IPv4 only).
 
 Control requests: the server's owner may register handlers for other request kinds
 (`control={b"kind": handler}`, see `kvpush.sidechannel.wire`). They run on the server
-thread, after the token check, and must be quick and thread-safe: a handler answers with
-a msgpack-able value or refuses with `RequestRejected`; any other exception is refused as
-UNAVAILABLE and logged, and the server keeps serving. The server knows nothing of what a
-kind means: `kvpush endpoint` is where the bench's kinds live.
+thread, after the token's proof is checked, and must be quick and thread-safe: a handler
+answers with a msgpack-able value or refuses with `RequestRejected`; any other exception
+is refused as UNAVAILABLE and logged, and the server keeps serving. The server knows
+nothing of what a kind means: `kvpush endpoint` is where the bench's kinds live.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hmac
 import itertools
 import logging
 import socket
@@ -47,12 +46,14 @@ from kvpush.sidechannel.wire import (
     PeerMetadata,
     Refusal,
     RequestRejected,
+    Signature,
     control_kind,
     decode_control_request,
     decode_request,
     encode_control_reply,
     encode_ok,
     encode_refusal,
+    reply_proof,
 )
 
 log = logging.getLogger(__name__)
@@ -69,9 +70,9 @@ class SideChannelStats:
     """A snapshot of what a server has done since it started."""
 
     served: int = 0  # metadata replies sent
-    refused_auth: int = 0  # refusals: missing or wrong token
+    refused_auth: int = 0  # refusals: no proof of the token, or a wrong one
     refused_unknown_rank: int = 0  # refusals: no such rank
-    malformed: int = 0  # refusals: a request that was not (b"get_meta_msg", rank[, token])
+    malformed: int = 0  # refusals: a request not of the wire's form (a token in clear too)
     dropped: int = 0  # not answered at all: wrong framing, over the size cap
     unavailable: int = 0  # refusals: the rank source raised
     control_served: int = 0  # control requests answered by their handler
@@ -301,15 +302,15 @@ class MetadataServer:
         except zmq.ZMQError as exc:
             log.debug("side channel reply not sent: %s", exc)
 
-    def _reply_to(self, body: bytes) -> tuple[bytes, bytes]:
+    def _reply_to(self, body: bytes) -> tuple[bytes, ...]:
         if self._control and control_kind(body) in self._control:
             return self._control_reply(body)
         try:
-            rank, token = decode_request(body)
+            rank, signature = decode_request(body)
         except MalformedRequest as exc:
             self._count("malformed")
             return encode_refusal(Refusal.MALFORMED_REQUEST, str(exc), __version__)
-        refusal = self._auth_refusal(token)
+        refusal = self._auth_refusal(signature)
         if refusal is not None:
             self._count("refused_auth")
             return refusal
@@ -335,29 +336,34 @@ class MetadataServer:
             cached = (meta, encode_ok(meta, __version__))
             self._cache[rank] = cached
         self._count("served")
-        return cached[1]
+        return self._proven(signature, cached[1])
 
-    def _auth_refusal(self, token: str | None) -> tuple[bytes, bytes] | None:
-        expected_token = self._config.token
-        if expected_token is not None and (
-            token is None or not hmac.compare_digest(token.encode(), expected_token.encode())
-        ):
-            problem = "no token given" if token is None else "wrong token"
-            return encode_refusal(
-                Refusal.AUTH_REFUSED,
-                f"{problem}: this side channel needs the shared token (--token-file or "
-                "KVPUSH_TOKEN)",
-                __version__,
-            )
-        return None
+    def _auth_refusal(self, signature: Signature | None) -> tuple[bytes, bytes] | None:
+        token = self._config.token
+        if token is None or (signature is not None and signature.made_with(token)):
+            return None
+        # "wrong token": the request's proof was made with another one (or with none).
+        problem = "no token given" if signature is None else "wrong token"
+        return encode_refusal(
+            Refusal.AUTH_REFUSED,
+            f"{problem}: this side channel needs the shared token (--token-file or KVPUSH_TOKEN)",
+            __version__,
+        )
 
-    def _control_reply(self, frame: bytes) -> tuple[bytes, bytes]:
+    def _proven(self, signature: Signature | None, reply: tuple[bytes, bytes]) -> tuple[bytes, ...]:
+        """`reply`, with our proof of the token when the request proved it too."""
+        token = self._config.token
+        if token is None or signature is None:
+            return reply
+        return (*reply, reply_proof(token, signature.nonce, *reply))
+
+    def _control_reply(self, frame: bytes) -> tuple[bytes, ...]:
         try:
-            kind, body, token = decode_control_request(frame)
+            kind, body, signature = decode_control_request(frame)
         except MalformedRequest as exc:
             self._count("control_rejected")
             return encode_refusal(Refusal.MALFORMED_REQUEST, str(exc), __version__)
-        refusal = self._auth_refusal(token)
+        refusal = self._auth_refusal(signature)
         if refusal is not None:
             self._count("control_rejected")
             return refusal
@@ -374,7 +380,7 @@ class MetadataServer:
                 Refusal.UNAVAILABLE, f"{kind.decode(errors='replace')} failed: {exc}", __version__
             )
         self._count("control_served")
-        return reply
+        return self._proven(signature, reply)
 
 
 def _describe(exc: BaseException) -> str:
