@@ -80,7 +80,7 @@ STRICT_COMPATIBILITY = CompatibilityPolicy()
 
 @dataclass(frozen=True, slots=True)
 class SideChannelConfig:
-    token: str | None = None  # shared secret; None disables authentication
+    token: str | None = None  # shared secret, proven both ways, never sent; None: no auth
     max_frame_bytes: int = 64 * 1024  # requests larger than this are dropped unread
 
 

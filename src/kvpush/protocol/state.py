@@ -130,14 +130,18 @@ only a peer the side channel admitted can put a message in front of us at all, u
 any name. Measured on one shared 2-core host (load 10-13) by
 `scripts/measure_message_key.py`, four runs: checking the key costs 0.3-0.9 us per
 message on top of a 0.7-1.3 us decode (a Done, a heartbeat listing 8 ids), against
-3.7-12 us for an HMAC-SHA256 of the message, on each side. The key travels in
-clear, as the side channel's token does, so a MAC would add protection only against
-someone who can read the network, and that someone can read the token (and so every
-key) from the side channel anyway; hence the key, not a MAC. Without a token the side
-channel serves the key to anyone who asks, and identity rests on the rules above,
-which hold against any agent that does not borrow a real peer's name. What an agent
-admitted by the side channel can still do, under its own name and with a side channel of
-its own: register a transfer id that no receiver has registered yet, as any engine the
+3.7-12 us for an HMAC-SHA256 of the message, on each side. The key travels in clear
+in the metadata (the token does not: each side proves it holds it, see
+`kvpush.sidechannel.wire`), so a MAC would add protection only against someone who can
+read the network and also send on it; the KV itself crosses the same network in clear,
+so that someone is outside what kvpush protects. Hence the key, not a MAC. Such a
+reader still cannot take a transfer: a Register naming its own side channel is looked
+up there, and with a token configured an answer that does not prove the token is
+refused ("unverified"). Without a token the side channel serves the key to anyone who
+asks, and identity rests on the rules above, which hold against any agent that does not
+borrow a real peer's name. What an agent admitted by the side channel (it holds the
+token, or none is set) can still do, under its own name and with a side channel of its
+own: register a transfer id that no receiver has registered yet, as any engine the
 sender has not heard from (even a real one's id), and so take that transfer (the
 sender's engine does not say which receiver a transfer is for; an optional receiver
 address on `submit` would let the sender refuse every other, and is not built yet).
