@@ -10,7 +10,7 @@ KV into the squatter's memory; the real transfer would then meet an id in use.
 
     python tests/squatter.py   (then JSON lines on stdin)
     {"op": "squat", "sender": "<hex of the sender's PeerMetadata, msgpack>",
-     "transfer_ids": [...], "num_blocks": N}
+     "transfer_ids": [...], "num_blocks": N, "host": "127.0.0.1" | "::1"}
         -> {"sent": n, "side_channel_port": port}
     {"op": "report"}  -> {"requests": n, "token_seen": bool, "bytes_written": n,
                           "notifications": n}
@@ -35,11 +35,10 @@ import msgspec
 import numpy as np
 import zmq
 
+from kvpush.net import bracket_host
 from kvpush.protocol.messages import Register, encode
 from kvpush.sidechannel.wire import PeerMetadata, encode_ok
 from kvpush.transports.nixl import NixlTransport
-
-HOST = "127.0.0.1"
 
 
 def emit(body: dict[str, Any]) -> None:
@@ -50,12 +49,13 @@ class SquatterSideChannel:
     """A ROUTER that answers every request with `meta` (no proof: it has no token to
     make one with) and keeps what it was sent."""
 
-    def __init__(self, meta: PeerMetadata) -> None:
+    def __init__(self, meta: PeerMetadata, host: str) -> None:
         self.reply = encode_ok(meta, "0.1.0")
         self.requests: list[bytes] = []
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.port = self.sock.bind_to_random_port(f"tcp://{HOST}")
+        self.sock.setsockopt(zmq.IPV6, 1)
+        self.port = self.sock.bind_to_random_port(f"tcp://{bracket_host(host)}")
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="squatter-side-channel")
 
@@ -87,7 +87,8 @@ def main() -> int:
         try:
             if cmd["op"] == "squat":
                 sender = msgspec.msgpack.decode(bytes.fromhex(cmd["sender"]), type=PeerMetadata)
-                endpoint = endpoint or squatter_endpoint(sender)
+                host = cmd["host"]
+                endpoint = endpoint or squatter_endpoint(sender, host)
                 transport, side_channel, _memory = endpoint
                 blocks = tuple(range(cmd["num_blocks"]))
                 for tid in cmd["transfer_ids"]:
@@ -95,7 +96,7 @@ def main() -> int:
                         tid,
                         "engine-squatter",
                         "1",
-                        HOST,
+                        host,
                         side_channel.port,
                         0,
                         blocks,
@@ -126,7 +127,7 @@ def main() -> int:
 
 
 def squatter_endpoint(
-    sender: PeerMetadata,
+    sender: PeerMetadata, host: str
 ) -> tuple[NixlTransport, SquatterSideChannel, list[Any]]:
     """An agent with zeroed memory of the sender's cache shape, loaded with the sender,
     and a side channel that serves it as a compatible receiver."""
@@ -154,7 +155,8 @@ def squatter_endpoint(
             agent_metadata=transport.metadata(),
             geometry=geometry,
             message_key=b"",
-        )
+        ),
+        host,
     )
     side_channel.start()
     return transport, side_channel, memory

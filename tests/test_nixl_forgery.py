@@ -189,7 +189,10 @@ def test_forged_messages_from_foreign_agents_lose_no_real_transfer_and_are_all_c
         receiver.close()
 
 
-def test_a_squatter_without_the_token_gets_no_transfer_and_never_sees_the_token() -> None:
+@pytest.mark.parametrize("squatter_host", ["127.0.0.1", "::1"])
+def test_a_squatter_without_the_token_gets_no_transfer_and_never_sees_the_token(
+    squatter_host: str,
+) -> None:
     """Issue 11: the sender's metadata, message key included, was seen on the network by
     a process without the side channel's token. It registers the predicted transfer ids
     first, naming a side channel of its own that answers as a compatible receiver. The
@@ -210,6 +213,7 @@ def test_a_squatter_without_the_token_gets_no_transfer_and_never_sees_the_token(
             sender=msgspec.msgpack.encode(seen).hex(),
             transfer_ids=tids,
             num_blocks=BLOCKS_PER_TRANSFER,
+            host=squatter_host,
         )
         assert squatted["sent"] == TRANSFERS
         end = time.monotonic() + COUNTED_WITHIN_S
