@@ -43,6 +43,7 @@ import numpy as np
 
 from kvpush.config import SideChannelConfig
 from kvpush.errors import FailureReason
+from kvpush.geometry import CacheGeometry
 from kvpush.protocol.messages import (
     Cancel,
     CancelAck,
@@ -93,26 +94,34 @@ def forgeries(tid: str, claimed: PeerMetadata, port: int, num_blocks: int) -> li
     ]
 
 
+def agent_with_memory_like(
+    name: str, shape: PeerMetadata, peer: PeerMetadata
+) -> tuple[NixlTransport, CacheGeometry, list[Any]]:
+    """A started NIXL agent named `name-...`, loaded with `peer`, that registered a cache
+    of `shape`'s geometry in zeroed memory of its own (kept alive by the list)."""
+    buffers = [
+        np.zeros(r.num_blocks * r.block_stride, dtype=np.uint8) for r in shape.geometry.regions
+    ]
+    geometry = msgspec.structs.replace(
+        shape.geometry,
+        regions=tuple(
+            msgspec.structs.replace(r, base_addr=b.ctypes.data)
+            for r, b in zip(shape.geometry.regions, buffers, strict=True)
+        ),
+    )
+    transport = NixlTransport(f"{name}-{uuid.uuid4().hex[:8]}")
+    transport.start()
+    transport.register_memory(geometry)
+    transport.add_peer(peer.agent_name, peer.agent_metadata, peer.geometry)
+    return transport, geometry, buffers
+
+
 def rival_endpoint(
     impersonated: PeerMetadata, peer: PeerMetadata
 ) -> tuple[NixlTransport, MetadataServer, list[Any]]:
     """An endpoint whose side channel serves it as a new incarnation of `impersonated`'s
     engine, with a cache of the same shape in memory of its own, loaded with `peer`."""
-    buffers = [
-        np.zeros(r.num_blocks * r.block_stride, dtype=np.uint8)
-        for r in impersonated.geometry.regions
-    ]
-    geometry = msgspec.structs.replace(
-        impersonated.geometry,
-        regions=tuple(
-            msgspec.structs.replace(r, base_addr=b.ctypes.data)
-            for r, b in zip(impersonated.geometry.regions, buffers, strict=True)
-        ),
-    )
-    transport = NixlTransport(f"rival-{uuid.uuid4().hex[:8]}")
-    transport.start()
-    transport.register_memory(geometry)
-    transport.add_peer(peer.agent_name, peer.agent_metadata, peer.geometry)
+    transport, geometry, buffers = agent_with_memory_like("rival", impersonated, peer)
     ranks = {
         0: msgspec.structs.replace(
             impersonated,

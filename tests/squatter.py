@@ -25,7 +25,6 @@ import sys
 import threading
 import time
 import traceback
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from forger import agent_with_memory_like
 from kvpush.net import bracket_host
 from kvpush.protocol.messages import Register, encode
 from kvpush.sidechannel.wire import PeerMetadata, encode_ok
@@ -131,20 +131,7 @@ def squatter_endpoint(
 ) -> tuple[NixlTransport, SquatterSideChannel, list[Any]]:
     """An agent with zeroed memory of the sender's cache shape, loaded with the sender,
     and a side channel that serves it as a compatible receiver."""
-    memory = [
-        np.zeros(r.num_blocks * r.block_stride, dtype=np.uint8) for r in sender.geometry.regions
-    ]
-    geometry = msgspec.structs.replace(
-        sender.geometry,
-        regions=tuple(
-            msgspec.structs.replace(r, base_addr=m.ctypes.data)
-            for r, m in zip(sender.geometry.regions, memory, strict=True)
-        ),
-    )
-    transport = NixlTransport(f"squatter-{uuid.uuid4().hex[:8]}")
-    transport.start()
-    transport.register_memory(geometry)
-    transport.add_peer(sender.agent_name, sender.agent_metadata, sender.geometry)
+    transport, geometry, memory = agent_with_memory_like("squatter", sender, sender)
     side_channel = SquatterSideChannel(
         msgspec.structs.replace(
             sender,
