@@ -123,6 +123,11 @@ class _Peer:
     geometry: CacheGeometry
     descriptors: npt.NDArray[np.uint64] | None  # None: loaded for messages only
     dlist: Any  # NIXL prepared descriptor list for the peer's blocks, or None
+    # The write plan of one block: row of (region r, block 0) in `dlist`, per region;
+    # block b's rows are this + b.
+    region_rows: npt.NDArray[np.int32] = dataclasses.field(
+        default_factory=lambda: np.zeros(0, dtype=np.int32)
+    )
 
 
 @dataclasses.dataclass(slots=True)
@@ -180,6 +185,8 @@ class NixlTransport(Transport):
         self._our_dlist: Any = None
         self._backends = [backend]
         self._region_bytes: tuple[int, ...] = ()
+        self._num_blocks = 0
+        self._region_rows: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)
         self._bytes_per_block = 0
         self._regions_adjacent = False
         self._peers: dict[str, _Peer] = {}
@@ -288,6 +295,10 @@ class NixlTransport(Transport):
         self._mem_type = mem_type
         self._our_descriptors = descriptors
         self._our_dlist = dlist
+        self._num_blocks = geometry.num_blocks
+        self._region_rows = np.arange(len(geometry.regions), dtype=np.int32) * np.int32(
+            geometry.num_blocks
+        )
         self._region_bytes = tuple(r.block_bytes for r in geometry.regions)
         self._bytes_per_block = sum(self._region_bytes)
         # Whether one block's descriptors could ever merge across regions: only if the
@@ -348,7 +359,8 @@ class NixlTransport(Transport):
                 FailureReason.HANDSHAKE_FAILED,
                 f"the regions {peer} published are not memory it registered with NIXL: {exc!r}",
             ) from exc
-        self._peers[peer] = _Peer(peer, geometry, descriptors, dlist)
+        rows = np.arange(len(geometry.regions), dtype=np.int32) * np.int32(geometry.num_blocks)
+        self._peers[peer] = _Peer(peer, geometry, descriptors, dlist, rows)
 
     def remove_peer(self, peer: str) -> None:
         state = self._peers.pop(peer, None)
@@ -395,6 +407,21 @@ class NixlTransport(Transport):
             raise TransportError(
                 FailureReason.LOCAL_ERROR, f"write id {write_id} is already in flight"
             )
+        if (
+            regions is None
+            and notification
+            and len(our_blocks) == 1 == len(their_blocks)
+            and type(ob := our_blocks[0]) is int
+            and type(tb := their_blocks[0]) is int
+            and 0 <= ob < self._num_blocks
+            and 0 <= tb < target.geometry.num_blocks
+            and len(self._region_rows)
+        ):
+            # The common small write, checked as validate_write would pass it: one
+            # block, every region, a notification; its descriptor rows from the plans.
+            rows, their_rows = self._region_rows + ob, target.region_rows + tb
+            self._post(agent, target, write_id, rows, their_rows, bytes(notification), 1)
+            return
         region_ids = validate_write(
             self._geometry, target.geometry, peer, our_blocks, their_blocks, regions, notification
         )
@@ -407,23 +434,31 @@ class NixlTransport(Transport):
             self._writes_done += 1
             self._events.append(WriteDone(write_id))
             return
-        # Descriptor row of (region r, block b) is r * num_blocks + b on each side. A
-        # one-block write (the common small case) skips numpy's per-call overhead.
+        # Descriptor row of (region r, block b) is r * num_blocks + b on each side.
         nb, their_nb = self._geometry.num_blocks, target.geometry.num_blocks
-        if len(our_blocks) == 1:
-            ob, tb = our_blocks[0], their_blocks[0]
-            our_index = np.array([r * nb + ob for r in region_ids], dtype=np.int32)
-            their_index = np.array([r * their_nb + tb for r in region_ids], dtype=np.int32)
-        else:
-            region_arr = np.asarray(region_ids, dtype=np.int64)[:, None]
-            our_index = (
-                (region_arr * nb + np.asarray(our_blocks, dtype=np.int64)).astype(np.int32).ravel()
-            )
-            their_index = (
-                (region_arr * their_nb + np.asarray(their_blocks, dtype=np.int64))
-                .astype(np.int32)
-                .ravel()
-            )
+        region_arr = np.asarray(region_ids, dtype=np.int64)[:, None]
+        our_index = (
+            (region_arr * nb + np.asarray(our_blocks, dtype=np.int64)).astype(np.int32).ravel()
+        )
+        their_index = (
+            (region_arr * their_nb + np.asarray(their_blocks, dtype=np.int64))
+            .astype(np.int32)
+            .ravel()
+        )
+        self._post(agent, target, write_id, our_index, their_index, notif, len(our_blocks))
+
+    def _post(
+        self,
+        agent: Any,
+        target: _Peer,
+        write_id: int,
+        our_index: npt.NDArray[np.int32],
+        their_index: npt.NDArray[np.int32],
+        notif: bytes,
+        num_blocks: int,
+    ) -> None:
+        """Make and post one checked write of `num_blocks` blocks: the descriptor rows
+        given on each side, the same regions of each block."""
         try:
             handle = agent.make_prepped_xfer(
                 "WRITE",
@@ -454,21 +489,18 @@ class NixlTransport(Transport):
             self._writes_failed += 1
             self._events.append(WriteFailed(write_id, reason, f"NIXL refused the write: {exc!r}"))
             return
-        block_bytes = self._region_bytes
-        nbytes = (
-            self._bytes_per_block if regions is None else sum(block_bytes[r] for r in region_ids)
-        ) * len(our_blocks)
         self._writes_posted += 1
-        self._bytes_posted += nbytes
-        self._last_block_descriptors = len(our_index)
-        if not self._merge or len(our_blocks) == 1:
-            # One block: its regions are separate allocations, never contiguous.
-            merged = len(our_index)
-            if self._merge and self._regions_adjacent:
-                merged = merged_descriptor_count(
-                    self._our_descriptors, target.descriptors, our_index, their_index
-                )
+        if len(our_index) == len(self._region_bytes) * num_blocks:
+            self._bytes_posted += self._bytes_per_block * num_blocks
         else:
+            rb, nb = self._region_bytes, self._num_blocks
+            self._bytes_posted += sum(rb[int(i) // nb] for i in our_index)
+        self._last_block_descriptors = len(our_index)
+        # Descriptors of one block are in separate allocations unless regions touch: a
+        # one-block write merges nothing then, and skips the count.
+        merged = len(our_index)
+        if self._merge and (num_blocks > 1 or self._regions_adjacent):
+            assert target.descriptors is not None
             merged = merged_descriptor_count(
                 self._our_descriptors, target.descriptors, our_index, their_index
             )
@@ -481,7 +513,7 @@ class NixlTransport(Transport):
                 WriteFailed(write_id, FailureReason.WRITE_ERROR, "NIXL failed to post the write")
             )
             return
-        self._in_flight[write_id] = _InFlight(write_id, peer, handle)
+        self._in_flight[write_id] = _InFlight(write_id, target.name, handle)
 
     def send_message(self, peer: str, payload: bytes) -> None:
         self._live_agent()
