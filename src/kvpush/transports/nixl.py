@@ -130,6 +130,69 @@ class _Peer:
     )
 
 
+class _WriteCalls:
+    """NIXL's three per-write calls (make, post, check), bound once per agent.
+
+    `nixl_agent`'s methods of the same names rebuild the backend list, look the
+    operation up and map the status per call: about 1 us each, on every write and every
+    check of a write in flight. Here the bindings' own methods are called with what
+    those wrappers would pass (handles stay NIXL's `nixl_xfer_handle`, released the
+    same way). A NIXL whose Python API lacks any of these falls back to the API."""
+
+    def __init__(self, nixl: NixlModule, agent: Any, backend: str, merge: bool) -> None:
+        self._agent = agent
+        self._backend = backend
+        self._skip_merge = not merge
+        try:
+            raw = agent.agent
+            bindings = nixl.api.nixlBind
+            self._handle_type = nixl.api.nixl_xfer_handle
+            self._make_raw = raw.makeXferReq
+            self._post_raw = raw.postXferReq
+            self._status_raw = raw.getXferStatus
+            self._op = agent.nixl_ops["WRITE"]
+            self._backends = [agent.backends[backend]]
+            self._states = {bindings.NIXL_SUCCESS: "DONE", bindings.NIXL_IN_PROG: "PROC"}
+            self._raw = raw
+            self.bound = True
+        except (AttributeError, KeyError, TypeError):
+            self.bound = False
+
+    def make(self, ours: Any, our_index: Any, theirs: Any, their_index: Any, notif: bytes) -> Any:
+        if not self.bound:
+            return self._agent.make_prepped_xfer(
+                "WRITE",
+                ours,
+                our_index,
+                theirs,
+                their_index,
+                notif,
+                [self._backend],
+                skip_desc_merge=self._skip_merge,
+            )
+        value = self._make_raw(
+            self._op,
+            ours._handle,
+            our_index,
+            theirs._handle,
+            their_index,
+            notif,
+            self._backends,
+            self._skip_merge,
+        )
+        return self._handle_type(self._raw, value)
+
+    def post(self, handle: Any, notif: bytes) -> str:
+        if not self.bound:
+            return str(self._agent.transfer(handle, notif))
+        return self._states.get(self._post_raw(handle._handle, notif), "ERR")
+
+    def state(self, handle: Any) -> str:
+        if not self.bound:
+            return str(self._agent.check_xfer_state(handle))
+        return self._states.get(self._status_raw(handle._handle), "ERR")
+
+
 @dataclasses.dataclass(slots=True)
 class _InFlight:
     write_id: int
@@ -176,6 +239,7 @@ class NixlTransport(Transport):
         self._merge = merge_descriptors
         self._num_threads = num_threads
         self._nixl: NixlModule | None = None
+        self._calls: _WriteCalls | None = None
         self._agent: Any = None
         self._closed = False
         self._geometry: CacheGeometry | None = None
@@ -228,12 +292,14 @@ class NixlTransport(Transport):
             )
         self._nixl = nixl
         self._agent = agent
+        self._calls = _WriteCalls(nixl, agent, self._backend, self._merge)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         agent, self._agent = self._agent, None
+        self._calls = None  # holds the agent too: `del agent` below must be the last one
         if agent is None:
             return
         for w in self._in_flight.values():
@@ -420,7 +486,7 @@ class NixlTransport(Transport):
             # The common small write, checked as validate_write would pass it: one
             # block, every region, a notification; its descriptor rows from the plans.
             rows, their_rows = self._region_rows + ob, target.region_rows + tb
-            self._post(agent, target, write_id, rows, their_rows, bytes(notification), 1)
+            self._post(target, write_id, rows, their_rows, bytes(notification), 1)
             return
         region_ids = validate_write(
             self._geometry, target.geometry, peer, our_blocks, their_blocks, regions, notification
@@ -445,11 +511,10 @@ class NixlTransport(Transport):
             .astype(np.int32)
             .ravel()
         )
-        self._post(agent, target, write_id, our_index, their_index, notif, len(our_blocks))
+        self._post(target, write_id, our_index, their_index, notif, len(our_blocks))
 
     def _post(
         self,
-        agent: Any,
         target: _Peer,
         write_id: int,
         our_index: npt.NDArray[np.int32],
@@ -459,17 +524,10 @@ class NixlTransport(Transport):
     ) -> None:
         """Make and post one checked write of `num_blocks` blocks: the descriptor rows
         given on each side, the same regions of each block."""
+        calls = self._calls
+        assert calls is not None  # set with the agent
         try:
-            handle = agent.make_prepped_xfer(
-                "WRITE",
-                self._our_dlist,
-                our_index,
-                target.dlist,
-                their_index,
-                notif,
-                self._backends,
-                skip_desc_merge=not self._merge,
-            )
+            handle = calls.make(self._our_dlist, our_index, target.dlist, their_index, notif)
         except Exception as exc:
             # The arguments were checked above: what fails here is the data plane.
             self._writes_posted += 1
@@ -481,7 +539,7 @@ class NixlTransport(Transport):
             )
             return
         try:
-            state = agent.transfer(handle, notif)
+            state = calls.post(handle, notif)
         except Exception as exc:
             _release_quietly(handle)
             reason = self._reason(exc)
@@ -538,9 +596,11 @@ class NixlTransport(Transport):
         agent = self._live_agent()
         events = self._events
         self._events = []
+        calls = self._calls
+        assert calls is not None  # set with the agent
         for write_id, w in list(self._in_flight.items()):
             try:
-                state = agent.check_xfer_state(w.handle)
+                state = calls.state(w.handle)
                 detail = "NIXL reported the write failed"
             except Exception as exc:
                 state = "ERR"
