@@ -458,7 +458,7 @@ class NixlTransport(Transport):
         notification: bytes | None,
         regions: Sequence[int] | None = None,
     ) -> None:
-        agent = self._live_agent()
+        self._live_agent()
         target = self._peers.get(peer)
         if target is None or self._geometry is None:
             raise TransportError(
