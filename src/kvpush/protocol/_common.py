@@ -224,13 +224,17 @@ class _Compatibility:
         return "; ".join(describe_compat_differences(ours, their))
 
 
-def _check_blocks(blocks: Sequence[int], what: str) -> tuple[int, ...]:
+def _check_blocks(blocks: Sequence[int], call: str, transfer_id: object) -> tuple[int, ...]:
+    """`blocks` as a tuple, checked; errors name `call(transfer_id)` (built only then:
+    this runs once per transfer)."""
     out = tuple(blocks)
     for b in out:
         if not isinstance(b, int) or isinstance(b, bool) or b < 0:
-            raise LocalProtocolError(f"{what}: block id {b!r} is not a non-negative integer")
-    if len(set(out)) != len(out):
-        raise LocalProtocolError(f"{what}: block ids repeat: {list(out)}")
+            raise LocalProtocolError(
+                f"{call}({transfer_id!r}): block id {b!r} is not a non-negative integer"
+            )
+    if len(out) > 1 and len(set(out)) != len(out):
+        raise LocalProtocolError(f"{call}({transfer_id!r}): block ids repeat: {list(out)}")
     return out
 
 

@@ -152,7 +152,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
         `revalidate_after_s`), else asks for a `Handshake` of `sender` first (one per
         address, however many transfers wait for it). The deadline runs from here."""
         now = self._clock.advance(now)
-        ours = _check_blocks(blocks, f"expect({transfer_id!r})")
+        ours = _check_blocks(blocks, "expect", transfer_id)
         if not isinstance(transfer_id, str) or not transfer_id:
             raise LocalProtocolError("transfer id must be a non-empty string")
         if isinstance(sender_offset, bool) or not isinstance(sender_offset, int):

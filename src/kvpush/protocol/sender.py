@@ -188,7 +188,7 @@ class SenderProtocol(_Side["_Outgoing"]):
     ) -> list[Effect]:
         """Our blocks for `transfer_id`; `ready_layers=None`: all computed already."""
         now = self._clock.advance(now)
-        ours = _check_blocks(blocks, f"submit({transfer_id!r})")
+        ours = _check_blocks(blocks, "submit", transfer_id)
         layers = self._check_layers(transfer_id, ready_layers)
         rec = self._transfers.get(transfer_id)
         if rec is not None and rec.blocks is not None:

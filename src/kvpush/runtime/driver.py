@@ -192,6 +192,7 @@ class Driver:
         self._max_backoff_s = max_backoff_s
         self._spin_s = spin_s
         self._tick_interval_s = tick_interval_s
+        self._bytes_per_block = geometry.bytes_per_block
         self._layer_regions: dict[int, list[int]] = collections.defaultdict(list)
         for i, region in enumerate(geometry.regions):
             self._layer_regions[region.layer].append(i)
@@ -420,14 +421,16 @@ class Driver:
         return bool(self._lookups or self._write_bytes) or self._protocol.in_flight()
 
     def _take_commands(self, timeout: float) -> list[Command]:
+        # Two threads may take (this one waiting, an engine thread driving in-step), so
+        # a queue seen non-empty can still be empty by the get. Looked at before each
+        # get: an empty queue (most in-step passes) costs no raised exception.
+        q = self.commands
         out: list[Command] = []
         try:
-            if timeout > 0:
-                out.append(self.commands.get(timeout=timeout))
-            else:
-                out.append(self.commands.get_nowait())
-            while len(out) < 1024:
-                out.append(self.commands.get_nowait())
+            if timeout > 0 and q.empty():
+                out.append(q.get(timeout=timeout))
+            while len(out) < 1024 and not q.empty():
+                out.append(q.get_nowait())
         except queue.Empty:
             pass
         return out
@@ -593,7 +596,7 @@ class Driver:
     def _write(self, now: float, w: WriteBlocks) -> None:
         if w.layers is None:
             regions: list[int] | None = None
-            nbytes = self._geometry.bytes_per_block * len(w.our_blocks)
+            nbytes = self._bytes_per_block * len(w.our_blocks)
         else:
             regions = [r for layer in w.layers for r in self._layer_regions.get(layer, [])]
             per_block = sum(self._geometry.regions[r].block_bytes for r in regions)

@@ -123,6 +123,74 @@ class _Peer:
     geometry: CacheGeometry
     descriptors: npt.NDArray[np.uint64] | None  # None: loaded for messages only
     dlist: Any  # NIXL prepared descriptor list for the peer's blocks, or None
+    # The write plan of one block: row of (region r, block 0) in `dlist`, per region;
+    # block b's rows are this + b.
+    region_rows: npt.NDArray[np.int32] = dataclasses.field(
+        default_factory=lambda: np.zeros(0, dtype=np.int32)
+    )
+
+
+class _WriteCalls:
+    """NIXL's three per-write calls (make, post, check), bound once per agent.
+
+    `nixl_agent`'s methods of the same names rebuild the backend list, look the
+    operation up and map the status per call: about 1 us each, on every write and every
+    check of a write in flight. Here the bindings' own methods are called with what
+    those wrappers would pass (handles stay NIXL's `nixl_xfer_handle`, released the
+    same way). A NIXL whose Python API lacks any of these falls back to the API."""
+
+    def __init__(self, nixl: NixlModule, agent: Any, backend: str, merge: bool) -> None:
+        self._agent = agent
+        self._backend = backend
+        self._skip_merge = not merge
+        try:
+            raw = agent.agent
+            bindings = nixl.api.nixlBind
+            self._handle_type = nixl.api.nixl_xfer_handle
+            self._make_raw = raw.makeXferReq
+            self._post_raw = raw.postXferReq
+            self._status_raw = raw.getXferStatus
+            self._op = agent.nixl_ops["WRITE"]
+            self._backends = [agent.backends[backend]]
+            self._states = {bindings.NIXL_SUCCESS: "DONE", bindings.NIXL_IN_PROG: "PROC"}
+            self._raw = raw
+            self.bound = True
+        except (AttributeError, KeyError, TypeError):
+            self.bound = False
+
+    def make(self, ours: Any, our_index: Any, theirs: Any, their_index: Any, notif: bytes) -> Any:
+        if not self.bound:
+            return self._agent.make_prepped_xfer(
+                "WRITE",
+                ours,
+                our_index,
+                theirs,
+                their_index,
+                notif,
+                [self._backend],
+                skip_desc_merge=self._skip_merge,
+            )
+        value = self._make_raw(
+            self._op,
+            ours._handle,
+            our_index,
+            theirs._handle,
+            their_index,
+            notif,
+            self._backends,
+            self._skip_merge,
+        )
+        return self._handle_type(self._raw, value)
+
+    def post(self, handle: Any, notif: bytes) -> str:
+        if not self.bound:
+            return str(self._agent.transfer(handle, notif))
+        return self._states.get(self._post_raw(handle._handle, notif), "ERR")
+
+    def state(self, handle: Any) -> str:
+        if not self.bound:
+            return str(self._agent.check_xfer_state(handle))
+        return self._states.get(self._status_raw(handle._handle), "ERR")
 
 
 @dataclasses.dataclass(slots=True)
@@ -171,6 +239,7 @@ class NixlTransport(Transport):
         self._merge = merge_descriptors
         self._num_threads = num_threads
         self._nixl: NixlModule | None = None
+        self._calls: _WriteCalls | None = None
         self._agent: Any = None
         self._closed = False
         self._geometry: CacheGeometry | None = None
@@ -180,6 +249,8 @@ class NixlTransport(Transport):
         self._our_dlist: Any = None
         self._backends = [backend]
         self._region_bytes: tuple[int, ...] = ()
+        self._num_blocks = 0
+        self._region_rows: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)
         self._bytes_per_block = 0
         self._regions_adjacent = False
         self._peers: dict[str, _Peer] = {}
@@ -221,12 +292,14 @@ class NixlTransport(Transport):
             )
         self._nixl = nixl
         self._agent = agent
+        self._calls = _WriteCalls(nixl, agent, self._backend, self._merge)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         agent, self._agent = self._agent, None
+        self._calls = None  # holds the agent too: `del agent` below must be the last one
         if agent is None:
             return
         for w in self._in_flight.values():
@@ -288,6 +361,10 @@ class NixlTransport(Transport):
         self._mem_type = mem_type
         self._our_descriptors = descriptors
         self._our_dlist = dlist
+        self._num_blocks = geometry.num_blocks
+        self._region_rows = np.arange(len(geometry.regions), dtype=np.int32) * np.int32(
+            geometry.num_blocks
+        )
         self._region_bytes = tuple(r.block_bytes for r in geometry.regions)
         self._bytes_per_block = sum(self._region_bytes)
         # Whether one block's descriptors could ever merge across regions: only if the
@@ -348,7 +425,8 @@ class NixlTransport(Transport):
                 FailureReason.HANDSHAKE_FAILED,
                 f"the regions {peer} published are not memory it registered with NIXL: {exc!r}",
             ) from exc
-        self._peers[peer] = _Peer(peer, geometry, descriptors, dlist)
+        rows = np.arange(len(geometry.regions), dtype=np.int32) * np.int32(geometry.num_blocks)
+        self._peers[peer] = _Peer(peer, geometry, descriptors, dlist, rows)
 
     def remove_peer(self, peer: str) -> None:
         state = self._peers.pop(peer, None)
@@ -380,7 +458,7 @@ class NixlTransport(Transport):
         notification: bytes | None,
         regions: Sequence[int] | None = None,
     ) -> None:
-        agent = self._live_agent()
+        self._live_agent()
         target = self._peers.get(peer)
         if target is None or self._geometry is None:
             raise TransportError(
@@ -395,6 +473,21 @@ class NixlTransport(Transport):
             raise TransportError(
                 FailureReason.LOCAL_ERROR, f"write id {write_id} is already in flight"
             )
+        if (
+            regions is None
+            and notification
+            and len(our_blocks) == 1 == len(their_blocks)
+            and type(ob := our_blocks[0]) is int
+            and type(tb := their_blocks[0]) is int
+            and 0 <= ob < self._num_blocks
+            and 0 <= tb < target.geometry.num_blocks
+            and len(self._region_rows)
+        ):
+            # The common small write, checked as validate_write would pass it: one
+            # block, every region, a notification; its descriptor rows from the plans.
+            rows, their_rows = self._region_rows + ob, target.region_rows + tb
+            self._post(target, write_id, rows, their_rows, bytes(notification), 1)
+            return
         region_ids = validate_write(
             self._geometry, target.geometry, peer, our_blocks, their_blocks, regions, notification
         )
@@ -407,34 +500,34 @@ class NixlTransport(Transport):
             self._writes_done += 1
             self._events.append(WriteDone(write_id))
             return
-        # Descriptor row of (region r, block b) is r * num_blocks + b on each side. A
-        # one-block write (the common small case) skips numpy's per-call overhead.
+        # Descriptor row of (region r, block b) is r * num_blocks + b on each side.
         nb, their_nb = self._geometry.num_blocks, target.geometry.num_blocks
-        if len(our_blocks) == 1:
-            ob, tb = our_blocks[0], their_blocks[0]
-            our_index = np.array([r * nb + ob for r in region_ids], dtype=np.int32)
-            their_index = np.array([r * their_nb + tb for r in region_ids], dtype=np.int32)
-        else:
-            region_arr = np.asarray(region_ids, dtype=np.int64)[:, None]
-            our_index = (
-                (region_arr * nb + np.asarray(our_blocks, dtype=np.int64)).astype(np.int32).ravel()
-            )
-            their_index = (
-                (region_arr * their_nb + np.asarray(their_blocks, dtype=np.int64))
-                .astype(np.int32)
-                .ravel()
-            )
+        region_arr = np.asarray(region_ids, dtype=np.int64)[:, None]
+        our_index = (
+            (region_arr * nb + np.asarray(our_blocks, dtype=np.int64)).astype(np.int32).ravel()
+        )
+        their_index = (
+            (region_arr * their_nb + np.asarray(their_blocks, dtype=np.int64))
+            .astype(np.int32)
+            .ravel()
+        )
+        self._post(target, write_id, our_index, their_index, notif, len(our_blocks))
+
+    def _post(
+        self,
+        target: _Peer,
+        write_id: int,
+        our_index: npt.NDArray[np.int32],
+        their_index: npt.NDArray[np.int32],
+        notif: bytes,
+        num_blocks: int,
+    ) -> None:
+        """Make and post one checked write of `num_blocks` blocks: the descriptor rows
+        given on each side, the same regions of each block."""
+        calls = self._calls
+        assert calls is not None  # set with the agent
         try:
-            handle = agent.make_prepped_xfer(
-                "WRITE",
-                self._our_dlist,
-                our_index,
-                target.dlist,
-                their_index,
-                notif,
-                self._backends,
-                skip_desc_merge=not self._merge,
-            )
+            handle = calls.make(self._our_dlist, our_index, target.dlist, their_index, notif)
         except Exception as exc:
             # The arguments were checked above: what fails here is the data plane.
             self._writes_posted += 1
@@ -446,7 +539,7 @@ class NixlTransport(Transport):
             )
             return
         try:
-            state = agent.transfer(handle, notif)
+            state = calls.post(handle, notif)
         except Exception as exc:
             _release_quietly(handle)
             reason = self._reason(exc)
@@ -454,21 +547,18 @@ class NixlTransport(Transport):
             self._writes_failed += 1
             self._events.append(WriteFailed(write_id, reason, f"NIXL refused the write: {exc!r}"))
             return
-        block_bytes = self._region_bytes
-        nbytes = (
-            self._bytes_per_block if regions is None else sum(block_bytes[r] for r in region_ids)
-        ) * len(our_blocks)
         self._writes_posted += 1
-        self._bytes_posted += nbytes
-        self._last_block_descriptors = len(our_index)
-        if not self._merge or len(our_blocks) == 1:
-            # One block: its regions are separate allocations, never contiguous.
-            merged = len(our_index)
-            if self._merge and self._regions_adjacent:
-                merged = merged_descriptor_count(
-                    self._our_descriptors, target.descriptors, our_index, their_index
-                )
+        if len(our_index) == len(self._region_bytes) * num_blocks:
+            self._bytes_posted += self._bytes_per_block * num_blocks
         else:
+            rb, nb = self._region_bytes, self._num_blocks
+            self._bytes_posted += sum(rb[int(i) // nb] for i in our_index)
+        self._last_block_descriptors = len(our_index)
+        # Descriptors of one block are in separate allocations unless regions touch: a
+        # one-block write merges nothing then, and skips the count.
+        merged = len(our_index)
+        if self._merge and (num_blocks > 1 or self._regions_adjacent):
+            assert target.descriptors is not None
             merged = merged_descriptor_count(
                 self._our_descriptors, target.descriptors, our_index, their_index
             )
@@ -481,7 +571,7 @@ class NixlTransport(Transport):
                 WriteFailed(write_id, FailureReason.WRITE_ERROR, "NIXL failed to post the write")
             )
             return
-        self._in_flight[write_id] = _InFlight(write_id, peer, handle)
+        self._in_flight[write_id] = _InFlight(write_id, target.name, handle)
 
     def send_message(self, peer: str, payload: bytes) -> None:
         self._live_agent()
@@ -506,9 +596,11 @@ class NixlTransport(Transport):
         agent = self._live_agent()
         events = self._events
         self._events = []
+        calls = self._calls
+        assert calls is not None  # set with the agent
         for write_id, w in list(self._in_flight.items()):
             try:
-                state = agent.check_xfer_state(w.handle)
+                state = calls.state(w.handle)
                 detail = "NIXL reported the write failed"
             except Exception as exc:
                 state = "ERR"
