@@ -121,6 +121,40 @@ def test_receiver_stopped_past_every_timer(
     finish(ledger, request)
 
 
+def test_a_receiver_stopped_with_nothing_in_flight_is_written_to_again_after(
+    ranks: Callable[..., ChaosRank], request: pytest.FixtureRequest
+) -> None:
+    """The receiver stops while the sender's only transfer with it waits for the engine;
+    the sender gives that one up at liveness and then has nothing to heartbeat for. The
+    resumed receiver answers the sender's heartbeats from before, seconds late, so the
+    sender's bound on its clock comes out loose by more than the lease, and nothing in
+    flight measures it again: before the fix every later Register looked stale and was
+    refused for good. Now the bound is measured again first, and the next transfer
+    goes through."""
+    receiver, sender = ranks("decode", "receiver", "--seed", "3"), ranks("prefill", "sender")
+    receiver.ready()
+    sender.ready()
+    ledger = Ledger(receiver, sender)
+    warm_up(ledger, [0], [0])
+    receiver.call(op="receive", transfer_id="t1", sender_port=sender.port, blocks=[1, 2])
+    wait_until(sender_states(sender, {"registered": 1}), MARGIN_S, "t1's registration")
+    receiver.sigstop()
+    ledger.stalls += 1
+    time.sleep(STALL_S)  # the sender gives t1 up after liveness and goes quiet
+    receiver.sigcont()
+    receiver.wait_results(ended("t1"), MARGIN_S)
+    for tid, theirs, ours in (("t2", [3, 4], [5, 6]), ("t3", [7, 8], [9, 10])):
+        receiver.call(op="receive", transfer_id=tid, sender_port=sender.port, blocks=theirs)
+        ledger.sent(tid, sender.call(op="send", transfer_id=tid, blocks=ours)["sums"])
+        for rank in (receiver, sender):
+            rank.wait_results(ended(tid), MARGIN_S)
+            [result] = rank.result_of(tid)
+            assert result["reason"] is None, (tid, result)
+    [r1] = receiver.result_of("t1")
+    assert r1["reason"] is not None, r1  # the sender gave it up: never submitted
+    finish(ledger, request)
+
+
 @pytest.mark.parametrize(
     ("waiting", "host"),
     [("register_in_inbox", "::1"), ("queued_calls", "127.0.0.1")],

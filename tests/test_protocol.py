@@ -1099,9 +1099,47 @@ def test_a_register_that_waited_in_a_stalled_senders_inbox_is_refused(wire: Wire
     wire.submit("p-1", "t1", [1])  # p-1 resumes: its engine submits, then it reads...
     wire.settle()  # ...the Register (then the Cancel): it looks fresh on p-1's clock
     assert wire.write_log == [("p-1", "d-1", "t0", (0,))]  # nothing written for t1
+    # Before refusing, p-1 measures the receiver's clock again; meanwhile it reads d-1's
+    # Cancel, which ends t1 (had the Cancel been lost, the fresh bound refuses it).
     r = wire.ended("p-1", "t1")
-    assert r.reason is FailureReason.PEER_TIMEOUT and "Register" in r.detail
+    assert r.reason is FailureReason.CANCELLED, r
+
+
+def test_a_stale_register_is_refused_once_a_fresh_bound_confirms_it(wire: Wire) -> None:
+    """The same stall, with d-1's Cancel lost: p-1 asks d-1 again, d-1's answer no longer
+    lists t1, and the fresh bound still puts the Register past its lease: refused."""
+    warm_up(wire)
+    wire.expect("d-1", "t1", "p-1", [3])
+    stall_sender_past_the_fence(wire)
+    wire.queue = [m for m in wire.queue if not isinstance(decode(m[2]), Cancel)]
+    wire.submit("p-1", "t1", [1])
+    wire.settle()
+    assert wire.write_log == [("p-1", "d-1", "t0", (0,))]  # nothing written for t1
+    r = wire.ended("p-1", "t1")
+    assert r.reason is FailureReason.PEER_TIMEOUT and "Register" in r.detail, r
     assert wire.ends["p-1"].sender.stale_registers == 1
+
+
+def test_a_bound_loosened_by_a_starved_receiver_is_measured_again_not_trusted_for_good(
+    wire: Wire,
+) -> None:
+    """A round trip that waited in a stopped receiver leaves the sender's bound on its
+    clock too small by the wait. With no transfer left, no heartbeat measures it again,
+    so before the fix every later Register looked stale and was refused, for good."""
+    warm_up(wire)
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.submit("p-1", "t1", [1], layers=[])  # open, heartbeats flow
+    wire.settle()
+    wire.run_only("p-1", TIMING.liveness_timeout_s + TIMING.lease_s + 2.0)  # d-1 stopped
+    wire.settle()  # d-1 resumes: reads p-1's heartbeats late, answers them, and t1's end
+    assert wire.ended("p-1", "t1").reason is FailureReason.PEER_TIMEOUT
+    for tid, ours, theirs in (("t2", 2, 5), ("t3", 4, 6)):
+        wire.expect("d-1", tid, "p-1", [theirs])
+        wire.submit("p-1", tid, [ours])
+        wire.settle()
+        assert wire.ended("p-1", tid).ok and wire.ended("d-1", tid).ok, wire.results
+        wire.check_content("d-1", tid, (theirs,))
+    assert wire.ends["p-1"].sender.stale_registers == 0
 
 
 def test_a_submit_queued_during_a_stall_writes_nothing_once_the_lease_ran_out(
@@ -1114,7 +1152,22 @@ def test_a_submit_queued_during_a_stall_writes_nothing_once_the_lease_ran_out(
     wire.submit("p-1", "t1", [1])  # runs before any tick on resume
     wire.settle()
     assert [w[2] for w in wire.write_log] == ["t0"]
-    assert wire.ended("p-1", "t1").reason is FailureReason.PEER_TIMEOUT
+    # The lease looks over: p-1 measures d-1's clock again before deciding, and reads
+    # d-1's Cancel meanwhile (with the Cancel lost, the fresh bound ends it PEER_TIMEOUT).
+    assert wire.ended("p-1", "t1").reason is FailureReason.CANCELLED
+
+
+def test_a_submit_after_a_stall_whose_cancel_was_lost_ends_peer_timeout(wire: Wire) -> None:
+    warm_up(wire)
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.settle()
+    stall_sender_past_the_fence(wire)
+    wire.queue = [m for m in wire.queue if not isinstance(decode(m[2]), Cancel)]  # lost
+    wire.submit("p-1", "t1", [1])
+    wire.settle()
+    assert [w[2] for w in wire.write_log] == ["t0"]
+    r = wire.ended("p-1", "t1")
+    assert r.reason is FailureReason.PEER_TIMEOUT and "lease" in r.detail, r
 
 
 def test_a_first_contact_register_from_a_stall_is_never_written(wire: Wire) -> None:

@@ -836,7 +836,9 @@ def test_a_stalled_sender_never_writes_into_blocks_the_receiver_gave_back(
     assert rp.reason in (FailureReason.PEER_TIMEOUT, FailureReason.CANCELLED), rp
     assert [kv.block(r, 2) for r in range(len(kv.geometry.regions))] == canary
     assert cluster.fabric.statistics().writes_done == writes_before
-    assert p.statistics().stale_registers == 1
+    # PEER_TIMEOUT when the sender refused the stale Register, CANCELLED when it read the
+    # receiver's Cancel first, while it measured the receiver's clock again.
+    assert "Register" in rp.detail or rp.reason is FailureReason.CANCELLED, rp
 
 
 # --------------------------------------------------------------------------- in-step driving

@@ -107,6 +107,9 @@ class _Outgoing:
     detail: str = ""
     reply: Message | None = None
     done_write: int | None = None  # the write that carries our Done as its notification
+    # The lease looked over on a bound of the receiver's clock measured before it did:
+    # (our clock when we asked for a fresh bound, why it looked over, a Register's?).
+    recheck: tuple[float, str, bool] | None = None
 
 
 @dataclass(slots=True)
@@ -554,16 +557,6 @@ class SenderProtocol(_Side["_Outgoing"]):
                 return out  # a duplicate
             return out + self._send(peer, self._id_taken(tid))
         stale = self._stale_register(now, peer, granted)
-        if stale is not None:
-            # It waited somewhere (our inbox, while we were stopped) past its lease: the
-            # receiver may have given these blocks back already. Never write for it.
-            self.stale_registers += 1
-            failure = FailureReason.PEER_TIMEOUT
-            if rec is None:
-                self._bury(now, tid, peer, Failed(tid, failure, stale), (failure, stale))
-                return out + self._send(peer, Failed(tid, failure, stale))
-            rec.peer, rec.register = peer, msg
-            return out + self._fail(now, rec, failure, stale, Failed(tid, failure, stale))
         if rec is None:
             rec = _Outgoing(
                 tid, SenderState.REGISTERED, deadline=now + self._timing.transfer_deadline_s
@@ -572,9 +565,15 @@ class SenderProtocol(_Side["_Outgoing"]):
         rec.register = msg
         rec.peer = peer
         rec.lease_until_theirs = granted
+        if rec.blocks is not None:
+            rec.state = SenderState.WRITING
+        if stale is not None:
+            # It waited somewhere (our inbox, while we were stopped) past its lease, or
+            # our bound on the receiver's clock is loose: nothing is written for it unless
+            # a fresh bound, or the receiver's answer listing it, shows the lease holds.
+            return out + self._lapsed(now, rec, stale, register=True)
         if rec.blocks is None:
             return out
-        rec.state = SenderState.WRITING
         return out + self._start(now, rec)
 
     def _granted(self, sent_at: float | None) -> float:
@@ -712,6 +711,53 @@ class SenderProtocol(_Side["_Outgoing"]):
                 out += self._send(peer, tomb.reply)  # it missed our Done/Failed: again
         if first_bound and p is not None and p.ready:
             out += self._issue_for_peer(now, peer)  # writes waited for the bound
+        if p is not None:
+            out += self._settle_rechecks(now, p)
+        return out
+
+    def _lapsed(
+        self, now: float, rec: _Outgoing, detail: str, *, register: bool = False
+    ) -> list[Effect]:
+        """`rec`'s lease looks over: fail it, unless our bound on the receiver's clock
+        may be loose and a fresh one could show it holds.
+
+        The bound comes from the newest round trip, and a round trip that waited (the
+        receiver starved, a message queued) leaves it too small by that wait. With no
+        transfers in flight nothing measures it again, so every later Register would look
+        stale, for good. So before failing on a bound measured earlier, we send the
+        receiver a heartbeat, which it answers at once with a fresh echo (and the ids it
+        still waits for, which renew their leases), and decide on that: nothing is
+        written meanwhile, and silence ends it as any silence does."""
+        p = self._peers.get(rec.peer) if rec.peer is not None else None
+        if rec.recheck is None and p is not None and p.ready and p.skew_lb is not None:
+            rec.recheck = (now, detail, register)
+            return self._heartbeat(now, p, force=True)
+        if rec.recheck is not None and (p is None or p.skew_echo < rec.recheck[0]):
+            return []  # the answer is on its way
+        if rec.recheck is not None:
+            _, detail, register = rec.recheck
+        if register:
+            self.stale_registers += 1
+        return self._timeout(now, rec, FailureReason.PEER_TIMEOUT, detail)
+
+    def _settle_rechecks(self, now: float, p: _Peer) -> list[Effect]:
+        """A bound measured after a recheck was asked for: decide each that waited on it."""
+        out: list[Effect] = []
+        for rec in list(self._transfers.values()):
+            if rec.peer != p.agent or rec.recheck is None or p.skew_echo < rec.recheck[0]:
+                continue
+            if rec.state is SenderState.ENDING:
+                rec.recheck = None
+            elif self._lease_expired(now, rec):
+                out += self._lapsed(now, rec, rec.recheck[1])
+            else:
+                rec.recheck = None  # the lease holds after all
+                if rec.state is SenderState.WRITING:
+                    out += (
+                        self._start(now, rec)
+                        if not rec.issued_layers
+                        else self._issue_writes(now, rec)
+                    )
         return out
 
     # ----- time
@@ -735,7 +781,7 @@ class SenderProtocol(_Side["_Outgoing"]):
                 out += self._timeout(now, rec, FailureReason.DEADLINE_EXCEEDED, detail)
             elif self._lease_expired(now, rec):
                 detail = f"lease of {t.lease_s}s not renewed by receiver {rec.peer}"
-                out += self._timeout(now, rec, FailureReason.PEER_TIMEOUT, detail)
+                out += self._lapsed(now, rec, detail)
         # Oldest first: every tombstone lives the same time and `now` never goes back,
         # so insertion order is expiry order (`_bury` re-inserts). Scanning them all
         # each tick cost O(transfers of the last minute) and, at thousands of transfers
@@ -776,7 +822,12 @@ class SenderProtocol(_Side["_Outgoing"]):
             if rec.peer is not None:
                 live.add(rec.peer)
                 p = self._peers.get(rec.peer)
-                if p is not None and p.skew_lb is not None and rec.register is not None:
+                if (
+                    p is not None
+                    and p.skew_lb is not None
+                    and rec.register is not None
+                    and rec.recheck is None  # it waits for the receiver's answer instead
+                ):
                     times.append(rec.lease_until_theirs + p.skew_lb)
         for agent in live:
             p = self._peers.get(agent)
@@ -846,7 +897,7 @@ class SenderProtocol(_Side["_Outgoing"]):
                 f"lease of {self._timing.lease_s}s from receiver {rec.peer} ran out (on its "
                 "clock) before the write could start"
             )
-            return self._timeout(now, rec, FailureReason.PEER_TIMEOUT, detail)
+            return self._lapsed(now, rec, detail)
         all_now = not rec.issued_layers and len(new) == self._num_layers
         rec.issued_layers |= new
         wid = self._next_write_id

@@ -170,6 +170,17 @@ round trip on first contact with a peer, not per transfer). A Register that is o
 than its lease by that bound is refused with `Failed(PEER_TIMEOUT)`: nothing is written
 for it.
 
+A loose bound is measured again before it condemns anything. A round trip that waited
+(a starved or stopped receiver read our heartbeat late) leaves `skew_lb` too small by
+the wait, and with no transfer in flight no heartbeat would measure it again: every
+later Register would look stale, for good (seen at load 30 in `scripts/runtime-latency`:
+196 of 200 transfers refused). So a lease that looks over (a Register, a write about to
+start, `tick`) first makes the sender send the receiver a heartbeat, which it answers at
+once with a fresh echo and the ids it still waits for (renewing their leases); the
+transfer is decided on that bound (`_Outgoing.recheck`). Nothing is written meanwhile,
+so the wait costs one round trip of liveness, never safety; silence ends it as any
+silence does.
+
 The receiver's fence runs `lease_s + 2 * liveness_timeout_s` from when it gave up, and
 it stopped renewing no later than that, so by the time it reuses the blocks the sender
 has started no write for at least `2 * liveness_timeout_s` (6 s by default). What the
