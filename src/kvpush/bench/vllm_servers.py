@@ -474,14 +474,26 @@ async def speculation(client: httpx.AsyncClient, url: str) -> tuple[float, ...]:
 
 # Prompt-lookup (n-gram) speculation, as a vLLM server option.
 NGRAM_SPEC_TOKENS = 3
-NGRAM_SPECULATION = (
-    "--speculative-config",
-    json.dumps(
-        {
-            "method": "ngram",
-            "num_speculative_tokens": NGRAM_SPEC_TOKENS,
-            "prompt_lookup_min": 2,
-            "prompt_lookup_max": 4,
-        }
-    ),
-)
+
+
+def ngram_speculation(*, unpadded: bool = False) -> tuple[str, str]:
+    """`--speculative-config` for n-gram speculation, NGRAM_SPEC_TOKENS a step.
+
+    `unpadded`: the same number of tokens for every batch size given as a (dynamic)
+    schedule, which is what makes vLLM 0.32's scheduler leave a new request with a
+    single token to compute (a request whose KV a connector moved) unpadded: it pads
+    such requests with placeholder drafts only without a schedule (scheduler.py:1131-1153,
+    `dynamic_sd_lookup is None`), to keep full CUDA graphs, which a schedule turns off
+    (config/vllm.py:1039-1056). On CPU there are no CUDA graphs to keep."""
+    config: dict[str, object] = {
+        "method": "ngram",
+        "num_speculative_tokens": NGRAM_SPEC_TOKENS,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4,
+    }
+    if unpadded:
+        config["num_speculative_tokens_per_batch_size"] = [[1, 1024, NGRAM_SPEC_TOKENS]]
+    return ("--speculative-config", json.dumps(config))
+
+
+NGRAM_SPECULATION = ngram_speculation()
