@@ -445,16 +445,20 @@ async def wait_quiescent(
     """Wait until every server has no request and no KV block in use: (whether they
     got there within `timeout_s`, seconds waited, what each had last)."""
     started = time.monotonic()
+    deadline = started + timeout_s
     while True:
         state = {}
         for url in urls:
+            # A hung server (vLLM's NixlPushConnector prefill was seen so) must not
+            # stretch the wait: each look is bounded by what is left of it.
+            left = max(0.5, deadline - time.monotonic())
             try:
-                state[url] = await busy(client, url)
-            except httpx.HTTPError:
+                state[url] = await asyncio.wait_for(busy(client, url), left)
+            except (httpx.HTTPError, TimeoutError):
                 state[url] = {"unreachable": 1.0}
         if all(not any(v for v in s.values()) for s in state.values()):
             return True, time.monotonic() - started, state
-        if time.monotonic() - started > timeout_s:
+        if time.monotonic() > deadline:
             return False, time.monotonic() - started, state
         await asyncio.sleep(0.5)
 
