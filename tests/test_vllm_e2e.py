@@ -5,7 +5,10 @@ The two address families also split the connector's two push modes, so neither c
 servers of its own: on 127.0.0.1 the prefill pushes layer by layer (the default), on ::1
 whole requests (`"push": "whole"`). Decode servers and the single instance run n-gram
 speculative decoding, so every round also checks that speculation over pushed KV gives
-the same tokens, and one test compares each request's drafts and accepted tokens.
+the same tokens, and one test compares each request's drafts and accepted tokens: on
+127.0.0.1 the decode server runs a constant speculation schedule, under which vLLM does
+not pad a request's first step with placeholder drafts, and they must be equal; on ::1
+the plain config, where vLLM pads it, and they must differ by exactly that step.
 
 Servers come from the vLLM venv (`make vllm-venv`; `make test` builds it). Its absence
 is a failure, never a skip: this file is the only proof that the connector works. Each
@@ -40,6 +43,7 @@ from kvpush.bench.vllm_servers import (
     completion_body,
     make_tiny_model,
     metric,
+    ngram_speculation,
     sequential,
     speculation,
     vllm_python,
@@ -80,6 +84,8 @@ PROMPTS = [
 ]
 # Push mode per address family (see the module's docstring); None: the default.
 PUSH = {"127.0.0.1": None, "::1": "whole"}
+# Whether the decode server's speculation is unpadded, per address family (ditto).
+UNPADDED = {"127.0.0.1": True, "::1": False}
 
 
 @dataclass
@@ -92,6 +98,7 @@ class Family:
     proxy_url: str
     log_dir: Path
     push: str  # the prefill's push mode
+    unpadded: bool  # the decode server's speculation (see UNPADDED)
 
     def prefill_side_channel(self) -> tuple[str, int]:
         assert self.prefill.spec.side_channel_port is not None
@@ -222,7 +229,9 @@ def family(
         python=python,
     )
     decode = VllmServer(
-        _kvpush_spec("decode", host, "kv_consumer", extra_args=NGRAM_SPECULATION),
+        _kvpush_spec(
+            "decode", host, "kv_consumer", extra_args=ngram_speculation(unpadded=UNPADDED[host])
+        ),
         model=model,
         log_dir=log_dir,
         python=python,
@@ -249,7 +258,15 @@ def family(
             single.stop()
         proxy, proxy_url = _start_proxy(host, prefill, decode, log_dir)
         yield Family(
-            host, str(model), prefill, decode, proxy, proxy_url, log_dir, push or "layerwise"
+            host,
+            str(model),
+            prefill,
+            decode,
+            proxy,
+            proxy_url,
+            log_dir,
+            push or "layerwise",
+            UNPADDED[host],
         )
     finally:
         if proxy is not None:
@@ -335,12 +352,13 @@ def test_rounds_through_kvpush_proxy_match_a_single_instance(family: Family) -> 
 
 
 def test_rounds_through_a_sequential_proxy_match_a_single_instance(family: Family) -> None:
-    """vLLM's example proxy's way: prefill (max_tokens=1, do_remote_decode), then decode
-    with the prefill's kv_transfer_params (transfer_id among them)."""
+    """20 rounds the way vLLM's example proxy runs them: prefill (max_tokens=1,
+    do_remote_decode), then decode with the prefill's kv_transfer_params (transfer_id
+    among them): every token identical."""
 
     async def run() -> None:
         async with client() as http:
-            for i in range(10):
+            for i in range(20):
                 outcomes = await batch(
                     [
                         sequential(http, family.prefill.url, family.decode.url, b)
@@ -354,15 +372,19 @@ def test_rounds_through_a_sequential_proxy_match_a_single_instance(family: Famil
 
 # vLLM's scheduler pads a new request that has a single token to compute (its KV came
 # from a connector) with `num_speculative_tokens` placeholder drafts (-1), "to preserve
-# full cudagraph" (vllm/v1/core/sched/scheduler.py, `pad_spec_decode`; on CPU too): that
-# step counts as one draft of that many tokens, none accepted, whatever the connector.
+# full cudagraph" (vllm/v1/core/sched/scheduler.py:1131-1153, placeholders at 1371-1375;
+# on CPU too), unless speculation has a schedule (`dynamic_sd_lookup`), and counts them
+# as drafts (2116): that step is one draft of that many tokens, none accepted, whatever
+# the connector (vLLM's NixlConnector too: docs/vllm.md).
 _PADDED_STEP = (1.0, float(NGRAM_SPEC_TOKENS), 0.0)
 
 
 def test_speculative_acceptance_per_request_matches_a_single_instance(family: Family) -> None:
     """n-gram speculation on the decode server over pushed KV: each request's drafts,
-    draft tokens and accepted tokens equal the single instance's, plus vLLM's padded
-    first step (one request at a time, the decode server's counters read around each)."""
+    draft tokens and accepted tokens equal the single instance's, so its acceptance
+    length (1 + accepted / drafts, as vLLM reports it) does too (one request at a time,
+    the decode server's counters read around each); on the family whose decode server
+    runs the plain config, vLLM's padded first step is exactly one draft more."""
     accepted = sorted(p for p, spec in _REFERENCE_SPEC.items() if spec[2] > 0)
     assert len(accepted) >= 2, (
         f"n-gram drafts were accepted for {accepted} only on the single instance: "
@@ -381,14 +403,16 @@ def test_speculative_acceptance_per_request_matches_a_single_instance(family: Fa
             return out
 
     got = asyncio.run(run())
+    padding = (0.0, 0.0, 0.0) if family.unpadded else _PADDED_STEP
     want = {
-        p: tuple(a + b for a, b in zip(spec, _PADDED_STEP, strict=True))
+        p: tuple(a + b for a, b in zip(spec, padding, strict=True))
         for p, spec in _REFERENCE_SPEC.items()
     }
     differ = {p: (got[p], w) for p, w in want.items() if got[p] != w}
     assert not differ, (
-        "(drafts, draft tokens, accepted) on the decode server vs the single instance's "
-        f"plus the padded step: {differ}; all single: {_REFERENCE_SPEC}"
+        "(drafts, draft tokens, accepted) on the decode server vs the single instance's"
+        f"{'' if family.unpadded else ' plus the padded step'}: {differ}; "
+        f"all single: {_REFERENCE_SPEC}"
     )
 
 

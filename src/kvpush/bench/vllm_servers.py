@@ -261,30 +261,12 @@ class VllmServer:
             time.sleep(0.1)
         return False
 
-    def cpu_times(self) -> dict[int, float]:
-        """User + system CPU seconds of each live process in the server's group, by pid
-        (diff two snapshots over the pids in both: a process that came or went between
-        them would otherwise count its whole life)."""
-        if self._process is None:
-            return {}
-        pgid = self._process.pid
-        tick = os.sysconf("SC_CLK_TCK")
-        out: dict[int, float] = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid:  # fields[2] is the process group id
-                out[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
-        return out
+    def pids(self) -> list[int]:
+        """The server's live processes: its leader and every descendant (API server,
+        engine core, workers, their helpers), for `kvpush.bench.proc_cpu`."""
+        from kvpush.bench.proc_cpu import process_tree
 
-
-def cpu_used(before: dict[int, float], after: dict[int, float]) -> float:
-    """CPU seconds spent between two `cpu_times` snapshots by the processes in both."""
-    return sum(after[pid] - before[pid] for pid in before.keys() & after.keys())
+        return [] if self._process is None else process_tree(self._process.pid)
 
 
 # --------------------------------------------------------------------------- requests
@@ -446,6 +428,41 @@ async def metric(client: httpx.AsyncClient, url: str, name: str, **labels: str) 
     return total
 
 
+async def busy(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """What a vLLM server still has on hand: requests running or waiting, and the
+    share of its KV cache in use (blocks held for a transfer included; blocks only kept
+    in the prefix cache count as free)."""
+    return {
+        "running": await metric(client, url, "vllm:num_requests_running"),
+        "waiting": await metric(client, url, "vllm:num_requests_waiting"),
+        "kv_cache_usage": await metric(client, url, "vllm:kv_cache_usage_perc"),
+    }
+
+
+async def wait_quiescent(
+    client: httpx.AsyncClient, urls: Sequence[str], timeout_s: float
+) -> tuple[bool, float, dict[str, dict[str, float]]]:
+    """Wait until every server has no request and no KV block in use: (whether they
+    got there within `timeout_s`, seconds waited, what each had last)."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    while True:
+        state = {}
+        for url in urls:
+            # A hung server (vLLM's NixlPushConnector prefill was seen so) must not
+            # stretch the wait: each look is bounded by what is left of it.
+            left = max(0.5, deadline - time.monotonic())
+            try:
+                state[url] = await asyncio.wait_for(busy(client, url), left)
+            except (httpx.HTTPError, TimeoutError):
+                state[url] = {"unreachable": 1.0}
+        if all(not any(v for v in s.values()) for s in state.values()):
+            return True, time.monotonic() - started, state
+        if time.monotonic() > deadline:
+            return False, time.monotonic() - started, state
+        await asyncio.sleep(0.5)
+
+
 SPEC_COUNTERS = (
     "vllm:spec_decode_num_drafts_total",
     "vllm:spec_decode_num_draft_tokens_total",
@@ -461,14 +478,26 @@ async def speculation(client: httpx.AsyncClient, url: str) -> tuple[float, ...]:
 
 # Prompt-lookup (n-gram) speculation, as a vLLM server option.
 NGRAM_SPEC_TOKENS = 3
-NGRAM_SPECULATION = (
-    "--speculative-config",
-    json.dumps(
-        {
-            "method": "ngram",
-            "num_speculative_tokens": NGRAM_SPEC_TOKENS,
-            "prompt_lookup_min": 2,
-            "prompt_lookup_max": 4,
-        }
-    ),
-)
+
+
+def ngram_speculation(*, unpadded: bool = False) -> tuple[str, str]:
+    """`--speculative-config` for n-gram speculation, NGRAM_SPEC_TOKENS a step.
+
+    `unpadded`: the same number of tokens for every batch size given as a (dynamic)
+    schedule, which is what makes vLLM 0.32's scheduler leave a new request with a
+    single token to compute (a request whose KV a connector moved) unpadded: it pads
+    such requests with placeholder drafts only without a schedule (scheduler.py:1131-1153,
+    `dynamic_sd_lookup is None`), to keep full CUDA graphs, which a schedule turns off
+    (config/vllm.py:1039-1056). On CPU there are no CUDA graphs to keep."""
+    config: dict[str, object] = {
+        "method": "ngram",
+        "num_speculative_tokens": NGRAM_SPEC_TOKENS,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4,
+    }
+    if unpadded:
+        config["num_speculative_tokens_per_batch_size"] = [[1, 1024, NGRAM_SPEC_TOKENS]]
+    return ("--speculative-config", json.dumps(config))
+
+
+NGRAM_SPECULATION = ngram_speculation()
