@@ -6,7 +6,7 @@ nixl`, the bench is the sender and asks the endpoint, over the endpoint's own si
 (same port, same token), to expect its transfers. These requests are registered with
 `MetadataServer(control=BenchService.handlers())`; the server core only routes them.
 
-Requests (msgpack `(kind, body[, token])`, see `kvpush.sidechannel.wire`)::
+Requests (msgpack `(kind, body[, nonce, proof])`, see `kvpush.sidechannel.wire`)::
 
     b"bench_expect"    {"sender": [host, port, rank], "transfers": [[id, [block, ...]], ...]}
         zeroes each transfer's blocks, then `runtime.receive(id, sender, blocks)`.
