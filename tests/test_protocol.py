@@ -1120,6 +1120,24 @@ def test_a_stale_register_is_refused_once_a_fresh_bound_confirms_it(wire: Wire) 
     assert wire.ends["p-1"].sender.stale_registers == 1
 
 
+def test_nothing_ends_ok_while_a_lease_that_looked_over_is_measured_again(wire: Wire) -> None:
+    """A full prefix hit writes nothing, but its Done still says "your blocks are good":
+    a layers_ready that comes while the stale-looking Register is being rechecked must
+    not finish it. The fresh bound then refuses it (d-1 gave up; its Cancel was lost)."""
+    warm_up(wire)
+    wire.expect("d-1", "t1", "p-1", [], offset=1)  # every block a prefix hit
+    wire.run_only("d-1", TIMING.liveness_timeout_s + wire.ends["d-1"].receiver.fence_s + 1.0)
+    assert not wire.ended("d-1", "t1").ok
+    wire.queue = [m for m in wire.queue if not isinstance(decode(m[2]), Cancel)]  # lost
+    wire.submit("p-1", "t1", [1], layers=[])  # nothing computed yet
+    [i, *_] = [i for i, m in enumerate(wire.queue) if isinstance(decode(m[2]), Register)]
+    wire.deliver(i)  # p-1 reads the oldest Register and asks d-1 again
+    wire.apply("p-1", wire.ends["p-1"].sender.layers_ready(wire.now, "t1", [0, 1]))
+    wire.settle()
+    r = wire.ended("p-1", "t1")
+    assert r.reason is FailureReason.PEER_TIMEOUT and "Register" in r.detail, r
+
+
 def test_a_bound_loosened_by_a_starved_receiver_is_measured_again_not_trusted_for_good(
     wire: Wire,
 ) -> None:

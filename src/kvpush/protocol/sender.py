@@ -758,6 +758,8 @@ class SenderProtocol(_Side["_Outgoing"]):
                         if not rec.issued_layers
                         else self._issue_writes(now, rec)
                     )
+                    if self._transfers.get(rec.transfer_id) is rec:
+                        out += self._maybe_done(now, rec)  # its writes landed meanwhile
         return out
 
     # ----- time
@@ -882,6 +884,8 @@ class SenderProtocol(_Side["_Outgoing"]):
         """Write the layers that became ready, if the receiver certainly still expects
         them: its handshake is done, its clock is bounded and the lease holds."""
         assert rec.blocks is not None and rec.register is not None and rec.peer is not None
+        if rec.recheck is not None:
+            return []  # its lease looked over: `_settle_rechecks` decides, then issues
         p = self._peers.get(rec.peer)
         if p is None or not p.ready:
             return []  # its handshake is not done: `_peer_ready` issues these
@@ -928,8 +932,8 @@ class SenderProtocol(_Side["_Outgoing"]):
     def _maybe_done(self, now: float, rec: _Outgoing) -> list[Effect]:
         assert rec.register is not None and rec.peer is not None and rec.blocks is not None
         written_all = len(rec.issued_layers) == self._num_layers or not rec.register.block_ids
-        if rec.inflight or not written_all:
-            return []
+        if rec.inflight or not written_all or rec.recheck is not None:
+            return []  # (a lease being rechecked: `_settle_rechecks` comes back here)
         done = Done(rec.transfer_id, len(rec.register.block_ids))
         del self._transfers[rec.transfer_id]
         self._bury(now, rec.transfer_id, rec.peer, done)
