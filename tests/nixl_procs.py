@@ -4,15 +4,78 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import random
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 PEER = Path(__file__).with_name("nixl_peer.py")
 REPLY_MARK = "@reply "
 NUM_BLOCKS = 24
+
+
+class ScriptProcess:
+    """A test script in its own process, spoken to in JSON lines: commands on stdin, and
+    `@reply {...}` lines back, read by a thread of its own (so that several processes
+    come up in parallel); any other `@kind` line goes to `_line`."""
+
+    call_timeout_s = 30.0
+
+    def __init__(self, script: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(script), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        self.replies: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            kind, _, body = line.partition(" ")
+            if kind == "@reply":
+                self.replies.put(json.loads(body))
+            elif kind.startswith("@"):
+                self._line(kind, body)
+        name = Path(self.process.args[1]).name  # type: ignore[index]
+        self.replies.put({"error": f"{name} exited ({self.process.wait()})"})
+
+    def _line(self, kind: str, body: str) -> None:
+        """A line other than a reply (`@result`, ...): ignored unless a subclass reads it."""
+
+    def _reply(self, timeout: float) -> dict[str, Any]:
+        reply = self.replies.get(timeout=timeout)
+        assert "error" not in reply, reply.get("trace", reply["error"])
+        return reply
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(cmd) + "\n")
+        self.process.stdin.flush()
+        return self._reply(self.call_timeout_s)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                assert self.process.stdin is not None
+                self.process.stdin.write(json.dumps({"op": "exit"}) + "\n")
+                self.process.stdin.flush()
+                self.process.wait(timeout=15)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait(10)
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                stream.close()
+        self._reader.join(5)
 
 
 class PeerProcess:

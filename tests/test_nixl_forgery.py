@@ -16,19 +16,14 @@ found, and the others as "bad_key") or, for the garbage, in `malformed_messages`
 
 from __future__ import annotations
 
-import json
-import queue
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
 
 from kvpush.sidechannel import fetch_metadata
+from nixl_procs import ScriptProcess
 from test_nixl_multiprocess import RankProcess
 
 pytestmark = pytest.mark.nixl
@@ -40,53 +35,14 @@ BLOCKS_PER_TRANSFER = 2
 COUNTED_WITHIN_S = 30.0  # a loaded 2-core machine; counting is done in well under 1 s
 
 
-class Driven:
-    """A test script in its own process, driven by JSON lines: `call` one command, get its
-    `@reply`."""
+class Driven(ScriptProcess):
+    """forger.py or squatter.py: its first reply says it is up."""
+
+    call_timeout_s = 60.0
 
     def __init__(self, script: Path, *args: str) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, str(script), *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        self.replies: queue.Queue[dict[str, Any]] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        super().__init__(script, *args)
         self.hello = self._reply(60)
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            if line.startswith("@reply "):
-                self.replies.put(json.loads(line[len("@reply ") :]))
-        self.replies.put({"error": f"{self.process.args} exited ({self.process.wait()})"})
-
-    def _reply(self, timeout: float) -> dict[str, Any]:
-        reply = self.replies.get(timeout=timeout)
-        assert "error" not in reply, reply.get("trace", reply["error"])
-        return reply
-
-    def call(self, **cmd: Any) -> dict[str, Any]:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(cmd) + "\n")
-        self.process.stdin.flush()
-        return self._reply(60)
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            try:
-                assert self.process.stdin is not None
-                self.process.stdin.write(json.dumps({"op": "exit"}) + "\n")
-                self.process.stdin.flush()
-                self.process.wait(timeout=15)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait(10)
-        for stream in (self.process.stdin, self.process.stdout):
-            if stream is not None:
-                stream.close()
 
 
 class Forger(Driven):

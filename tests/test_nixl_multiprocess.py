@@ -6,10 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import queue
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +16,7 @@ from typing import Any
 import pytest
 
 from kvpush.kvcache import KVLayout
-from nixl_procs import PeerProcess, transfer_and_check
+from nixl_procs import PeerProcess, ScriptProcess, transfer_and_check
 
 pytestmark = pytest.mark.nixl
 
@@ -62,40 +59,22 @@ LEASE_S = 2.0
 MARGIN_S = 4.0  # scheduling noise on a shared 2-core machine, never a speed claim
 
 
-class RankProcess:
+class RankProcess(ScriptProcess):
     """One `runtime_peer.py` process: commands in, replies and transfer results out."""
 
     def __init__(
         self, engine_id: str, role: str, port: int = 0, seed: int = 0, token: str | None = None
     ) -> None:
         self.engine_id = engine_id
+        self.results: list[dict[str, Any]] = []
+        self._cv = threading.Condition()
+        self.port = 0
+        self.incarnation = ""
         env = {k: v for k, v in os.environ.items() if k != "KVPUSH_TOKEN"}
         if token is not None:
             env["KVPUSH_TOKEN"] = token
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                str(RANK_PEER),
-                engine_id,
-                role,
-                str(port),
-                str(seed),
-                str(LIVENESS_S),
-                str(LEASE_S),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=env,
-        )
-        self.replies: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.results: list[dict[str, Any]] = []
-        self._cv = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self.port = 0
-        self.incarnation = ""
+        args = (engine_id, role, str(port), str(seed), str(LIVENESS_S), str(LEASE_S))
+        super().__init__(RANK_PEER, *args, env=env)
 
     def ready(self) -> RankProcess:
         """Wait for the process to be up (start several first: they come up in parallel)."""
@@ -105,27 +84,11 @@ class RankProcess:
             self.incarnation = hello["incarnation"]
         return self
 
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            if line.startswith("@reply "):
-                self.replies.put(json.loads(line[len("@reply ") :]))
-            elif line.startswith("@result "):
-                with self._cv:
-                    self.results.append(json.loads(line[len("@result ") :]))
-                    self._cv.notify_all()
-        self.replies.put({"error": f"process exited ({self.process.wait()})"})
-
-    def _reply(self, timeout: float = 30) -> dict[str, Any]:
-        reply = self.replies.get(timeout=timeout)
-        assert "error" not in reply, reply.get("trace", reply["error"])
-        return reply
-
-    def call(self, **cmd: Any) -> dict[str, Any]:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(cmd) + "\n")
-        self.process.stdin.flush()
-        return self._reply()
+    def _line(self, kind: str, body: str) -> None:
+        if kind == "@result":
+            with self._cv:
+                self.results.append(json.loads(body))
+                self._cv.notify_all()
 
     def wait_results(
         self, until: Callable[[list[dict[str, Any]]], bool], timeout: float
@@ -142,21 +105,6 @@ class RankProcess:
     def kill9(self) -> None:
         self.process.send_signal(signal.SIGKILL)
         self.process.wait(10)
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            try:
-                assert self.process.stdin is not None
-                self.process.stdin.write('{"op": "exit"}\n')
-                self.process.stdin.flush()
-                self.process.wait(15)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait()
-        for stream in (self.process.stdin, self.process.stdout):
-            if stream is not None:
-                stream.close()
-        self._reader.join(5)
 
 
 @pytest.fixture
