@@ -147,6 +147,8 @@ class SenderProtocol(_Side["_Outgoing"]):
         self._next_write_id = 1
         self.ignored_messages = 0
         self.stale_registers = 0  # Registers refused because their lease had run out
+        # Ids whose `recheck` waits for a fresh echo, in order (a dict: deterministic).
+        self._rechecking: dict[str, None] = {}
         self.forged = collections.Counter()
         # (agent, transfer id) -> forget after: a Cancel from that agent for an id it had
         # not registered (yet). It ends that agent's Register for the id, nobody else's.
@@ -731,6 +733,7 @@ class SenderProtocol(_Side["_Outgoing"]):
         p = self._peers.get(rec.peer) if rec.peer is not None else None
         if rec.recheck is None and p is not None and p.ready and p.skew_lb is not None:
             rec.recheck = (now, detail, register)
+            self._rechecking[rec.transfer_id] = None
             return self._heartbeat(now, p, force=True)
         if rec.recheck is not None and (p is None or p.skew_echo < rec.recheck[0]):
             return []  # the answer is on its way
@@ -741,11 +744,17 @@ class SenderProtocol(_Side["_Outgoing"]):
         return self._timeout(now, rec, FailureReason.PEER_TIMEOUT, detail)
 
     def _settle_rechecks(self, now: float, p: _Peer) -> list[Effect]:
-        """A bound measured after a recheck was asked for: decide each that waited on it."""
+        """A bound measured after a recheck was asked for: decide each that waited on it
+        (only those: this runs on every heartbeat from a receiver)."""
         out: list[Effect] = []
-        for rec in list(self._transfers.values()):
-            if rec.peer != p.agent or rec.recheck is None or p.skew_echo < rec.recheck[0]:
+        for tid in list(self._rechecking):
+            rec = self._transfers.get(tid)
+            if rec is None or rec.recheck is None:
+                del self._rechecking[tid]  # it ended meanwhile
                 continue
+            if rec.peer != p.agent or p.skew_echo < rec.recheck[0]:
+                continue
+            del self._rechecking[tid]
             if rec.state is SenderState.ENDING:
                 rec.recheck = None
             elif self._lease_expired(now, rec):
