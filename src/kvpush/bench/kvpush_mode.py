@@ -110,10 +110,11 @@ class BenchRuntime:
         pending = list(reversed(transfers))
         open_: dict[str, int] = {}
         while pending or open_:
+            ready = time.monotonic_ns()  # "blocks ready": see `modes.Sender.run_batch`
             while pending and len(open_) < inflight:
                 t = pending.pop()
                 tid = self.transfer_id(t.tag)
-                submitted[t.tag] = time.monotonic_ns()
+                submitted[t.tag] = ready
                 self.runtime.send(tid, list(t.src_blocks))
                 open_[tid] = t.tag
             results = self.results(deadline, "sender")
