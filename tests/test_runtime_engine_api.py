@@ -5,6 +5,9 @@ that picks its own port. Real runtimes, real `MetadataServer`s (port 0) and
 
 from __future__ import annotations
 
+import ctypes
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -31,11 +34,35 @@ pytestmark = pytest.mark.timeout(60)
 TIMING = TimingConfig(heartbeat_interval_s=0.2, liveness_timeout_s=2.0, lease_s=3.0)
 
 
+def timer_slack_ns() -> int:
+    """The calling thread's timer slack, from the kernel (Linux prctl PR_GET_TIMERSLACK)."""
+    return int(ctypes.CDLL(None).prctl(30, 0, 0, 0, 0))
+
+
+class SlackRecordingTransport(LoopbackTransport):
+    """A loopback transport that notes, per polling thread, that thread's timer slack."""
+
+    def __init__(self, fabric: LoopbackFabric, name: str) -> None:
+        super().__init__(fabric, name)
+        self.slack_by_thread: dict[str, int] = {}
+
+    def poll(self) -> list[TransportEvent]:
+        self.slack_by_thread[threading.current_thread().name] = timer_slack_ns()
+        return super().poll()
+
+
 class Engine:
     """One rank set up the way the README shows: the side channel first, on a port the
     OS picks; the runtime told that port; its metadata published once it started."""
 
-    def __init__(self, stack: ExitStack, fabric: LoopbackFabric, name: str, host: str) -> None:
+    def __init__(
+        self,
+        stack: ExitStack,
+        fabric: LoopbackFabric,
+        name: str,
+        host: str,
+        transport: LoopbackTransport | None = None,
+    ) -> None:
         self.kv: KVBuffers = make_kv(num_layers=2, num_blocks=8, block_bytes=128)
         self.kv.fill_random(len(name) * 5 + ord(name[-1]))
         ranks: dict[int, PeerMetadata] = {}
@@ -43,7 +70,7 @@ class Engine:
         self.address = PeerAddress(host, server.port)
         self.runtime = stack.enter_context(
             PushRuntime(
-                LoopbackTransport(fabric, name),
+                transport or LoopbackTransport(fabric, name),
                 self.kv.geometry,
                 RuntimeIdentity(f"engine-{name}", "1", host, server.port),
                 SideChannelPeerDirectory(timeout_ms=1000),
@@ -87,6 +114,30 @@ def test_metadata_published_from_a_side_channel_on_port_0(stack: ExitStack, host
     for region in range(len(p.kv.geometry.regions)):
         assert d.kv.block(region, 6) == p.kv.block(region, 0)
         assert d.kv.block(region, 7) == p.kv.block(region, 1)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="timer slack is a Linux setting")
+def test_the_runtimes_thread_waits_with_a_tight_timer_slack_and_the_engines_keep_theirs(
+    stack: ExitStack,
+) -> None:
+    """Linux stretches every timed wait by the thread's timer slack (50 us by default);
+    the runtime's short waits between polls would take about 75 us instead of 20."""
+    engine_slack = timer_slack_ns()
+    fabric = LoopbackFabric()
+    p_transport = SlackRecordingTransport(fabric, "p")
+    p = Engine(stack, fabric, "p", "127.0.0.1", p_transport)
+    d = Engine(stack, fabric, "d", "127.0.0.1")
+    d.runtime.receive("t1", p.address, [6, 7])
+    wait_until(lambda: p.runtime.statistics().sending.get("registered", 0) == 1)
+    p.runtime.send("t1", [0, 1])
+    assert all(r.ok for r in results(d.runtime) + results(p.runtime))
+    polled = p_transport.slack_by_thread
+    runtime_threads = [name for name in polled if name.startswith("kvpush-runtime-")]
+    assert runtime_threads, polled
+    assert {polled[name] for name in runtime_threads} == {5_000}, polled
+    # In-step passes (send(), wait() on this thread) poll with the engine's own slack.
+    assert polled[threading.current_thread().name] == engine_slack
+    assert timer_slack_ns() == engine_slack
 
 
 def test_transfer_state_and_in_flight_ids_follow_the_transfer(stack: ExitStack) -> None:

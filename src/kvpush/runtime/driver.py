@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import logging
 import queue
 import threading
@@ -53,7 +54,13 @@ from kvpush.transports.base import (
 
 log = logging.getLogger(__name__)
 
-_SPIN_WAIT_S = 20e-6  # ~60 us with the kernel's timer slack
+_SPIN_WAIT_S = 20e-6
+# Linux rounds every timed wait of a thread up by its timer slack (50 us by default), so
+# a 20 us wait took about 75 us. Each write here costs about three alternating polls
+# (receiver, sender, receiver: docs/benchmarks.md, "Third pass"), each after such a wait.
+# The runtime's thread asks for 5 us; it only waits that short right after activity.
+_TIMER_SLACK_NS = 5_000
+_PR_SET_TIMERSLACK = 29
 # An engine that calls poll() drives the runtime itself, once per step: for this long
 # after its last poll() the thread does not poll (it still takes commands at once), so
 # that inside a busy engine it does not wait for the GIL, and take it, for nothing.
@@ -62,6 +69,16 @@ _STANDBY_AFTER_ENGINE_POLL_S = 0.01
 # within a round trip (or once its own writes drained); a dead one never does, and its
 # transfers are reported anyway once the transport is closed.
 _CANCEL_ACK_WAIT_S = 0.25
+
+
+def tighten_timer_slack() -> bool:
+    """Set the calling thread's timer slack to `_TIMER_SLACK_NS` (Linux); False where the
+    call is not available. Affects this thread only."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(_PR_SET_TIMERSLACK, _TIMER_SLACK_NS, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 # --------------------------------------------------------------------------- commands
@@ -261,6 +278,7 @@ class Driver:
     def _run(self, on_crash: Callable[[BaseException], None]) -> None:
         crash: BaseException | None = None
         try:
+            tighten_timer_slack()
             self._loop()
         except BaseException as exc:  # becomes failed transfers, never just a log line
             log.exception("push runtime thread crashed")
