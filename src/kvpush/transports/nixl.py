@@ -11,7 +11,7 @@ Theory of operation.
   fast as both sides poll. On one host UCX runs over TCP (its shared-memory transports
   cannot detect a dead peer), so a WRITE completes only after a round trip with the
   peer's worker, and its notification goes out only then: three alternating polls,
-  receiver, sender, receiver, per write (measured).
+  receiver, sender, receiver, per write (measured: `scripts/nixl-flush-ack`).
 - `progress_thread_wait_ms=N` turns NIXL's UCX progress thread on, waiting in poll()
   on UCX's event fd with an N ms timeout (NIXL's Python API would make that wait 0, a
   spin of a whole core: `_nixl_import.NixlModule.make_agent`). The data plane then
