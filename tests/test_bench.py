@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -275,3 +276,44 @@ def test_remote_bench_refuses_modes_it_cannot_run_remotely(tiny_endpoint: Endpoi
     proc = _kvpush("bench", "--target", tiny_endpoint.address, "--modes", "memcpy", timeout=30)
     assert proc.returncode == 1
     assert "--target runs only nixl-raw and kvpush" in proc.stderr, proc.stderr
+
+
+def test_the_transfers_a_window_admits_together_start_their_clock_together() -> None:
+    """nixl-raw at 4 in flight: NIXL's transfer() over UCX/CMA copies inside the call, so
+    a clock started at each post would leave out the time a transfer waited behind the
+    posts before it (and compare nixl-raw's one-copy latency with kvpush's queued one)."""
+    import threading
+
+    from kvpush.bench.modes import NixlRawReceiver, NixlRawSender
+    from kvpush.bench.workload import make_plan, make_workload
+
+    w = make_workload(layers=1, block_bytes=256 * 1024, sizes_bytes=[512 * 1024], quick=True)
+    rx, tx = NixlRawReceiver(w), NixlRawSender(w)
+    try:
+        meta = rx.setup(None)  # nixl-raw's setup uses no pipe: both ends are here
+        tx.setup(meta, None)
+        # The receiver's agent must progress for the writes to complete (their flush).
+        stop = threading.Event()
+
+        def receiver_polls() -> None:
+            while not stop.is_set():
+                rx.idle(0.01)
+
+        poller = threading.Thread(target=receiver_polls, name="test-nixl-raw-receiver")
+        poller.start()
+        try:
+            plan = make_plan(w, "window", blocks=4, count=8, first_tag=1)
+            stamps = tx.run_batch(plan.transfers, 4, time.monotonic() + 60)
+            solo = tx.run_batch(plan.transfers[:3], 1, time.monotonic() + 60)
+        finally:
+            stop.set()
+            poller.join(10)
+        first_window = [stamps[t.tag] for t in plan.transfers[:4]]
+        assert len(set(first_window)) == 1, first_window
+        assert min(stamps.values()) == first_window[0]
+        # One in flight: each transfer is admitted only once the one before it is done.
+        ordered = [solo[t.tag] for t in plan.transfers[:3]]
+        assert ordered == sorted(ordered) and len(set(ordered)) == 3, ordered
+    finally:
+        tx.close()
+        rx.close()
