@@ -5,10 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -17,12 +14,14 @@ from typing import Any
 
 import pytest
 
+from nixl_procs import ScriptProcess
+
 CHAOS_PEER = Path(__file__).with_name("chaos_peer.py")
 
 Results = list[dict[str, Any]]
 
 
-class ChaosRank:
+class ChaosRank(ScriptProcess):
     """One `chaos_peer.py` process: commands in, replies and transfer results out."""
 
     def __init__(
@@ -33,30 +32,21 @@ class ChaosRank:
         env: dict[str, str] | None = None,
     ) -> None:
         self.engine_id = engine_id
-        full_env = dict(os.environ)
-        full_env.update(env or {})
-        self.process = subprocess.Popen(
-            [sys.executable, str(CHAOS_PEER), engine_id, role, *options],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=full_env,
-        )
-        self.replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self.results: Results = []
         self.resumed = threading.Event()
-        self.stderr: list[str] = []
-        self.noise: list[str] = []
         self._cv = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self._stderr_reader = threading.Thread(target=self._read_stderr, daemon=True)
-        self._stderr_reader.start()
         self.port = 0
-        self.pid = self.process.pid
         self.stopped = False
-        self._exit_asked = False
+        super().__init__(
+            CHAOS_PEER,
+            engine_id,
+            role,
+            *options,
+            env=os.environ | (env or {}),
+            capture_stderr=True,
+            name=engine_id,
+        )
+        self.pid = self.process.pid
 
     def ready(self) -> ChaosRank:
         """Wait for the process to be up (start several first: they come up in parallel)."""
@@ -64,45 +54,17 @@ class ChaosRank:
             self.port = self._reply(timeout=60)["port"]
         return self
 
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            kind, _, body = line.partition(" ")
-            if kind == "@reply":
-                self.replies.put(json.loads(body))
-            elif kind == "@result":
-                with self._cv:
-                    self.results.append(json.loads(body))
-                    self._cv.notify_all()
-            elif kind == "@resumed":
-                self.resumed.set()
-            else:
-                self.noise = [*self.noise[-200:], line]  # NIXL and UCX log to stdout too
-        self.replies.put({"error": f"process exited ({self.process.wait()})"})
-
-    def _read_stderr(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            self.stderr = [*self.stderr[-40:], line]
-
-    def _reply(self, timeout: float = 30) -> dict[str, Any]:
-        try:
-            reply = self.replies.get(timeout=timeout)
-        except queue.Empty:
-            pytest.fail(f"{self.engine_id}: no reply within {timeout}s; stderr: {self.stderr}")
-        assert "error" not in reply, (reply.get("trace", reply["error"]), self.stderr)
-        return reply
-
-    def tell(self, **cmd: Any) -> None:
-        """Send a command without waiting for its reply (a stopped process reads it later)."""
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(cmd) + "\n")
-        self.process.stdin.flush()
+    def _line(self, kind: str, body: str) -> None:
+        if kind == "@result":
+            with self._cv:
+                self.results.append(json.loads(body))
+                self._cv.notify_all()
+        elif kind == "@resumed":
+            self.resumed.set()
 
     def call(self, **cmd: Any) -> dict[str, Any]:
         assert not self.stopped, f"{self.engine_id} is stopped: it cannot answer {cmd}"
-        self.tell(**cmd)
-        return self._reply()
+        return super().call(**cmd)
 
     def stop_after(self, *calls: dict[str, Any]) -> dict[str, Any]:
         """The engine makes `calls` (send / layers_ready), and the process stops itself
@@ -145,24 +107,7 @@ class ChaosRank:
         """Resume it if stopped and tell it to exit, once; `close()` then waits for it."""
         if self.stopped:
             self.sigcont()
-        if self.process.poll() is None and not self._exit_asked:
-            self._exit_asked = True
-            with contextlib.suppress(OSError):  # it may have died: close() reaps it
-                self.tell(op="exit")
-
-    def close(self) -> None:
-        self.ask_to_exit()
-        try:
-            self.process.wait(15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
-        self._reader.join(5)
-        self._stderr_reader.join(5)
+        super().ask_to_exit()
 
 
 def close_all(ranks: list[ChaosRank]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -12,6 +13,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 PEER = Path(__file__).with_name("nixl_peer.py")
 REPLY_MARK = "@reply "
 NUM_BLOCKS = 24
@@ -20,22 +23,36 @@ NUM_BLOCKS = 24
 class ScriptProcess:
     """A test script in its own process, spoken to in JSON lines: commands on stdin, and
     `@reply {...}` lines back, read by a thread of its own (so that several processes
-    come up in parallel); any other `@kind` line goes to `_line`."""
+    come up in parallel); any other `@kind` line goes to `_line`. `capture_stderr`
+    keeps its last stderr lines for failure messages (else stderr is dropped)."""
 
     call_timeout_s = 30.0
 
-    def __init__(self, script: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        script: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        capture_stderr: bool = False,
+        name: str | None = None,
+    ) -> None:
+        self.name = name or script.name  # in failure messages
         self.process = subprocess.Popen(
             [sys.executable, str(script), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=subprocess.PIPE if capture_stderr else subprocess.DEVNULL,
             text=True,
             env=env,
         )
+        self.stderr: list[str] = []
+        self._exit_asked = False
         self.replies: queue.Queue[dict[str, Any]] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        self._readers = [threading.Thread(target=self._read, daemon=True)]
+        if capture_stderr:
+            self._readers.append(threading.Thread(target=self._read_stderr, daemon=True))
+        for reader in self._readers:
+            reader.start()
 
     def _read(self) -> None:
         assert self.process.stdout is not None
@@ -45,37 +62,55 @@ class ScriptProcess:
                 self.replies.put(json.loads(body))
             elif kind.startswith("@"):
                 self._line(kind, body)
-        name = Path(self.process.args[1]).name  # type: ignore[index]
-        self.replies.put({"error": f"{name} exited ({self.process.wait()})"})
+        self.replies.put({"error": f"{self.name} exited ({self.process.wait()})"})
+
+    def _read_stderr(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.stderr = [*self.stderr[-40:], line]
 
     def _line(self, kind: str, body: str) -> None:
         """A line other than a reply (`@result`, ...): ignored unless a subclass reads it."""
 
-    def _reply(self, timeout: float) -> dict[str, Any]:
-        reply = self.replies.get(timeout=timeout)
-        assert "error" not in reply, reply.get("trace", reply["error"])
+    def _reply(self, timeout: float | None = None) -> dict[str, Any]:
+        timeout = self.call_timeout_s if timeout is None else timeout
+        try:
+            reply = self.replies.get(timeout=timeout)
+        except queue.Empty:
+            pytest.fail(f"{self.name}: no reply within {timeout}s; stderr: {self.stderr}")
+        assert "error" not in reply, (reply.get("trace", reply["error"]), self.stderr)
         return reply
 
-    def call(self, **cmd: Any) -> dict[str, Any]:
+    def tell(self, **cmd: Any) -> None:
+        """Send a command without waiting for its reply (a stopped process reads it later)."""
         assert self.process.stdin is not None
         self.process.stdin.write(json.dumps(cmd) + "\n")
         self.process.stdin.flush()
-        return self._reply(self.call_timeout_s)
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        self.tell(**cmd)
+        return self._reply()
+
+    def ask_to_exit(self) -> None:
+        """Tell it to exit, once; `close()` then waits for it."""
+        if self.process.poll() is None and not self._exit_asked:
+            self._exit_asked = True
+            with contextlib.suppress(OSError):  # it may have died: close() reaps it
+                self.tell(op="exit")
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            try:
-                assert self.process.stdin is not None
-                self.process.stdin.write(json.dumps({"op": "exit"}) + "\n")
-                self.process.stdin.flush()
-                self.process.wait(timeout=15)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait(10)
-        for stream in (self.process.stdin, self.process.stdout):
+        self.ask_to_exit()
+        try:
+            self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
             if stream is not None:
-                stream.close()
-        self._reader.join(5)
+                with contextlib.suppress(OSError):
+                    stream.close()
+        for reader in self._readers:
+            reader.join(5)
 
 
 class PeerProcess:
