@@ -14,8 +14,8 @@ import argparse
 import statistics
 import timeit
 
+from kvpush.bench.presets import synthetic_kv_cache
 from kvpush.config import SideChannelConfig
-from kvpush.kvcache import synthetic_kv_cache
 from kvpush.sidechannel import MetadataServer, PeerMetadata, fetch_metadata_timed
 from kvpush.sidechannel.wire import decode_request, encode_request, new_nonce, reply_proof
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvpush.readiness import free_port  # noqa: F401 (re-exported for the tests)
+from kvpush.procs.readiness import free_port  # noqa: F401 (re-exported for the tests)
 
 KVPUSH = [sys.executable, "-m", "kvpush"]
 

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import msgspec
 import numpy as np
 
+from kvpush.bench.presets import SyntheticKVCache, synthetic_kv_cache
 from kvpush.geometry import CacheGeometry
-from kvpush.kvcache import SyntheticKVCache, synthetic_kv_cache
 from kvpush.transports.base import MessageReceived, WriteDone, WriteFailed
 from kvpush.transports.nixl import NixlTransport
 

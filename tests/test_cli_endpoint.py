@@ -145,9 +145,9 @@ def test_an_endpoint_without_a_transport_answers_no_bench_requests(
 
 
 def test_a_control_handler_that_fails_is_refused_and_the_server_keeps_serving() -> None:
+    from kvpush.bench.presets import synthetic_kv_cache
     from kvpush.config import SideChannelConfig
     from kvpush.errors import SideChannelError
-    from kvpush.kvcache import synthetic_kv_cache
     from kvpush.sidechannel import (
         MetadataServer,
         PeerMetadata,

@@ -1,4 +1,4 @@
-"""`kvpush wait-ready` and `kvpush.readiness.wait_ready`: real processes, sockets and HTTP."""
+"""`kvpush wait-ready` and `kvpush.procs.readiness.wait_ready`: real processes, sockets and HTTP."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from kvpush.config import SideChannelConfig
 from kvpush.errors import NotReady, ServerExited
 from kvpush.geometry import CacheGeometry, Region
 from kvpush.net import http_url
-from kvpush.readiness import process_exit, wait_ready
+from kvpush.procs.readiness import process_exit, wait_ready
 from kvpush.sidechannel import MetadataServer, PeerMetadata
 
 pytestmark = pytest.mark.timeout(60)

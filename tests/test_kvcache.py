@@ -7,15 +7,10 @@ import ctypes
 import pytest
 import torch
 
+from kvpush.bench.presets import PRESETS, get_preset, synthetic_kv_cache
 from kvpush.errors import ConfigError, KVLayoutError
 from kvpush.geometry import CacheGeometry
-from kvpush.kvcache import (
-    PRESETS,
-    KVLayout,
-    get_preset,
-    register_kv_cache,
-    synthetic_kv_cache,
-)
+from kvpush.kvcache import KVLayout, register_kv_cache
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpush.readiness import free_port
+from kvpush.procs.readiness import free_port
+from kvpush.procs.server_process import ServerFailed, ServerProcess
 from kvpush.serving.checkpoint import LoadedModel, load_model, make_model
 from kvpush.serving.engine import Engine, SamplingParams, SpecConfig
-from kvpush.serving.procs import ServerFailed, ServerProcess
 
 SPEC = SpecConfig(num_speculative_tokens=4)
 TEXTS = [

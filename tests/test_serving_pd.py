@@ -23,10 +23,7 @@ import pytest
 
 from conftest import run_kvpush
 from kvpush.config import TimingConfig
-from kvpush.net import http_url
-from kvpush.readiness import free_port
-from kvpush.serving.checkpoint import make_model
-from kvpush.serving.demo import (
+from kvpush.demo.run import (
     DemoOptions,
     Stack,
     make_load_prompts,
@@ -36,7 +33,10 @@ from kvpush.serving.demo import (
     percentile,
     run_workload,
 )
-from kvpush.serving.procs import ServerProcess, log_tail
+from kvpush.net import http_url
+from kvpush.procs.readiness import free_port
+from kvpush.procs.server_process import ServerProcess, log_tail
+from kvpush.serving.checkpoint import make_model
 
 pytestmark = pytest.mark.nixl  # prefill and decode servers move KV through real NIXL
 

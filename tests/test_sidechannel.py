@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import zmq
 
+from kvpush.bench.presets import synthetic_kv_cache
 from kvpush.config import SideChannelConfig
 from kvpush.errors import (
     AuthenticationRefused,
@@ -22,7 +23,6 @@ from kvpush.errors import (
     UnknownRank,
 )
 from kvpush.geometry import PROTOCOL_VERSION, CacheGeometry
-from kvpush.kvcache import synthetic_kv_cache
 from kvpush.net import zmq_address
 from kvpush.sidechannel import (
     GET_META_MSG,

@@ -14,9 +14,9 @@ import pytest
 import zmq
 
 from conftest import Endpoint, run_kvpush, start_endpoint
+from kvpush.bench.presets import synthetic_kv_cache
 from kvpush.config import SideChannelConfig
 from kvpush.errors import SideChannelError
-from kvpush.kvcache import synthetic_kv_cache
 from kvpush.net import zmq_address
 from kvpush.sidechannel import GET_META_MSG, MetadataServer, PeerMetadata, fetch_metadata
 from kvpush.sidechannel.wire import decode_header

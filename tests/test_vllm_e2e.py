@@ -31,7 +31,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpush.bench.vllm_servers import (
+from kvpush.errors import ConfigError
+from kvpush.lab.vllm_servers import (
     NGRAM_SPEC_TOKENS,
     NGRAM_SPECULATION,
     Outcome,
@@ -48,9 +49,8 @@ from kvpush.bench.vllm_servers import (
     speculation,
     vllm_python,
 )
-from kvpush.errors import ConfigError
 from kvpush.net import http_url
-from kvpush.readiness import free_port, wait_ready
+from kvpush.procs.readiness import free_port, wait_ready
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

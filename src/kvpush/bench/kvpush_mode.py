@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvpush.bench.modes import SENDER_FILL_SEED, BenchFailed, ModeUnavailable, check_deadline
+from kvpush.bench.common import SENDER_FILL_SEED, BenchFailed, ModeUnavailable, check_deadline
 from kvpush.bench.workload import CacheBuffers, Transfer, Workload
 
 HOST = "127.0.0.1"

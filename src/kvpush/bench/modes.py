@@ -15,7 +15,6 @@ code an engine author would write against that library.
 from __future__ import annotations
 
 import ctypes
-import multiprocessing
 import os
 import time
 from collections import deque
@@ -23,16 +22,8 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
+from kvpush.bench.common import SENDER_FILL_SEED, BenchFailed, ModeUnavailable, check_deadline
 from kvpush.bench.workload import CacheBuffers, Transfer, Workload, descriptor_arrays
-from kvpush.errors import KVPushError
-
-
-class BenchFailed(KVPushError):
-    """A benchmarked mode failed while running (not a skip: a real error)."""
-
-
-class ModeUnavailable(KVPushError):
-    """The mode cannot run on this host; the message says exactly why."""
 
 
 class Receiver(Protocol):
@@ -78,9 +69,6 @@ class Sender(Protocol):
     def close(self) -> None: ...
 
 
-SENDER_FILL_SEED = 7
-
-
 def load_nixl() -> tuple[Any, Any]:
     """(nixl_agent, nixl_agent_config): the `nixl` meta-package first, then nixl_cu12."""
     try:
@@ -91,23 +79,6 @@ def load_nixl() -> tuple[Any, Any]:
         except ImportError as exc:
             raise ModeUnavailable(f"NIXL is not importable (nixl, nixl_cu12): {exc}") from None
     return nixl_agent, nixl_agent_config
-
-
-_next_parent_check = 0.0
-
-
-def check_deadline(deadline: float, what: str) -> None:
-    """Fail past the deadline, or once the bench process is gone (checked every 0.2 s),
-    so that a polling loop in an orphaned child stops at once."""
-    global _next_parent_check
-    now = time.monotonic()
-    if now > deadline:
-        raise BenchFailed(f"timed out: {what}")
-    if now >= _next_parent_check:
-        _next_parent_check = now + 0.2
-        parent = multiprocessing.parent_process()
-        if parent is not None and not parent.is_alive():
-            raise BenchFailed(f"the bench process is gone: {what}")
 
 
 # --------------------------------------------------------------------------- memcpy

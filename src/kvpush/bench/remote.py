@@ -34,14 +34,9 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kvpush.bench.common import SENDER_FILL_SEED, BenchFailed, check_deadline
 from kvpush.bench.kvpush_mode import BenchRuntime
-from kvpush.bench.modes import (
-    SENDER_FILL_SEED,
-    BenchFailed,
-    NixlRawSender,
-    check_deadline,
-    nixl_register,
-)
+from kvpush.bench.modes import NixlRawSender, nixl_register
 from kvpush.bench.runner import (
     PIPE_TIMEOUT_S,
     ChildSpec,
@@ -273,7 +268,7 @@ def source_cache(geometry: Any, num_blocks: int) -> Any:
     import numpy as np
     import torch
 
-    from kvpush.kvcache import synthetic_kv_cache
+    from kvpush.bench.presets import synthetic_kv_cache
     from kvpush.sidechannel.wire import describe_differences
 
     layer0 = [r for r in geometry.regions if r.layer == 0]

@@ -30,13 +30,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from kvpush.bench import ALL_MODES
-from kvpush.bench.modes import (
-    BenchFailed,
-    MemcpyPair,
-    ModeUnavailable,
-    factories,
-    load_nixl,
-)
+from kvpush.bench.common import BenchFailed, ModeUnavailable
+from kvpush.bench.modes import MemcpyPair, factories, load_nixl
 from kvpush.bench.workload import Plan, Workload, plans
 from kvpush.errors import KVPushError
 

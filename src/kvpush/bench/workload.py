@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from kvpush.bench.presets import get_preset
 from kvpush.errors import ConfigError
-from kvpush.kvcache import get_preset
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -133,7 +133,7 @@ def make_workload(
     quick: bool = False,
     busy_engine: bool = False,
 ) -> Workload:
-    """Build a workload from a `kvpush.kvcache` preset (its layers, KV heads, head dim,
+    """Build a workload from a `kvpush.bench.presets` preset (its layers, KV heads, head dim,
     dtype and block size) and overrides; raises `ConfigError` on bad values."""
     model = get_preset(preset)
     elem = _ELEMENT_BYTES.get(model.dtype)

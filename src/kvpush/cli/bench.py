@@ -12,8 +12,8 @@ from typing import Any
 # Only light imports here: every `kvpush` command builds this parser. numpy and the
 # bench's machinery are imported by `run`.
 from kvpush.bench import ALL_MODES
+from kvpush.bench.presets import PRESETS
 from kvpush.errors import ConfigError
-from kvpush.kvcache import PRESETS
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvpush.serving.demo import add_demo_arguments, options_from_args, run_demo
+from kvpush.demo.run import add_demo_arguments, options_from_args, run_demo
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

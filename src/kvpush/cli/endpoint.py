@@ -86,7 +86,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def run(args: argparse.Namespace) -> int:
     # torch is imported here, not at the top: other commands must start fast.
-    from kvpush.kvcache import synthetic_kv_cache
+    from kvpush.bench.presets import synthetic_kv_cache
 
     if args.ranks < 1:
         raise ConfigError(f"--ranks must be at least 1, got {args.ranks}")

@@ -13,7 +13,7 @@ import urllib.parse
 from kvpush.config import load_token
 from kvpush.errors import ConfigError
 from kvpush.net import parse_host_port
-from kvpush.readiness import DEFAULT_POLL_INTERVAL_S, wait_ready
+from kvpush.procs.readiness import DEFAULT_POLL_INTERVAL_S, wait_ready
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

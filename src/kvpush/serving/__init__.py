@@ -9,7 +9,6 @@
 - `worker`, `server`, `app`: the engine thread, the HTTP API and `kvpush serve`.
 - `disagg`: the prefill and decode roles over `kvpush.runtime.PushRuntime` on NIXL.
 - `proxy`: `kvpush proxy`, both legs at once.
-- `procs`, `demo`: server processes and the end-to-end demo.
 
 Needs the `serve` extra (fastapi, uvicorn, httpx, tokenizers, safetensors).
 """

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import httpx
 
-from kvpush.readiness import free_port
-from kvpush.serving.procs import ServerProcess
+from kvpush.procs.readiness import free_port
+from kvpush.procs.server_process import ServerProcess
 
 Say = Callable[[str], None]
 

@@ -19,7 +19,7 @@ from typing import IO, Any
 from kvpush.config import load_token
 from kvpush.errors import KVPushError, NotReady, ServerExited
 from kvpush.net import http_url
-from kvpush.readiness import ReadyReport, wait_ready
+from kvpush.procs.readiness import ReadyReport, wait_ready
 
 
 class ServerFailed(KVPushError):

@@ -1,8 +1,8 @@
-"""Bench only: a probe of how long a thread waits to run (for the GIL, and for the OS).
+"""Lab only: a probe of how long a thread waits to run (for the GIL, and for the OS).
 
 It does what kvpush's runtime thread does when idle (a timed wait on a lock, then Python
 code) and records, per wake-up, how late it ran: (wall-clock time, seconds late) as
-pairs of doubles appended to a file. `kvpush.bench.vllm_gil_probe` runs it inside vLLM's
+pairs of doubles appended to a file. `kvpush.lab.vllm_gil_probe` runs it inside vLLM's
 workers; `scripts/vllm-gil-probe` also runs it in a process of its own, for comparison.
 """
 

@@ -1,5 +1,5 @@
 """Real vLLM servers, and P/D rounds through them, for the vLLM end-to-end test and
-`scripts/vllm-compare`. Bench-only machinery: the product is `kvpush.integrations.vllm`.
+`scripts/vllm-compare`. Lab machinery: the product is `kvpush.integrations.vllm`.
 
 Servers run from the separate vLLM venv (`make vllm-venv`, `.venv-vllm`) as
 `python -m vllm.entrypoints.openai.api_server` (the `vllm` command of the CPU build is
@@ -32,7 +32,7 @@ import httpx
 
 from kvpush.errors import ConfigError
 from kvpush.net import http_url
-from kvpush.readiness import wait_ready
+from kvpush.procs.readiness import wait_ready
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_VLLM_VENV = REPO_ROOT / ".venv-vllm"
@@ -263,8 +263,8 @@ class VllmServer:
 
     def pids(self) -> list[int]:
         """The server's live processes: its leader and every descendant (API server,
-        engine core, workers, their helpers), for `kvpush.bench.proc_cpu`."""
-        from kvpush.bench.proc_cpu import process_tree
+        engine core, workers, their helpers), for `kvpush.lab.proc_cpu`."""
+        from kvpush.lab.proc_cpu import process_tree
 
         return [] if self._process is None else process_tree(self._process.pid)
 
