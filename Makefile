@@ -35,6 +35,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff format --check src tests scripts
 	$(BIN)/ruff check src tests
+	$(BIN)/lint-imports
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -48,4 +49,4 @@ bench-full: $(STAMP)
 	$(BIN)/kvpush bench --json runs/bench.json --plot docs/bench.png
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache .grimp_cache
