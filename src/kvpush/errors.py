@@ -52,6 +52,11 @@ class ClosedError(KVPushError):
     """The object was closed by us; calling it now is a local mistake."""
 
 
+class BrokenError(KVPushError):
+    """The object stopped on a failure, not because we closed it; calling it now cannot
+    work. Not a `ClosedError`: "closed by us" and "broken" are told apart."""
+
+
 class LocalProtocolError(KVPushError):
     """We misused the protocol (a bug on our side, or a wrong call by the engine)."""
 
@@ -121,7 +126,7 @@ class ServerExited(NotReady):
         self.returncode = returncode
 
 
-class RuntimeStopped(ClosedError):
+class RuntimeStopped(BrokenError):
     """The push runtime's background thread stopped on an unexpected error.
 
     Every transfer it had in flight was reported as failed (LOCAL_ERROR); the error that

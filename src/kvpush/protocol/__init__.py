@@ -1,8 +1,9 @@
 """The push protocol without I/O: wire messages and the two sides' state machines.
 
-`messages` defines what travels between a sender and a receiver; `state` holds every
-transition (read its docstring for the theory of operation). Nothing in this package
-opens a socket, starts a thread or reads a clock.
+`messages` defines what travels between a sender and a receiver; `state` holds the
+theory of operation and `PushProtocol`, the one entry point, and names the module each
+transition lives in (`sender`, its `identity` gate and `leases`, `receiver`). Nothing in
+this package opens a socket, starts a thread or reads a clock.
 """
 
 from kvpush.protocol.messages import (
@@ -35,6 +36,7 @@ from kvpush.protocol.state import (
     Side,
     TransferEnded,
     WriteBlocks,
+    ended_unreported,
 )
 
 __all__ = [
@@ -65,4 +67,5 @@ __all__ = [
     "WriteBlocks",
     "decode",
     "encode",
+    "ended_unreported",
 ]

@@ -1,10 +1,12 @@
 """What both machines of `kvpush.protocol.state` share: the values and effects they
-take and return, a peer as either side knows it, the clock, the compatibility
-decision, and what both sides do alike. The theory of operation is in `state`."""
+take and return (where a transfer stands on each side included), a peer as either side
+knows it, the clock, the compatibility decision, and what both sides do alike. The
+theory of operation is in `state`."""
 
 from __future__ import annotations
 
 import collections
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Literal, Protocol, TypeVar
@@ -24,8 +26,8 @@ Side = Literal["sender", "receiver"]
 
 # A peer heard from this recently is still the process we handshaked with: no process
 # restarts (new NIXL agent, side channel bound again) faster. Older entries are looked up
-# again before a Register (~0.9 ms over the side channel on one host, measured; while the
-# sender computes the prefill, in push mode).
+# again before a Register (one side-channel round trip, while the sender computes the
+# prefill, in push mode; its cost: docs/benchmarks.md, "Design notes moved from docstrings").
 REVALIDATE_AFTER_S = 0.1
 
 
@@ -59,6 +61,23 @@ class PeerInfo:
     incarnation: str
     compat: Mapping[str, object]
     message_key: bytes = b""
+
+
+class SenderState(enum.StrEnum):
+    """Where a transfer stands on the sending side (`SenderProtocol.state_of`)."""
+
+    AWAITING_REGISTER = "awaiting_register"  # submitted, receiver not heard yet
+    REGISTERED = "registered"  # receiver registered, engine has not submitted (no blocks)
+    WRITING = "writing"  # both known: writes go out as layers become ready
+    ENDING = "ending"  # outcome decided, waiting for in-flight writes to drain
+
+
+class ReceiverState(enum.StrEnum):
+    """Where a transfer stands on the receiving side (`ReceiverProtocol.state_of`)."""
+
+    HANDSHAKING = "handshaking"  # waiting for the sender's side channel; nothing registered
+    WAITING = "waiting"  # registered; blocks may be written any time
+    FENCING = "fencing"  # given up; blocks kept until the sender confirms or its lease ran out
 
 
 # --------------------------------------------------------------------------- effects
@@ -148,6 +167,17 @@ class TransferEnded:
 
 
 Effect = SendMessage | WriteBlocks | Handshake | DropPeer | TransferEnded
+
+
+def ended_unreported(
+    transfer_id: str, side: Side, reason: FailureReason, detail: str
+) -> TransferEnded:
+    """The end of a transfer whose machine did not report it, for a runtime whose data
+    plane is closed (so nothing can read or write our memory any more): one whose
+    command never reached the protocol before the runtime stopped, or one the protocol
+    could not end because a crash broke its state. Which blocks it held is not known
+    here, so `blocks` is empty."""
+    return TransferEnded(transfer_id, side, reason, detail, ())
 
 
 @dataclass(frozen=True, slots=True)

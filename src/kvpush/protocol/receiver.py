@@ -4,7 +4,6 @@ every rule this file follows, is in `kvpush.protocol.state`."""
 from __future__ import annotations
 
 import collections
-import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -22,6 +21,7 @@ from kvpush.protocol._common import (
     LocalIdentity,
     PeerAddress,
     PeerInfo,
+    ReceiverState,
     SendMessage,
     TransferEnded,
     _check_blocks,
@@ -41,13 +41,9 @@ from kvpush.protocol.messages import (
     Reject,
 )
 
+__all__ = ["ReceiverProtocol", "ReceiverState"]
+
 # --------------------------------------------------------------------------- receiver
-
-
-class ReceiverState(enum.StrEnum):
-    HANDSHAKING = "handshaking"  # waiting for the sender's side channel; nothing registered
-    WAITING = "waiting"  # registered; blocks may be written any time
-    FENCING = "fencing"  # given up; blocks kept until the sender confirms or its lease ran out
 
 
 @dataclass(slots=True)

@@ -1,10 +1,19 @@
 """The sending side's state machine (`SenderProtocol`). The theory of operation, every
-rule this file follows, is in `kvpush.protocol.state`."""
+rule this file follows, is in `kvpush.protocol.state`.
+
+`SenderProtocol` is three parts, one per concern, sharing one state:
+
+* `kvpush.protocol.identity.SenderGate`: which agent a message may be read from
+  (vouching for unknown agents, `handshake_done`/`handshake_failed`);
+* `kvpush.protocol.leases.SenderLeases`: leases on the receiver's clock, heartbeats,
+  `tick` and `next_deadline`;
+* this file: the engine's calls, the transitions on a believed receiver's messages, the
+  writes, and the one exit every transfer ends through (`_end_transfer`).
+"""
 
 from __future__ import annotations
 
 import collections
-import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -16,10 +25,8 @@ from kvpush.errors import (
 from kvpush.geometry import PROTOCOL_VERSION
 from kvpush.protocol._common import (
     Effect,
-    Handshake,
     LocalIdentity,
-    PeerAddress,
-    PeerInfo,
+    SenderState,
     SendMessage,
     TransferEnded,
     WriteBlocks,
@@ -27,8 +34,9 @@ from kvpush.protocol._common import (
     _Clock,
     _Compatibility,
     _Peer,
-    _Side,
 )
+from kvpush.protocol.identity import SenderGate
+from kvpush.protocol.leases import SenderLeases
 from kvpush.protocol.messages import (
     Cancel,
     CancelAck,
@@ -40,54 +48,10 @@ from kvpush.protocol.messages import (
     Reject,
 )
 
-# How many messages an agent may send before a side channel vouched for it (a real
-# receiver sends a Register or Reject or two, and a heartbeat, in that time); the rest
-# are dropped and counted. And how many early Cancels are remembered at once.
-_MAX_UNREAD = 64
+__all__ = ["SenderProtocol", "SenderState"]
+
+# How many early Cancels are remembered at once.
 _MAX_EARLY_CANCELS = 65536
-
-
-def _named_address(message: Message) -> PeerAddress | None:
-    """The side channel a message names as its sender's (Register, and Reject from a
-    peer that fills it in), to ask whether it vouches for the agent that sent it."""
-    match message:
-        case Register(receiver_host=host, receiver_port=port, receiver_rank=rank):
-            return PeerAddress(host, port, rank)
-        case Reject(receiver_host=host, receiver_port=port, receiver_rank=rank) if host:
-            return PeerAddress(host, port, rank)
-    return None
-
-
-def _claims(p: _Peer, message: Message) -> bool:
-    """Whether what `message` says about its sender is what `p`'s side channel said."""
-    match message:
-        case Register(receiver_engine_id=engine, receiver_incarnation=inc):
-            return (engine, inc, _named_address(message)) == (
-                p.engine_id,
-                p.incarnation,
-                p.address,
-            )
-        case Reject(receiver_engine_id=engine, receiver_incarnation=inc, receiver_host=host):
-            if not host:
-                return True
-            return (engine, inc, _named_address(message)) == (
-                p.engine_id,
-                p.incarnation,
-                p.address,
-            )
-        case Heartbeat(engine_id=engine, incarnation=inc):
-            return (engine, inc) == (p.engine_id, p.incarnation)
-    return True
-
-
-# --------------------------------------------------------------------------- sender
-
-
-class SenderState(enum.StrEnum):
-    AWAITING_REGISTER = "awaiting_register"  # submitted, receiver not heard yet
-    REGISTERED = "registered"  # receiver registered, engine has not submitted (no blocks)
-    WRITING = "writing"  # both known: writes go out as layers become ready
-    ENDING = "ending"  # outcome decided, waiting for in-flight writes to drain
 
 
 @dataclass(slots=True)
@@ -121,7 +85,7 @@ class _Tombstone:
     pending_failure: tuple[FailureReason, str] | None = None
 
 
-class SenderProtocol(_Side["_Outgoing"]):
+class SenderProtocol(SenderGate, SenderLeases):
     """The sending side of every transfer of one rank. See the module docstring."""
 
     def __init__(
@@ -206,12 +170,10 @@ class SenderProtocol(_Side["_Outgoing"]):
                     f"transfer id {transfer_id!r} was already used by a transfer that ended "
                     f"less than {self._tombstone_s}s ago: use a new id per transfer"
                 )
-                return [
-                    TransferEnded(transfer_id, "sender", FailureReason.LOCAL_ERROR, detail, ours)
-                ]
+                return [_ended(transfer_id, FailureReason.LOCAL_ERROR, detail, ours)]
             reason, detail = tomb.pending_failure
             tomb.pending_failure = None
-            return [TransferEnded(transfer_id, "sender", reason, detail, ours)]
+            return [_ended(transfer_id, reason, detail, ours)]
         if rec is None:
             rec = _Outgoing(
                 transfer_id,
@@ -266,10 +228,7 @@ class SenderProtocol(_Side["_Outgoing"]):
             return []
         failure = FailureReason.REJECTED
         why = f"sender refused the registration: {detail}"
-        del self._transfers[transfer_id]
-        reply = Failed(transfer_id, failure, why)
-        self._bury(now, transfer_id, rec.peer, reply, (failure, why))
-        return self._send(rec.peer, reply)
+        return self._end_transfer(now, rec, failure, why, Failed(transfer_id, failure, why))
 
     def abort_with_peer(
         self, now: float, transfer_id: str, peer: str, reason: FailureReason, detail: str
@@ -280,9 +239,7 @@ class SenderProtocol(_Side["_Outgoing"]):
         if rec is None or rec.peer != peer or rec.state is SenderState.ENDING:
             return []
         if rec.blocks is None:
-            del self._transfers[transfer_id]
-            self._bury(now, transfer_id, peer, None, (reason, detail))
-            return []
+            return self._end_transfer(now, rec, reason, detail, None)
         return self._fail(now, rec, reason, detail, Failed(transfer_id, reason, detail))
 
     def shutdown(self, now: float, reason: FailureReason, detail: str) -> list[Effect]:
@@ -299,142 +256,13 @@ class SenderProtocol(_Side["_Outgoing"]):
                     why, what = rec.reason, rec.detail
                 else:
                     why, what = reason, detail
-                out.append(TransferEnded(rec.transfer_id, "sender", why, what, rec.blocks))
+                out.append(_ended(rec.transfer_id, why, what, rec.blocks))
         self._transfers.clear()
         self._writes.clear()
         self._peers.clear()
         return out
 
-    # ----- handshakes back, peer and transport events
-
-    def handshake_done(self, now: float, address: PeerAddress, info: PeerInfo) -> list[Effect]:
-        """The side channel at `address` answered with `info`.
-
-        An agent vouched for there before and not named now restarted (PEER_RESTARTED).
-        An agent waiting there (its messages unread in its inbox) is believed if it is
-        the one named, and its messages are read; any other is an impostor, and its
-        messages are dropped and counted. A believed one whose engine another address
-        was vouched for first waits until that address is looked up again. A believed
-        one with an incompatible cache is refused (INCOMPATIBLE_PEER); else it is ready
-        for writes."""
-        now = self._clock.advance(now)
-        out = self._restarted(now, address, info)
-        problem = self._compat.problem(info.compat)
-        for p in list(self._peers.values()):
-            if p.rival is None or p.rival[0] != address:
-                continue
-            if info.agent == p.rival[1]:
-                detail = (
-                    f"agent {p.agent} claims engine {p.engine_id}, which its side channel "
-                    f"at {address} still serves as agent {info.agent}"
-                )
-                # Its own side channel named it, so the runtime loaded it: unload it.
-                out += self._refuse(now, p, "impostor", detail, loaded=True)
-            else:  # that address now serves another agent: the one it vouched for is gone
-                p.rival = None
-                out += self._verified(now, p)
-        for p in [p for p in self._peers.values() if p.address == address and not p.verified]:
-            if p.rival is not None:
-                continue
-            if p.agent != info.agent:
-                detail = f"the side channel at {address} serves agent {info.agent}, not {p.agent}"
-                out += self._refuse(now, p, "impostor", detail)
-                continue
-            p.engine_id, p.incarnation = info.engine_id, info.incarnation
-            rival = next(
-                (
-                    q
-                    for q in self._peers.values()
-                    if q.verified
-                    and q.engine_id == info.engine_id
-                    and q.address is not None
-                    and q.address != address
-                ),
-                None,
-            )
-            if problem is None and rival is not None and rival.address is not None:
-                # Two addresses claim one engine: the one that vouched first is asked
-                # again, and believed if it still serves its agent.
-                p.rival = (rival.address, rival.agent)
-                out.append(Handshake(rival.address, rival.agent, revalidate=True))
-                continue
-            if problem is not None:
-                out += self._incompatible(now, p, address, info, problem)
-            else:
-                out += self._verified(now, p)
-        return out
-
-    def handshake_failed(
-        self, now: float, address: PeerAddress, reason: FailureReason, detail: str
-    ) -> list[Effect]:
-        """The lookup of `address` failed: the agents waiting for it are not believed
-        (their messages are dropped and counted; nothing was bound to them). An agent
-        waiting for a second look at a rival's address is believed: that address no
-        longer vouches for the rival."""
-        now = self._clock.advance(now)
-        out: list[Effect] = []
-        for p in list(self._peers.values()):
-            if p.rival is not None and p.rival[0] == address:
-                p.rival = None
-                out += self._verified(now, p)
-        for p in [p for p in self._peers.values() if p.address == address and not p.verified]:
-            if p.rival is None:
-                why = f"the side channel at {address} could not vouch for it: {detail}"
-                out += self._refuse(now, p, "unverified", why)
-        return out
-
-    def _refuse(
-        self, now: float, p: _Peer, reason: str, detail: str, *, loaded: bool = False
-    ) -> list[Effect]:
-        """`p` is not who its messages said: drop them unread, and forget it (nothing
-        was bound to it). `DropPeer` only if `loaded` (a side channel named this very
-        agent, so the runtime loaded it): else the runtime never loaded that name, and
-        the name may be a real peer's, borrowed, which must stay loaded."""
-        self._drop(reason, len(p.inbox))
-        p.inbox.clear()
-        if loaded:
-            return self.peer_lost(now, p.agent, FailureReason.UNKNOWN_PEER, detail)
-        del self._peers[p.agent]
-        return []
-
-    def _read_inbox(self, now: float, p: _Peer) -> list[Effect]:
-        """Read what a peer just vouched for sent meanwhile, in order; what waited longer
-        than `liveness_timeout_s` is dropped (a live receiver sends its Registers again
-        every heartbeat interval until we list them, so nothing is lost, and a message
-        that old may speak for a transfer its sender gave up since)."""
-        p.verified = True
-        out: list[Effect] = []
-        inbox, p.inbox = p.inbox, []
-        for at, m in inbox:
-            if self._too_old_to_read(now, at):
-                self.ignored_messages += 1
-            else:
-                out += self.handle(now, p.agent, m)
-        return out
-
-    def _too_old_to_read(self, now: float, arrived: float) -> bool:
-        return now - arrived > self._timing.liveness_timeout_s
-
-    def _verified(self, now: float, p: _Peer) -> list[Effect]:
-        """The side channel vouched for `p`: read what it sent meanwhile, then write."""
-        out = self._read_inbox(now, p)
-        if p.agent in self._peers:
-            out += self._peer_ready(now, p)
-        return out
-
-    def _incompatible(
-        self, now: float, p: _Peer, address: PeerAddress, info: PeerInfo, problem: str
-    ) -> list[Effect]:
-        # Nothing was written (writes wait for the handshake): read what it sent (writes
-        # still wait), then say why with a Failed per transfer, so the receiver gives its
-        # blocks back now, not at its deadline.
-        out = self._read_inbox(now, p)
-        failure = FailureReason.INCOMPATIBLE_PEER
-        view = f"sender refused our KV cache: {self._compat.their_view(info.compat)}"
-        for rec in [r for r in self._transfers.values() if r.peer == p.agent]:
-            out.append(SendMessage(p.agent, Failed(rec.transfer_id, failure, view)))
-        detail = f"receiver at {address}: {problem}"
-        return out + self.peer_lost(now, p.agent, failure, detail)
+    # ----- a receiver believed (the gate let it through), and transport events
 
     def _peer_ready(self, now: float, p: _Peer) -> list[Effect]:
         p.ready = True
@@ -496,25 +324,13 @@ class SenderProtocol(_Side["_Outgoing"]):
         it"): from an agent no side channel has vouched for yet it is kept unread until
         one does (a Register or Reject names the address to ask), from any other agent
         it is dropped and counted; one that claims an engine other than the one its
-        agent was vouched for is dropped and counted too."""
+        agent was vouched for is dropped and counted too (the gate: `SenderGate._admit`).
+        What passes the gate is a transition of its transfer."""
         now = self._clock.advance(now)
-        p = self._peers.get(peer)
-        if p is None:
-            address = _named_address(message)
-            if address is not None:
-                return self._note_peer(now, peer, address, message)
-            if isinstance(message, Cancel):
-                # Counted, and still remembered against that agent's own Register: a
-                # receiver's Cancel may overtake (or outlive) its first Register.
-                self._remember_cancel(now, peer, message.transfer_id)
-            return self._drop("unknown_agent")
-        if not p.verified:
-            if len(p.inbox) >= _MAX_UNREAD:
-                return self._drop("unread_overflow")
-            p.inbox.append((now, message))
-            return []
-        if not _claims(p, message):
-            return self._drop("wrong_engine")
+        kept = self._admit(now, peer, message)
+        if kept is not None:
+            return kept
+        p = self._peers[peer]
         p.last_heard = now
         match message:
             case Register():
@@ -578,39 +394,6 @@ class SenderProtocol(_Side["_Outgoing"]):
             return out
         return out + self._start(now, rec)
 
-    def _granted(self, sent_at: float | None) -> float:
-        """Until when (receiver's clock) a message sent at `sent_at` renews a lease."""
-        return float("-inf") if sent_at is None else sent_at + self._timing.lease_s
-
-    def _stale_register(self, now: float, peer: str, granted: float) -> str | None:
-        p = self._peers.get(peer)
-        if p is None or p.skew_lb is None or now < granted + p.skew_lb:
-            return None
-        age = now - p.skew_lb - (granted - self._timing.lease_s)
-        return (
-            f"Register from {peer} is at least {age:.3f}s old on the receiver's clock, past "
-            f"its {self._timing.lease_s}s lease: refused, nothing written"
-        )
-
-    def _note_peer(self, now: float, peer: str, address: PeerAddress, msg: Message) -> list[Effect]:
-        """A first message from `peer`, naming the side channel at `address`: keep it
-        unread and ask that side channel who it serves (`handshake_done`).
-
-        What the message claims is not believed: nothing is bound to `peer` until the
-        side channel names it, and a new incarnation of a known engine is recognised only
-        when the side channel that vouched for the old one says so."""
-        engine = msg.receiver_engine_id if isinstance(msg, Register | Reject) else ""
-        self._peers[peer] = _Peer(
-            peer,
-            engine,
-            last_heard=now,
-            ready=False,
-            address=address,
-            verified=False,
-            inbox=[(now, msg)],
-        )
-        return [Handshake(address, peer)]
-
     def _remember_cancel(self, now: float, peer: str, tid: str) -> None:
         if len(self._early_cancels) < _MAX_EARLY_CANCELS:
             self._early_cancels.pop((peer, tid), None)  # insertion order = expiry order
@@ -642,9 +425,7 @@ class SenderProtocol(_Side["_Outgoing"]):
         why = f"receiver cancelled ({reason.value}): {detail}"
         if rec is not None and rec.peer == peer:
             if rec.blocks is None:  # registered, never submitted: nothing to drain
-                del self._transfers[tid]
-                self._bury(now, tid, peer, CancelAck(tid), (FailureReason.CANCELLED, why))
-                return self._send(peer, CancelAck(tid))
+                return self._end_transfer(now, rec, FailureReason.CANCELLED, why, CancelAck(tid))
             if rec.state is SenderState.ENDING:
                 rec.reply = CancelAck(tid)  # the ack must wait for the drain too
                 return []
@@ -681,197 +462,8 @@ class SenderProtocol(_Side["_Outgoing"]):
         if rec.state is SenderState.ENDING:
             return []
         if rec.blocks is None:
-            del self._transfers[tid]
-            self._bury(now, tid, peer, None, (failure, why))
-            return []
+            return self._end_transfer(now, rec, failure, why, None)
         return self._fail(now, rec, failure, why, Failed(tid, failure, why))
-
-    def _on_heartbeat(self, now: float, peer: str, hb: Heartbeat) -> list[Effect]:
-        out: list[Effect] = []
-        p = self._peers.get(peer)
-        first_bound = False
-        if (
-            p is not None
-            and hb.echo is not None
-            and hb.sent_at is not None
-            and p.skew_echo < hb.echo <= now  # newer than the one in use, and ours
-        ):
-            first_bound = p.skew_lb is None
-            # The newest round trip, not the tightest ever (clocks of two hosts drift);
-            # an old echo repeated later (after an idle spell) is no newer, so ignored.
-            p.skew_echo = hb.echo
-            p.skew_lb = hb.echo - hb.sent_at
-        granted = self._granted(hb.sent_at)
-        for tid in hb.transfer_ids:
-            rec = self._transfers.get(tid)
-            if rec is not None and rec.peer == peer:
-                if rec.state is not SenderState.ENDING:
-                    rec.lease_until_theirs = max(rec.lease_until_theirs, granted)
-                continue
-            tomb = self._tombstones.get(tid)
-            if tomb is not None and tomb.peer == peer and tomb.reply is not None:
-                out += self._send(peer, tomb.reply)  # it missed our Done/Failed: again
-        if first_bound and p is not None and p.ready:
-            out += self._issue_for_peer(now, peer)  # writes waited for the bound
-        if p is not None:
-            out += self._settle_rechecks(now, p)
-        return out
-
-    def _lapsed(
-        self, now: float, rec: _Outgoing, detail: str, *, register: bool = False
-    ) -> list[Effect]:
-        """`rec`'s lease looks over: fail it, unless our bound on the receiver's clock
-        may be loose and a fresh one could show it holds.
-
-        The bound comes from the newest round trip, and a round trip that waited (the
-        receiver starved, a message queued) leaves it too small by that wait. With no
-        transfers in flight nothing measures it again, so every later Register would look
-        stale, for good. So before failing on a bound measured earlier, we send the
-        receiver a heartbeat, which it answers at once with a fresh echo (and the ids it
-        still waits for, which renew their leases), and decide on that: nothing is
-        written meanwhile, and silence ends it as any silence does."""
-        p = self._peers.get(rec.peer) if rec.peer is not None else None
-        if rec.recheck is None and p is not None and p.ready and p.skew_lb is not None:
-            rec.recheck = (now, detail, register)
-            self._rechecking[rec.transfer_id] = None
-            return self._heartbeat(now, p, force=True)
-        if rec.recheck is not None and (p is None or p.skew_echo < rec.recheck[0]):
-            return []  # the answer is on its way
-        if rec.recheck is not None:
-            _, detail, register = rec.recheck
-        if register:
-            self.stale_registers += 1
-        return self._timeout(now, rec, FailureReason.PEER_TIMEOUT, detail)
-
-    def _settle_rechecks(self, now: float, p: _Peer) -> list[Effect]:
-        """A bound measured after a recheck was asked for: decide each that waited on it
-        (only those: this runs on every heartbeat from a receiver)."""
-        out: list[Effect] = []
-        for tid in list(self._rechecking):
-            rec = self._transfers.get(tid)
-            if rec is None or rec.recheck is None:
-                del self._rechecking[tid]  # it ended meanwhile
-                continue
-            if rec.peer != p.agent or p.skew_echo < rec.recheck[0]:
-                continue
-            del self._rechecking[tid]
-            if rec.state is SenderState.ENDING:
-                rec.recheck = None
-            elif self._lease_expired(now, rec):
-                out += self._lapsed(now, rec, rec.recheck[1])
-            else:
-                rec.recheck = None  # the lease holds after all
-                if rec.state is SenderState.WRITING:
-                    out += (
-                        self._start(now, rec)
-                        if not rec.issued_layers
-                        else self._issue_writes(now, rec)
-                    )
-                    if self._transfers.get(rec.transfer_id) is rec:
-                        out += self._maybe_done(now, rec)  # its writes landed meanwhile
-        return out
-
-    # ----- time
-
-    def tick(self, now: float) -> list[Effect]:
-        now = self._clock.advance(now)
-        out: list[Effect] = []
-        t = self._timing
-        silent: dict[str, str] = {}
-        for p in self._peers.values():
-            if now - p.last_heard >= t.liveness_timeout_s:
-                silent[p.agent] = f"receiver {p.agent} silent for {now - p.last_heard:.3f}s"
-        for rec in list(self._transfers.values()):
-            if rec.state is SenderState.ENDING:
-                continue  # waits for its writes: only the data plane ends a write
-            if rec.peer is not None and rec.peer in silent:
-                # Silent is not dead: fail, but only once its writes reported.
-                out += self._timeout(now, rec, FailureReason.PEER_TIMEOUT, silent[rec.peer])
-            elif now >= rec.deadline:
-                detail = f"not finished within {t.transfer_deadline_s}s"
-                out += self._timeout(now, rec, FailureReason.DEADLINE_EXCEEDED, detail)
-            elif self._lease_expired(now, rec):
-                detail = f"lease of {t.lease_s}s not renewed by receiver {rec.peer}"
-                out += self._lapsed(now, rec, detail)
-        # Oldest first: every tombstone lives the same time and `now` never goes back,
-        # so insertion order is expiry order (`_bury` re-inserts). Scanning them all
-        # each tick cost O(transfers of the last minute) and, at thousands of transfers
-        # a second, most of the runtime thread's time.
-        tombs = self._tombstones
-        while tombs:
-            oldest = next(iter(tombs))
-            if now < tombs[oldest].expires:
-                break
-            del tombs[oldest]
-        early = self._early_cancels
-        while early:
-            key = next(iter(early))
-            if now < early[key]:
-                break
-            del early[key]
-        for p in self._peers.values():
-            out += self._heartbeat(now, p)
-        return out
-
-    def _lease_expired(self, now: float, rec: _Outgoing) -> bool:
-        """True once the lease has certainly run out on the receiver's clock."""
-        if rec.peer is None or rec.register is None:
-            return False
-        p = self._peers.get(rec.peer)
-        if p is None or p.skew_lb is None:
-            return False  # no bound yet: nothing is written either (`_issue_writes`)
-        return now >= rec.lease_until_theirs + p.skew_lb
-
-    def next_deadline(self) -> float | None:
-        """When `tick` next has something to do; None while nothing is in flight."""
-        times: list[float] = []
-        live: set[str] = set()
-        for rec in self._transfers.values():
-            if rec.state is SenderState.ENDING:
-                continue
-            times.append(rec.deadline)
-            if rec.peer is not None:
-                live.add(rec.peer)
-                p = self._peers.get(rec.peer)
-                if (
-                    p is not None
-                    and p.skew_lb is not None
-                    and rec.register is not None
-                    and rec.recheck is None  # it waits for the receiver's answer instead
-                ):
-                    times.append(rec.lease_until_theirs + p.skew_lb)
-        for agent in live:
-            p = self._peers.get(agent)
-            if p is not None:
-                times.append(p.last_heard + self._timing.liveness_timeout_s)
-                if p.ready:
-                    times.append(p.last_heartbeat_sent + self._timing.heartbeat_interval_s)
-        if self._tombstones and not times:
-            times.append(next(iter(self._tombstones.values())).expires)
-        return min(times) if times else None
-
-    def _timeout(
-        self, now: float, rec: _Outgoing, reason: FailureReason, detail: str
-    ) -> list[Effect]:
-        if rec.blocks is None:  # a registration the engine never submitted (yet)
-            del self._transfers[rec.transfer_id]
-            failed = Failed(rec.transfer_id, reason, detail)
-            self._bury(now, rec.transfer_id, rec.peer, failed, (reason, detail))
-            return self._send(rec.peer, failed) if rec.peer else []
-        return self._fail(now, rec, reason, detail, Failed(rec.transfer_id, reason, detail))
-
-    def _heartbeat(self, now: float, p: _Peer, *, force: bool = False) -> list[Effect]:
-        if not p.ready:
-            return []
-        due = now >= p.last_heartbeat_sent + self._timing.heartbeat_interval_s
-        if not (force or due):
-            return []
-        ids = tuple(t for t, r in self._transfers.items() if r.peer == p.agent)
-        if not ids and not force:
-            return []
-        p.last_heartbeat_sent = now
-        hb = Heartbeat("sender", self._me.engine_id, self._me.incarnation, ids, sent_at=now)
-        return [SendMessage(p.agent, hb)]
 
     # ----- transitions
 
@@ -944,12 +536,7 @@ class SenderProtocol(_Side["_Outgoing"]):
         if rec.inflight or not written_all or rec.recheck is not None:
             return []  # (a lease being rechecked: `_settle_rechecks` comes back here)
         done = Done(rec.transfer_id, len(rec.register.block_ids))
-        del self._transfers[rec.transfer_id]
-        self._bury(now, rec.transfer_id, rec.peer, done)
-        return [
-            *self._send(rec.peer, done),
-            TransferEnded(rec.transfer_id, "sender", None, "", rec.blocks),
-        ]
+        return self._end_transfer(now, rec, None, "", done)
 
     def _done_delivered(self, now: float, rec: _Outgoing) -> list[Effect]:
         """The write carrying our Done landed, so the receiver has its Done: the transfer
@@ -960,9 +547,7 @@ class SenderProtocol(_Side["_Outgoing"]):
         done = Done(rec.transfer_id, len(rec.register.block_ids))
         if rec.state is SenderState.ENDING and isinstance(rec.reply, CancelAck):
             return self._end(now, rec)
-        del self._transfers[rec.transfer_id]
-        self._bury(now, rec.transfer_id, rec.peer, done)
-        return [TransferEnded(rec.transfer_id, "sender", None, "", rec.blocks)]
+        return self._end_transfer(now, rec, None, "", done, tell=False)  # it has it already
 
     def _fail(
         self, now: float, rec: _Outgoing, reason: FailureReason, detail: str, reply: Message
@@ -979,30 +564,52 @@ class SenderProtocol(_Side["_Outgoing"]):
         return self._end(now, rec)
 
     def _end(self, now: float, rec: _Outgoing) -> list[Effect]:
+        """An ENDING transfer's writes drained: it ends as `_fail` decided."""
         assert rec.reason is not None and rec.blocks is not None and not rec.inflight
-        del self._transfers[rec.transfer_id]
-        self._bury(now, rec.transfer_id, rec.peer, rec.reply)
-        out: list[Effect] = []
-        if rec.peer is not None and rec.reply is not None:
-            out += self._send(rec.peer, rec.reply)
-        out.append(TransferEnded(rec.transfer_id, "sender", rec.reason, rec.detail, rec.blocks))
-        return out
+        return self._end_transfer(now, rec, rec.reason, rec.detail, rec.reply)
 
     def _abandon(
         self, now: float, rec: _Outgoing, reason: FailureReason, detail: str
     ) -> list[Effect]:
         """The peer is certainly gone: end at once, tell nobody; its write events are
         ignored (a write to a process that is gone lands nowhere)."""
-        del self._transfers[rec.transfer_id]
         for wid in rec.inflight:
             self._writes.pop(wid, None)
-        if rec.blocks is None:
-            self._bury(now, rec.transfer_id, rec.peer, None, (reason, detail))
-            return []
-        self._bury(now, rec.transfer_id, rec.peer, None)
         if rec.state is SenderState.ENDING and rec.reason is not None:
             reason, detail = rec.reason, rec.detail
-        return [TransferEnded(rec.transfer_id, "sender", reason, detail, rec.blocks)]
+        return self._end_transfer(now, rec, reason, detail, None)
+
+    def _end_transfer(
+        self,
+        now: float,
+        rec: _Outgoing,
+        reason: FailureReason | None,
+        detail: str,
+        reply: Message | None,
+        *,
+        tell: bool = True,
+    ) -> list[Effect]:
+        """The one way a sender transfer ends: it is forgotten, its tombstone keeps
+        `reply` for late messages, the receiver is sent `reply` (if `tell`), and the
+        engine is told with a `TransferEnded` (`reason` None: finished).
+
+        The caller has made sure no write of it is in flight (or that its peer is gone,
+        so none can land). A transfer the engine never submitted (registered only) is
+        reported to nobody now: its tombstone keeps the failure, and the engine's
+        `submit` of the id gets it."""
+        tid = rec.transfer_id
+        del self._transfers[tid]
+        if rec.blocks is None:
+            assert reason is not None  # nothing finishes without blocks to write
+            self._bury(now, tid, rec.peer, reply, (reason, detail))
+        else:
+            self._bury(now, tid, rec.peer, reply)
+        out: list[Effect] = []
+        if tell and rec.peer is not None and reply is not None:
+            out += self._send(rec.peer, reply)
+        if rec.blocks is not None:
+            out.append(_ended(tid, reason, detail, rec.blocks))
+        return out
 
     # ----- helpers
 
@@ -1050,3 +657,11 @@ class SenderProtocol(_Side["_Outgoing"]):
     def _id_taken(tid: str) -> Failed:
         detail = f"transfer id {tid!r} is already in use by another receiver"
         return Failed(tid, FailureReason.MALFORMED_MESSAGE, detail)
+
+
+def _ended(
+    transfer_id: str, reason: FailureReason | None, detail: str, blocks: tuple[int, ...]
+) -> TransferEnded:
+    """A sender `TransferEnded`: built here only (`_end_transfer`, and the two calls that
+    report without a transfer to end: `submit` of an ended id, and `shutdown`)."""
+    return TransferEnded(transfer_id, "sender", reason, detail, blocks)

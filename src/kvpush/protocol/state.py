@@ -1,10 +1,21 @@
 """The push protocol's state machines, with no I/O: the theory of operation, and
 `PushProtocol`, the one entry point for both.
 
-The transitions live in two files along the protocol's one seam: `sender.py`
-(`SenderProtocol`) and `receiver.py` (`ReceiverProtocol`); what both share (values,
-effects, a peer, the clock, the compatibility decision) is in `_common.py`. Every name
-is importable from here (and from `kvpush.protocol`), as before the split.
+Where each rule lives:
+
+* `receiver.py` — `ReceiverProtocol`, the receiving side, whole.
+* `sender.py` — `SenderProtocol`: the engine's calls, the transitions on a believed
+  receiver's messages, the writes, and `_end_transfer`, the one exit every sender
+  transfer ends through. Two parts of it sit beside it, one concern each:
+* `identity.py` — "Who sent it": the message-key check in front of `PushProtocol`, and
+  the sender's identity gate in front of `SenderProtocol.handle` (`SenderGate`).
+* `leases.py` — "Leases measured on the receiver's clock": the sender's leases, clock
+  bound, heartbeats and timers (`SenderLeases`, `tick`, `next_deadline`).
+* `_common.py` — what both sides share: values, effects, a peer, the clock, the
+  compatibility decision, and `ended_unreported`.
+* this file — the theory of operation, and `PushProtocol`, which holds both machines.
+
+Every name is importable from here (and from `kvpush.protocol`).
 
 Theory of operation
 ===================
@@ -16,7 +27,9 @@ handshake results. They take engine calls, decoded messages, transport events, h
 results and the current time `now` (monotonic seconds, fed by the caller), and return
 lists of *effects*: `SendMessage`, `WriteBlocks`, `Handshake`, `DropPeer`,
 `TransferEnded`. They import no socket, thread or clock; the runtime carries out the
-effects. Every `TransferEnded` comes from here: the runtime only passes them on.
+effects. Every `TransferEnded` is built in this package: by the machines, and, for a
+transfer whose end they did not report before the runtime stopped (its data plane
+closed), by `ended_unreported`. The runtime only passes them on.
 
 A transfer is named by its `transfer_id`, end to end. Peers are named by data-plane agent
 name, which is new for every process incarnation, so a restarted peer is a new peer.
@@ -121,16 +134,14 @@ channel (token-authenticated, when a token is configured) has named it:
   or its deadline, since it names no receiver that could end it.
 
 The data plane does not authenticate agent names: any process holding our NIXL metadata
-can connect and send notifications under any name, a real peer's included (tried with
-NIXL 1.5.1 over UCX: a second process that named its agent as a real peer's was reported
-under that name). So the runtime also gives every incarnation a random 16-byte message
-key, publishes it in its side-channel metadata, and has `PushProtocol(message_key=...)`
-drop every message that does not begin with it ("bad_key"): with a token configured,
-only a peer the side channel admitted can put a message in front of us at all, under
-any name. Measured on one shared 2-core host (load 10-13) by
-`scripts/measure_message_key.py`, four runs: checking the key costs 0.3-0.9 us per
-message on top of a 0.7-1.3 us decode (a Done, a heartbeat listing 8 ids), against
-3.7-12 us for an HMAC-SHA256 of the message, on each side. The key travels in clear
+can connect and send notifications under any name, a real peer's included (how that was
+shown: docs/benchmarks.md, "Design notes moved from docstrings"). So the runtime also
+gives every incarnation a random 16-byte message key, publishes it in its side-channel
+metadata, and has `PushProtocol(message_key=...)` drop every message that does not
+begin with it ("bad_key", `identity.strip_message_key`): with a token configured, only a
+peer the side channel admitted can put a message in front of us at all, under any name.
+Checking the key costs less than decoding the message, and a MAC of every message
+several times more (figures: docs/benchmarks.md, same section). The key travels in clear
 in the metadata (the token does not: each side proves it holds it, see
 `kvpush.sidechannel.wire`), so a MAC would add protection only against someone who can
 read the network and also send on it; the KV itself crosses the same network in clear,
@@ -173,8 +184,7 @@ for it.
 A loose bound is measured again before it condemns anything. A round trip that waited
 (a starved or stopped receiver read our heartbeat late) leaves `skew_lb` too small by
 the wait, and with no transfer in flight no heartbeat would measure it again: every
-later Register would look stale, for good (seen at load 30 in `scripts/runtime-latency`:
-196 of 200 transfers refused). So a lease that looks over (a Register, a write about to
+later Register would look stale, for good. So a lease that looks over (a Register, a write about to
 start, `tick`) first makes the sender send the receiver a heartbeat, which it answers at
 once with a fresh echo and the ids it still waits for (renewing their leases); the
 transfer is decided on that bound (`_Outgoing.recheck`). Nothing is written meanwhile,
@@ -188,14 +198,14 @@ fence still assumes: a write the sender *issued* before its lease ran out lands 
 fails) within that margin. A process stopped in the middle of handing a write to the
 data plane, or a data plane that copies in the stopped sender's own process (UCX over
 shared memory or TCP progresses only when the sender polls), can land such a write late,
-after the margin; a NIC doing RDMA does not stop with the process. For scale: one
-host's data plane moved 1 GiB in 0.23 s (4.56 GB/s, `kvpush bench`, issue 13's figure),
-so the default 6 s margin covers any write a running sender issues; only a stop of the
-sender in the middle of one is outside it. Monotonic clocks of
-two hosts may also drift apart: the bound is taken afresh from every echo (about every
-`heartbeat_interval_s` while transfers flow), so drift counts only over an idle spell
-before the next echo, far below the margin at common rates (100 ppm is 0.36 s an hour).
-On one host both ends read the same monotonic clock: no drift at all.
+after the margin; a NIC doing RDMA does not stop with the process. The default 6 s
+margin is far longer than any write a running sender issues takes (the data plane's
+speed: docs/benchmarks.md); only a stop of the sender in the middle of one is outside
+it. Monotonic clocks of two hosts may also drift apart: the bound is taken afresh from
+every echo (about every `heartbeat_interval_s` while transfers flow), so drift counts
+only over an idle spell before the next echo, far below the margin at common rates (100
+ppm is 0.36 s an hour). On one host both ends read the same monotonic clock: no drift at
+all.
 
 One exception to "a lost peer ends its transfers": a receiver's first `Register` sent
 from a cached `PeerInfo` that certainly reached no live sender (the runtime saw the data
@@ -218,7 +228,6 @@ sense for its transfer fails that transfer with MALFORMED_MESSAGE.
 from __future__ import annotations
 
 import collections
-import hmac
 from collections.abc import Mapping
 
 from kvpush.config import STRICT_COMPATIBILITY, CompatibilityPolicy, TimingConfig
@@ -234,12 +243,16 @@ from kvpush.protocol._common import (
     LocalIdentity,
     PeerAddress,
     PeerInfo,
+    ReceiverState,
+    SenderState,
     SendMessage,
     Side,
     TransferEnded,
     WriteBlocks,
     _Compatibility,
+    ended_unreported,
 )
+from kvpush.protocol.identity import strip_message_key
 from kvpush.protocol.messages import (
     Cancel,
     Heartbeat,
@@ -249,8 +262,8 @@ from kvpush.protocol.messages import (
     decode,
     encode,
 )
-from kvpush.protocol.receiver import ReceiverProtocol, ReceiverState
-from kvpush.protocol.sender import SenderProtocol, SenderState
+from kvpush.protocol.receiver import ReceiverProtocol
+from kvpush.protocol.sender import SenderProtocol
 
 # --------------------------------------------------------------------------- both
 
@@ -302,14 +315,12 @@ class PushProtocol:
         sender). Without our message key in front it is dropped unread and counted.
         Raises `RemoteProtocolError` (nothing changed) when the bytes are not a message;
         the caller then calls `peer_misbehaved`."""
-        key = self._key
-        if key:
-            if not hmac.compare_digest(payload[: len(key)], key):
-                self._forged["bad_key"] += 1
-                return []
-            payload = payload[len(key) :]
+        unkeyed = strip_message_key(self._key, payload)
+        if unkeyed is None:
+            self._forged["bad_key"] += 1
+            return []
         try:
-            message = decode(payload)
+            message = decode(unkeyed)
         except RemoteProtocolError:
             self.receiver.heard_from(peer, now)
             raise
@@ -410,4 +421,5 @@ __all__ = [
     "Side",
     "TransferEnded",
     "WriteBlocks",
+    "ended_unreported",
 ]

@@ -39,9 +39,10 @@ The contract: every transfer handed in through `send` or `receive` comes back fr
 goes wrong on any thread (handshake not done, peer unknown, unreachable or
 incompatible, write error, peer gone or restarted, deadline, malformed message, cancel,
 an exception on the background thread) is queued as a result, never handled where it was
-found. Every result is the protocol's own `TransferEnded` (`kvpush.protocol.state` holds
-every transition, the receiver's handshake included); the runtime only carries out
-effects.
+found. Every result is a `TransferEnded` built by the protocol (`kvpush.protocol`: its
+machines, the receiver's handshake included, and `ended_unreported` for what they did not
+end before the runtime stopped); the runtime only carries out effects and passes results
+on.
 
 When a result arrives, kvpush no longer touches its blocks: the engine may free or reuse
 them at once (on the receiving side, a finished transfer's blocks hold the KV data).
@@ -92,8 +93,9 @@ Engine misuse that can be seen at the call (a transfer id already in flight, a b
 outside the cache, a layer out of range, a sender that is not a `PeerAddress`) raises
 `LocalProtocolError` at once; a transfer id reused while the protocol still remembers its
 previous use ends as LOCAL_ERROR. After the background thread died on an unexpected
-error, calls raise `RuntimeStopped` (its cause chained) and every transfer that was in
-flight is reported as LOCAL_ERROR once the transport is closed.
+error, calls raise `RuntimeStopped` (its cause chained; a `kvpush.errors.BrokenError`,
+not a `ClosedError`, which means closed by us) and every transfer that was in flight is
+reported as LOCAL_ERROR once the transport is closed.
 
 `close()` ends the transfers in flight as SHUTDOWN the safe way: senders wait for their
 writes (up to half of its timeout), receivers for their senders' acknowledgements (up to
@@ -106,45 +108,51 @@ liveness_timeout_s`.
 Layout of this package, along its seams:
 
 * `facade` — `PushRuntime`: the engine-facing calls, every argument check, the lock, the
-  result queue and its counters. It talks to the driver through a command queue only.
-* `driver` — `Driver`: the one thread that owns the transport (and so the NIXL agent) and
-  the protocol machines: its loop, the effects it carries out, the statistics snapshot.
+  result queue and its counters. Each call reaches the driver as a command: queued for
+  the runtime's thread, or run at once in an in-step pass (`Driver.drive`).
+* `driver` — `Driver`: the pass (commands, one poll of the transport, its events, the
+  protocol's tick, the effects carried out), the runtime's thread that loops over it, the
+  statistics snapshot. It owns the transport (and so the NIXL agent) and the protocol
+  machines; they are touched only inside a pass, under the driver's lock.
 * `directory` — the `PeerDirectory` port (`InMemoryPeerDirectory`,
   `SideChannelPeerDirectory`) and the `LookupPool` of threads that runs lookups.
 * `values` — `RuntimeIdentity`, `RuntimeStatistics`, `TransferResult`, `PeerAddress`.
 
-Threads: the driver's thread, and a pool of up to 16 lookup threads that do the blocking
-side-channel lookups, different addresses in parallel, and post results back (started on
-demand after `start()`, all joined in `close()`). One address that never answers costs
-only its own transfers: known-good addresses go first, addresses never seen or whose
-last lookup got no answer hold at most three quarters of the pool (those at most half),
-and an unanswered address is tried again only after a back-off (50 ms doubling to 2 s,
+Threads, and who touches what: the transport and the protocol machines are touched only
+inside a pass, and a pass runs only under the driver's lock, one thread at a time: the
+runtime's own thread, or an engine thread driving in-step (below). The facade's result
+queue, in-flight set and counters are under the facade's lock; a pass reports into
+them. The runtime's thread is started by `start()` and joined by `close()`, and so is a
+pool of up to 16 lookup threads (started on demand) that do the blocking side-channel
+lookups, different addresses in parallel, and post each result back as a command: they
+touch neither the transport nor the protocol. One address that never answers costs only
+its own transfers: known-good addresses go first, addresses never seen or whose last
+lookup got no answer hold at most three quarters of the pool (those at most half), and
+an unanswered address is tried again only after a back-off (50 ms doubling to 2 s,
 cleared by an answer) while its transfers wait within their own deadline.
+
 In-step driving (the default; `drive_in_step=False` turns it off): an engine call
 (`send`, `receive`, `layers_ready`, `abort`, `reject`, `poll`, and `wait` before it
-waits) runs the driver's pass itself, on the engine's thread, when no other thread is
-in one (a try-lock: the transport and the protocol are only ever touched under that
-lock, by one thread at a time). It runs the commands queued before it, then its own,
-then polls the transport once: a `send()` posts its write at once, with no hand-off to
-the runtime's thread. When the lock is taken the call only queues its command, as it
-always did. An exception in an in-step pass ends the runtime as a crash of its thread
-does (the thread is woken to re-raise it). An engine that calls `poll()` once per step
-drives the runtime itself: for 10 ms after each `poll()` the runtime's thread wakes
-for commands only.
+waits) runs the driver's pass itself, on the engine's thread, when no other thread is in
+one (a try-lock: the transport and the protocol are only ever touched under that lock,
+by one thread at a time). It runs the commands queued before it, then its own, then
+polls the transport once: a `send()` posts its write at once, with no hand-off to the
+runtime's thread. When the lock is taken the call only queues its command; the next
+pass, on whichever thread, runs it. An exception in an in-step pass ends the runtime as
+a crash of its thread does (the thread is woken to re-raise it). An engine that calls
+`poll()` once per step drives the runtime itself: for 10 ms after each `poll()` the
+runtime's thread wakes for commands only.
 
 The driver's thread blocks on its command queue while nothing is in flight (waking every
 `idle_poll_s`, default half a heartbeat interval, to look for registrations: NIXL cannot
 wake a thread on an incoming notification), and polls the transport with exponential
-backoff (50 us up to `max_backoff_s`, default 0.25 ms) while transfers are in flight
-(measured with scripts/runtime-latency: 1 ms -> 0.25 ms took the 1-block p50 from 2.3 to
-1.2-1.3 ms; a receiver whose transfer waits for its sender costs 12.7 instead of 6.7 %
-of a core meanwhile; nothing in flight, nothing changes). Right
-after data-plane activity (an event in, a write or message out) it keeps polling at the
-shortest wait (~60 us) for `spin_s` (default 0.5 ms): NIXL progresses only when polled,
+backoff (50 us up to `max_backoff_s`, default 0.25 ms) while transfers are in flight.
+Right after data-plane activity (an event in, a write or message out) it keeps polling
+at the shortest wait for `spin_s` (default 0.5 ms): NIXL progresses only when polled,
 and the next event (WriteDone, the peer's answer) is usually that close. It never polls
-without waiting: a hot loop would hold the GIL from the engine's own Python threads
-(measured: a 2 ms spin doubled the CPU per transfer of two runtimes in one process).
-Idle, nothing spins.
+without waiting: a hot loop would hold the GIL from the engine's own Python threads.
+Idle, nothing spins. (Why these defaults, with figures: docs/benchmarks.md, "Design
+notes moved from docstrings".)
 
 Latency inside a busy engine: when another thread of the process computes in Python, each
 wake-up of a thread that does not hold the GIL (the runtime's thread, or the thread in
@@ -153,8 +161,8 @@ runs over TCP and a write needs three alternating polls (receiver, sender, recei
 a transfer needs several such wake-ups. What removes them: in-step calls (above), an
 engine that takes results with `poll()` on its own thread, and NIXL's UCX progress
 thread (`NixlTransport(progress_thread_wait_ms=10)`, opt-in: it moves the data plane
-without the GIL but costs 2-4x the sender CPU per GB on large transfers). Figures, and
-the commands: docs/benchmarks.md, "Per-transfer cost".
+without the GIL, at a CPU cost per GB on large transfers). Figures, and the commands:
+docs/benchmarks.md, "Per-transfer cost".
 
 Publishing: the runtime does not serve its own side channel. Pass `local_metadata()` to
 a `kvpush.sidechannel.MetadataServer` (one per engine, all ranks) after `start()`; the
@@ -173,11 +181,11 @@ while the peer is heard from (heartbeats flow while transfers do); an address no
 from for `revalidate_after_s` (default 0.1 s) is looked up again before its next
 Register, so a peer restarted there (new incarnation, new agent) is handshaked afresh on
 the first transfer after the restart, and everything still in flight with its old
-incarnation fails with PEER_RESTARTED. The lookup costs one side-channel round trip
-(~0.9 ms on one host) and only after a quiet spell; in push mode it overlaps the
-sender's prefill. The first contact between a sender and a receiver also takes one
-data-plane round trip (a heartbeat and its echo) before the first write: it bounds the
-receiver's clock for the lease. Later transfers take none.
+incarnation fails with PEER_RESTARTED. The lookup costs one side-channel round trip, and
+only after a quiet spell; in push mode it overlaps the sender's prefill. The first
+contact between a sender and a receiver also takes one data-plane round trip (a
+heartbeat and its echo) before the first write: it bounds the receiver's clock for the
+lease. Later transfers take none.
 
 A sender restarted faster than `revalidate_after_s` still gets the first Register, sent
 from the cache to its dead agent. When the data plane reports that agent gone in the

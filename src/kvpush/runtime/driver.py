@@ -1,9 +1,15 @@
-"""The runtime's thread: it alone touches the transport and the protocol machines.
+"""The runtime's pass, and the thread that runs it. The transport and the protocol
+machines are touched by one thread at a time: in a pass, under `Driver._drive` (on the
+runtime's thread, or on an engine thread driving in-step); once stopping began (a `Stop`
+ran, in-step passes are refused from then on), by the runtime's thread alone as it
+drains and closes; after that thread ended, by a caller reading the final state.
 
-`Driver` takes commands from the engine-facing `PushRuntime` through a queue, polls the
-transport, feeds the protocol, and carries out the effects it returns. Every result is a
-`TransferEnded` effect of the protocol, handed to `report`; the driver builds none,
-except when its own thread crashed and the protocol could not end what it held.
+A pass takes the queued commands, polls the transport once, feeds what arrived to the
+protocol, ticks it, and carries out the effects it returns. The runtime's thread loops
+over passes; an engine thread runs one in-step (`Driver.drive`) when no other thread
+holds the lock, else it only queues its command. Every result is a `TransferEnded` built
+by the protocol, handed to `Sink.report`; the driver builds none (what the protocol did
+not end when the thread stopped, the facade ends with `kvpush.protocol.ended_unreported`).
 """
 
 from __future__ import annotations
@@ -55,10 +61,10 @@ from kvpush.transports.base import (
 log = logging.getLogger(__name__)
 
 _SPIN_WAIT_S = 20e-6
-# Linux rounds every timed wait of a thread up by its timer slack (50 us by default), so
-# a 20 us wait took about 75 us. Each write here costs about three alternating polls
-# (receiver, sender, receiver: docs/benchmarks.md, "Third pass"), each after such a wait.
-# The runtime's thread asks for 5 us; it only waits that short right after activity.
+# Linux rounds every timed wait of a thread up by its timer slack (50 us by default), and
+# each write here costs about three alternating polls (receiver, sender, receiver), each
+# after such a wait (figures: docs/benchmarks.md, "Third pass"). The runtime's thread
+# asks for 5 us; it only waits that short right after activity.
 _TIMER_SLACK_NS = 5_000
 _PR_SET_TIMERSLACK = 29
 # An engine that calls poll() drives the runtime itself, once per step: for this long
@@ -184,7 +190,8 @@ class Sink:
 
 
 class Driver:
-    """The thread-owned half of a `PushRuntime`. See `kvpush.runtime` for the contract."""
+    """The half of a `PushRuntime` that owns the transport and the protocol: its pass,
+    its thread, its lookups. See `kvpush.runtime` for the contract."""
 
     def __init__(
         self,
@@ -637,13 +644,13 @@ class Driver:
     # ----------------------------------------------------------------- statistics
 
     def state_of(self, transfer_id: str, side: Side) -> SenderState | ReceiverState | None:
-        """Read on the driver's thread (or once it stopped)."""
+        """Read in a pass (a `StateRequest`), or once the runtime's thread ended."""
         if side == "sender":
             return self._protocol.sender.state_of(transfer_id)
         return self._protocol.receiver.state_of(transfer_id)
 
     def snapshot(self) -> RuntimeStatistics:
-        """Read on the driver's thread (or once it stopped)."""
+        """Read in a pass (a `StatsRequest`), or once the runtime's thread ended."""
         sender, receiver = self._protocol.sender, self._protocol.receiver
         sending_ids = {t: s.value for t, s in sender.states().items()}
         receiving_ids = {t: s.value for t, s in receiver.states().items()}

@@ -1,5 +1,6 @@
 """`PushRuntime`: what the engine calls. Argument checks (all of them, here), the lock,
-the result queue; everything else goes to the `Driver`'s thread as a command."""
+the result queue; everything else goes to the `Driver` as a command, run by its thread
+or, in-step, by the calling thread in a pass of its own (`Driver.drive`)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from kvpush.protocol import (
     SenderState,
     Side,
     TransferEnded,
+    ended_unreported,
 )
 from kvpush.runtime.directory import PeerDirectory
 from kvpush.runtime.driver import (
@@ -296,11 +298,9 @@ class PushRuntime:
         """Like poll(), but waits up to `timeout` seconds for at least one result.
 
         It drives one pass first, as poll() does, even with results already in (that
-        pass is also what moves the data plane of the transfers still in flight: at 8
-        in flight, returning at once cut the rate); then it waits for the runtime's
-        thread to report. (Polling the data plane from the waiting thread instead was
-        measured: one wake-up fewer per result, but the waiter's and the thread's polls
-        doubled the CPU per GB of large transfers.)"""
+        pass is also what moves the data plane of the transfers still in flight); then
+        it waits for the runtime's thread to report, without polling the data plane
+        itself (why: docs/benchmarks.md, "Design notes moved from docstrings")."""
         if self._can_drive():
             self._driver.drive()
         with self._results_cv:
@@ -462,7 +462,7 @@ class PushRuntime:
     def _fail_remaining(self, reason: FailureReason, detail: str) -> None:
         with self._lock:
             live = sorted(self._live)
-        for side, tid in live:  # blocks unknown: the protocol that knew them is broken
-            self._report(TransferEnded(tid, side, reason, detail, ()))
+        for side, tid in live:  # the protocol did not end these (see `ended_unreported`)
+            self._report(ended_unreported(tid, side, reason, detail))
         with self._results_cv:
             self._results_cv.notify_all()
