@@ -20,6 +20,8 @@ from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
 from transport_conformance import KVBuffers, make_kv
 
 LOOKUP_TIMEOUT_MS = 1000
+# Short liveness and lease, so that a silent peer ends its transfers in seconds.
+TIMING = TimingConfig(heartbeat_interval_s=0.2, liveness_timeout_s=2.0, lease_s=3.0)
 
 
 class Engine:
@@ -39,7 +41,7 @@ class Engine:
         name: str,
         host: str = "127.0.0.1",
         *,
-        timing: TimingConfig,
+        timing: TimingConfig = TIMING,
         transport: LoopbackTransport | None = None,
         directory: PeerDirectory | None = None,
         token: str | None = None,
