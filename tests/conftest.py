@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.wire import Wire
 from kvpush.readiness import free_port  # noqa: F401 (re-exported for the tests)
 
 KVPUSH = [sys.executable, "-m", "kvpush"]
@@ -105,6 +106,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny-model")
     make_model(path, seed=3)
     return path
+
+
+@pytest.fixture
+def wire() -> Wire:
+    """A fake wire with two protocol endpoints on it: p-1 (engine-p) and d-1 (engine-d)."""
+    w = Wire()
+    w.add("p-1", "engine-p")
+    w.add("d-1", "engine-d")
+    return w
 
 
 def lines_of(result: subprocess.CompletedProcess[str]) -> Sequence[str]:

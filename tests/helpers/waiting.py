@@ -4,21 +4,28 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pytest
 
-from kvpush.runtime import PushRuntime, TransferResult
+if TYPE_CHECKING:  # scripts that tests spawn use wait_until without loading the runtime
+    from kvpush.runtime import PushRuntime, TransferResult
 
 
 def wait_until(
     check: Callable[[], bool], timeout: float = 10.0, what: str = "the condition"
 ) -> None:
-    """Return once `check()` holds; fail the test if it did not within `timeout` s."""
+    """Return once `check()` holds; fail the test if it did not within `timeout` s.
+
+    Checks every 5 ms at first, then less often (up to every 50 ms), so that a check
+    that asks another process is not run in a tight loop."""
     deadline = time.monotonic() + timeout
+    pause = 0.005
     while not check():
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
 
 
 def wait_results(rt: PushRuntime, n: int = 1, timeout: float = 10.0) -> list[TransferResult]:
