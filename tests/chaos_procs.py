@@ -7,13 +7,13 @@ import json
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from helpers.waiting import wait_until  # chaos_late_write.py takes it from here
 from nixl_procs import ScriptProcess
 
 CHAOS_PEER = Path(__file__).with_name("chaos_peer.py")
@@ -120,14 +120,6 @@ def close_all(ranks: list[ChaosRank]) -> None:
 
 def ended(*transfer_ids: str) -> Callable[[Results], bool]:
     return lambda results: {r["transfer_id"] for r in results} >= set(transfer_ids)
-
-
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 class Ledger:

@@ -1,4 +1,5 @@
-"""Shared fixtures: free ports, `kvpush` subprocesses, and a live `kvpush endpoint`."""
+"""Shared fixtures: free ports, `kvpush` subprocesses, a live `kvpush endpoint`, and a
+tiny model on disk. Helpers that are not fixtures live in `helpers/`."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
+from helpers.wire import Wire
 from kvpush.procs.readiness import free_port  # noqa: F401 (re-exported for the tests)
 
 KVPUSH = [sys.executable, "-m", "kvpush"]
@@ -92,6 +95,26 @@ def tiny_endpoint() -> Iterator[Endpoint]:
     ep = start_endpoint("--preset", "tiny", "--blocks", "8", "--ranks", "2")
     yield ep
     ep.stop()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama checkpoint on disk, built once for the session."""
+    # Imported here: most tests never load a model, and this import is not cheap.
+    from kvpush.serving.checkpoint import make_model
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    make_model(path, seed=3)
+    return path
+
+
+@pytest.fixture
+def wire() -> Wire:
+    """A fake wire with two protocol endpoints on it: p-1 (engine-p) and d-1 (engine-d)."""
+    w = Wire()
+    w.add("p-1", "engine-p")
+    w.add("d-1", "engine-d")
+    return w
 
 
 def lines_of(result: subprocess.CompletedProcess[str]) -> Sequence[str]:

@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from chaos_procs import ChaosRank, close_all, ended, wait_until
+from chaos_procs import ChaosRank, close_all, ended
+from helpers.waiting import wait_until
 
 pytestmark = pytest.mark.nixl
 

@@ -97,6 +97,12 @@ def tree(tmp_path: Path) -> Iterator[Tree]:
                 os.killpg(root.pid, signal.SIGKILL)
 
 
+def process_state(pid: int) -> str:
+    """The state letter of `pid` in /proc (R, S, Z...): the field after the name."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
 def test_cpu_used_counts_each_process_of_the_tree_over_the_window_as_measured(
     tree: Tree,
 ) -> None:
@@ -131,7 +137,10 @@ def test_a_process_that_ended_or_started_between_snapshots_does_not_count(
     os.kill(tree.sleeper, signal.SIGKILL)
     late = subprocess.Popen([sys.executable, "-c", "pass"])
     late.wait(10)
-    time.sleep(0.2)  # the sleeper is a zombie now (root never reaps it): not counted
+    deadline = time.monotonic() + 30  # the sleeper a zombie (root never reaps it): not counted
+    while process_state(tree.sleeper) != "Z":
+        assert time.monotonic() < deadline, "the killed sleeper never became a zombie"
+        time.sleep(0.01)
     after = snapshot([*pids, late.pid])
     used = cpu_used(before, after)
     assert tree.sleeper in used.gone

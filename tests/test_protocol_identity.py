@@ -9,8 +9,7 @@ their name) carrying real engine ids, incarnations, addresses and transfer ids.
 
 from __future__ import annotations
 
-import pytest
-
+from helpers.wire import COMPAT, NUM_LAYERS, TIMING, Wire, assert_block_copied
 from kvpush.errors import FailureReason
 from kvpush.protocol import (
     Cancel,
@@ -29,15 +28,6 @@ from kvpush.protocol import (
     SendMessage,
     encode,
 )
-from test_protocol import COMPAT, NUM_LAYERS, TIMING, Wire, assert_block_copied
-
-
-@pytest.fixture
-def wire() -> Wire:
-    w = Wire()
-    w.add("p-1", "engine-p")
-    w.add("d-1", "engine-d")
-    return w
 
 
 def assert_t1_still_finishes(w: Wire) -> None:

@@ -34,9 +34,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from helpers.wire import NUM_BLOCKS, TIMING, Wire
 from kvpush.errors import FailureReason, RemoteProtocolError
 from kvpush.protocol import Effect, SenderState, TransferEnded
-from test_protocol import NUM_BLOCKS, TIMING, Wire
 
 EXAMPLES = int(os.environ.get("KVPUSH_HYPOTHESIS_EXAMPLES", "200"))
 # Writes finish (land or fail) and messages arrive within these bounds, or are lost:

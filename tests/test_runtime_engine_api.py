@@ -8,30 +8,26 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack
 
 import pytest
 
-from kvpush.config import SideChannelConfig, TimingConfig
+from helpers.fakes import CrashingTransport
+from helpers.ranks import TIMING, Engine
+from helpers.waiting import wait_results, wait_until
 from kvpush.errors import FailureReason, LocalProtocolError, RuntimeStopped
 from kvpush.protocol import ReceiverState, SenderState
 from kvpush.runtime import (
-    PeerAddress,
     PushRuntime,
     RuntimeIdentity,
     SideChannelPeerDirectory,
-    TransferResult,
 )
-from kvpush.sidechannel import MetadataServer, PeerMetadata
 from kvpush.transports.base import TransportEvent
 from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
-from transport_conformance import KVBuffers, make_kv
+from transport_conformance import make_kv
 
 pytestmark = pytest.mark.timeout(60)
-
-TIMING = TimingConfig(heartbeat_interval_s=0.2, liveness_timeout_s=2.0, lease_s=3.0)
 
 
 def timer_slack_ns() -> int:
@@ -51,55 +47,10 @@ class SlackRecordingTransport(LoopbackTransport):
         return super().poll()
 
 
-class Engine:
-    """One rank set up the way the README shows: the side channel first, on a port the
-    OS picks; the runtime told that port; its metadata published once it started."""
-
-    def __init__(
-        self,
-        stack: ExitStack,
-        fabric: LoopbackFabric,
-        name: str,
-        host: str,
-        transport: LoopbackTransport | None = None,
-    ) -> None:
-        self.kv: KVBuffers = make_kv(num_layers=2, num_blocks=8, block_bytes=128)
-        self.kv.fill_random(len(name) * 5 + ord(name[-1]))
-        ranks: dict[int, PeerMetadata] = {}
-        server = stack.enter_context(MetadataServer(host, 0, SideChannelConfig(), ranks))
-        self.address = PeerAddress(host, server.port)
-        self.runtime = stack.enter_context(
-            PushRuntime(
-                transport or LoopbackTransport(fabric, name),
-                self.kv.geometry,
-                RuntimeIdentity(f"engine-{name}", "1", host, server.port),
-                SideChannelPeerDirectory(timeout_ms=1000),
-                timing=TIMING,
-            )
-        )
-        ranks[0] = self.runtime.local_metadata()
-
-
 @pytest.fixture
 def stack() -> Iterator[ExitStack]:
     with ExitStack() as s:
         yield s
-
-
-def results(rt: PushRuntime, n: int = 1, timeout: float = 10.0) -> list[TransferResult]:
-    out: list[TransferResult] = []
-    end = time.monotonic() + timeout
-    while len(out) < n and time.monotonic() < end:
-        out += rt.wait(max(0.0, end - time.monotonic()))
-    assert len(out) == n, out
-    return out
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.005)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
@@ -109,7 +60,7 @@ def test_metadata_published_from_a_side_channel_on_port_0(stack: ExitStack, host
     assert p.address.port != 0 and d.address.port != 0
     p.runtime.send("t1", [0, 1])
     d.runtime.receive("t1", p.address, [6, 7])
-    [rd], [rp] = results(d.runtime), results(p.runtime)
+    [rd], [rp] = wait_results(d.runtime), wait_results(p.runtime)
     assert rd.ok and rp.ok, (rd, rp)
     for region in range(len(p.kv.geometry.regions)):
         assert d.kv.block(region, 6) == p.kv.block(region, 0)
@@ -125,12 +76,12 @@ def test_the_runtimes_thread_waits_with_a_tight_timer_slack_and_the_engines_keep
     engine_slack = timer_slack_ns()
     fabric = LoopbackFabric()
     p_transport = SlackRecordingTransport(fabric, "p")
-    p = Engine(stack, fabric, "p", "127.0.0.1", p_transport)
+    p = Engine(stack, fabric, "p", transport=p_transport)
     d = Engine(stack, fabric, "d", "127.0.0.1")
     d.runtime.receive("t1", p.address, [6, 7])
     wait_until(lambda: p.runtime.statistics().sending.get("registered", 0) == 1)
     p.runtime.send("t1", [0, 1])
-    assert all(r.ok for r in results(d.runtime) + results(p.runtime))
+    assert all(r.ok for r in wait_results(d.runtime) + wait_results(p.runtime))
     polled = p_transport.slack_by_thread
     runtime_threads = [name for name in polled if name.startswith("kvpush-runtime-")]
     assert runtime_threads, polled
@@ -155,7 +106,7 @@ def test_transfer_state_and_in_flight_ids_follow_the_transfer(stack: ExitStack) 
     assert d.runtime.transfer_state("t1", "receiver") is ReceiverState.WAITING
 
     p.runtime.layers_ready("t1", [1])
-    [rd], [rp] = results(d.runtime), results(p.runtime)
+    [rd], [rp] = wait_results(d.runtime), wait_results(p.runtime)
     assert rd.ok and rp.ok, (rd, rp)
     assert p.runtime.transfer_state("t1", "sender") is None
     assert d.runtime.transfer_state("t1", "receiver") is None
@@ -175,7 +126,7 @@ def test_layers_ready_for_a_transfer_that_ended_raises(stack: ExitStack) -> None
     d.runtime.receive("t1", p.address, [5])
     wait_until(lambda: p.runtime.transfer_state("t1", "sender") is SenderState.WRITING)
     d.runtime.abort("t1")
-    [rd] = results(d.runtime)
+    [rd] = wait_results(d.runtime)
     assert not rd.ok
     # The sender's result is in, not yet taken: the engine cannot know, so it is accepted.
     wait_until(lambda: p.runtime.statistics().results_queued == 1)
@@ -187,25 +138,12 @@ def test_layers_ready_for_a_transfer_that_ended_raises(stack: ExitStack) -> None
         p.runtime.layers_ready("t1", [1])
 
 
-class CrashingTransport(LoopbackTransport):
-    """A data plane whose poll raises once told to: the runtime's thread dies of it."""
-
-    def __init__(self, fabric: LoopbackFabric, name: str) -> None:
-        super().__init__(fabric, name)
-        self.broken = False
-
-    def poll(self) -> list[TransportEvent]:
-        if self.broken:
-            raise OSError("the data plane broke")
-        return super().poll()
-
-
 def test_failure_says_why_a_runtime_cannot_serve(stack: ExitStack) -> None:
     """What a server's /health reports: None while it serves, the crash once its
     thread died (every transfer reported LOCAL_ERROR), "closed" after close()."""
     fabric = LoopbackFabric()
     kv = make_kv(num_layers=2, num_blocks=8, block_bytes=128)
-    transport = CrashingTransport(fabric, "crashy")
+    transport = CrashingTransport(fabric, "crashy", OSError("the data plane broke"))
     runtime = PushRuntime(
         transport,
         kv.geometry,
@@ -218,7 +156,7 @@ def test_failure_says_why_a_runtime_cannot_serve(stack: ExitStack) -> None:
     stack.callback(runtime.close)
     assert runtime.failure is None
     runtime.send("t1", [1])
-    transport.broken = True
+    transport.crash.set()
     [result] = runtime.wait(timeout=10)
     assert result.reason is FailureReason.LOCAL_ERROR and "the data plane broke" in result.detail
     failure = runtime.failure
@@ -230,7 +168,7 @@ def test_failure_says_why_a_runtime_cannot_serve(stack: ExitStack) -> None:
 
 
 def test_a_closed_runtime_reports_it(stack: ExitStack) -> None:
-    engine = Engine(stack, LoopbackFabric(), "closing", "127.0.0.1")
+    engine = Engine(stack, LoopbackFabric(), "closing")
     assert engine.runtime.failure is None
     engine.runtime.close()
     assert engine.runtime.failure == "push runtime closed"

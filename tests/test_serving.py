@@ -12,7 +12,7 @@ import pytest
 
 from kvpush.procs.readiness import free_port
 from kvpush.procs.server_process import ServerFailed, ServerProcess
-from kvpush.serving.checkpoint import LoadedModel, load_model, make_model
+from kvpush.serving.checkpoint import LoadedModel, load_model
 from kvpush.serving.engine import Engine, SamplingParams, SpecConfig
 
 SPEC = SpecConfig(num_speculative_tokens=4)
@@ -24,13 +24,6 @@ TEXTS = [
     "0123456789" * 4,
     "push, don't pull",
 ]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("serve-model")
-    make_model(path, seed=3)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from helpers.fakes import FakeClock
 from kvpush.errors import FailureReason, LocalProtocolError, TransportError
 from kvpush.transports.base import MessageReceived, PeerLost, Transport, WriteDone, WriteFailed
 from kvpush.transports.loopback import Fault, LoopbackFabric, LoopbackTransport
@@ -27,14 +28,6 @@ class TestLoopbackConformance(TransportConformance):
     def transport_factory(self) -> TransportFactory:
         fabric = LoopbackFabric()
         return lambda name: LoopbackTransport(fabric, name)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -113,9 +106,9 @@ def test_delay_by_clock(endpoints: Endpoints, fabric: LoopbackFabric, clock: Fak
     a.send_message("b", b"late")
     a.send_message("b", b"on time")
     assert payloads(b) == [b"on time"]
-    clock.now += 1.9
+    clock.advance(1.9)
     assert payloads(b) == []
-    clock.now += 0.2
+    clock.advance(0.2)
     assert payloads(b) == [b"late"]
 
 
