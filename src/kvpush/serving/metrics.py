@@ -138,3 +138,22 @@ def serving_registry() -> Registry:
     )
     r.histogram("kvpush_transfer_latency_seconds", "KV transfer latency.", LATENCY_BUCKETS)
     return r
+
+
+class RegistryTransferMetrics:
+    """The serving stack's `TransferMetricsSink`: transfer metrics into a registry made by
+    `serving_registry`."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def count_ended(self, side: str, outcome: str, reason: str) -> None:
+        self.registry.inc(
+            "kvpush_transfers_total", labels={"side": side, "outcome": outcome, "reason": reason}
+        )
+
+    def add_bytes(self, side: str, nbytes: int) -> None:
+        self.registry.inc("kvpush_transfer_bytes_total", nbytes, labels={"side": side})
+
+    def observe_seconds(self, side: str, seconds: float) -> None:
+        self.registry.observe("kvpush_transfer_latency_seconds", seconds, labels={"side": side})
