@@ -46,7 +46,7 @@ def test_a_port_written_in_decimal_digits_is_the_integer_it_spells() -> None:
         (-1, "got int -1"),
         ("56x0", "got str '56x0'"),
         ("", "got str ''"),
-        ("５６００", "got str"),  # full-width digits are not a port
+        ("\uff15\uff16\uff10\uff10", "got str"),  # full-width digits are not a port
         (True, "got bool True"),
         (5600.0, "got float 5600.0"),
         (None, "got NoneType None"),
@@ -92,9 +92,9 @@ def test_a_field_of_the_wrong_type_says_what_was_expected(
 
 def test_tp_size_must_be_the_receivers() -> None:
     assert parse_remote_prefill({**DECODE, "tp_size": 2}, 2).tp_size == 2
-    with pytest.raises(BadTransferParams, match="tp_size is 2 but .* tensor parallel size 1"):
+    with pytest.raises(BadTransferParams, match=r"tp_size is 2 but .* tensor parallel size 1"):
         parse_remote_prefill({**DECODE, "tp_size": 2}, 1)
-    with pytest.raises(BadTransferParams, match="tp_size is '2' .* a positive integer"):
+    with pytest.raises(BadTransferParams, match=r"tp_size is '2' .* a positive integer"):
         parse_remote_prefill({**DECODE, "tp_size": "2"})
 
 

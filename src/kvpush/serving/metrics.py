@@ -115,6 +115,7 @@ def serving_registry() -> Registry:
     """The metrics every kvpush server exports."""
     r = Registry()
     r.counter("kvpush_requests_total", "Completed requests by outcome.")
+    r.counter("kvpush_body_disconnects_total", "Clients that went away while their body was read.")
     r.counter("kvpush_prompt_tokens_total", "Prompt tokens received.")
     r.counter("kvpush_generation_tokens_total", "Tokens generated.")
     r.gauge("kvpush_requests_running", "Requests being computed or waiting for KV.")
