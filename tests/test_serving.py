@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -227,6 +228,35 @@ def test_non_json_body_is_a_400(server: ServerProcess) -> None:
     r = httpx.post(f"{server.url}/v1/completions", content=b"{nope", timeout=10)
     assert r.status_code == 400
     assert "not valid JSON" in r.json()["error"]["message"]
+
+
+def _metric(server: ServerProcess, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")
+    return float(values.get(name, "0"))
+
+
+def test_a_client_gone_while_its_body_is_read_is_counted_not_a_crash(
+    server: ServerProcess,
+) -> None:
+    before = _metric(server, "kvpush_body_disconnects_total")
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+            b'{"prompt": "half a bo'
+        )
+        threading.Event().wait(0.2)  # the server is reading the body now
+    for _ in range(100):
+        if _metric(server, "kvpush_body_disconnects_total") > before:
+            break
+        threading.Event().wait(0.05)
+    assert _metric(server, "kvpush_body_disconnects_total") == before + 1
+    assert complete(server.url, prompt="still serving", max_tokens=2).status_code == 200
+    log = server.log_path.read_text(errors="replace")
+    assert "Traceback" not in log
+    assert "Exception in ASGI application" not in log
 
 
 def test_client_gone_mid_stream_frees_its_blocks(server: ServerProcess) -> None:

@@ -920,3 +920,25 @@ def test_concurrent_mixed_requests_into_small_caches_all_match_the_single_instan
         f"\nload test ({stack.options.host}, {n} concurrent):",
         {k: round(v, 3) for k, v in figures.items()},
     )
+
+
+def test_a_client_gone_while_the_proxy_reads_its_body_is_counted_not_a_crash(
+    stack: Stack,
+) -> None:
+    name = "kvpush_proxy_body_disconnects_total"
+    before = stack.metrics(stack.proxy).get(name, 0.0)
+    host, port = stack.proxy.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+            b'{"prompt": "half a bo'
+        )
+        time.sleep(0.2)  # the proxy is reading the body now
+    deadline = time.monotonic() + 10
+    while stack.metrics(stack.proxy).get(name, 0.0) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stack.metrics(stack.proxy).get(name, 0.0) == before + 1
+    log = stack.proxy.log_path.read_text(errors="replace")
+    assert "Traceback" not in log
+    assert "Exception in ASGI application" not in log

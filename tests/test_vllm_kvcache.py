@@ -11,12 +11,8 @@ import torch
 
 from kvpush.errors import KVLayoutError
 from kvpush.integrations.vllm.kvcache import register_vllm_kv_caches
-from kvpush.integrations.vllm.params import (
-    BadTransferParams,
-    ConnectorConfig,
-    parse_remote_prefill,
-    prefill_answer,
-)
+from kvpush.integrations.vllm.params import ConnectorConfig, prefill_answer
+from kvpush.transfer_params import BadTransferParams, parse_remote_prefill
 
 BLOCKS, LAYERS, HEADS, TOKENS, C = 6, 3, 2, 32, 64  # C = head_size + head_size_v
 
@@ -156,7 +152,7 @@ def test_the_prefill_answer_keeps_every_nixl_field_and_adds_the_transfer_id() ->
     assert answer["do_remote_prefill"] is True and answer["do_remote_decode"] is False
     # and a decode server reads back exactly where to register
     remote = parse_remote_prefill(answer, 1)
-    assert (remote.transfer_id, remote.host, remote.port) == ("t-1", "::1", 5600)
+    assert (remote.transfer_id, remote.remote_host, remote.remote_port) == ("t-1", "::1", 5600)
 
 
 @pytest.mark.parametrize(
@@ -177,7 +173,7 @@ def test_a_bracketed_ipv6_remote_host_is_used_bare() -> None:
     remote = parse_remote_prefill(
         {"transfer_id": "t", "remote_host": "[::1]", "remote_port": "5600"}, 1
     )
-    assert (remote.host, remote.port) == ("::1", 5600)
+    assert (remote.remote_host, remote.remote_port) == ("::1", 5600)
 
 
 def test_layerwise_push_is_the_default_and_off_where_vllm_could_free_blocks_first() -> None:

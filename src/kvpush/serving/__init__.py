@@ -6,7 +6,7 @@
 - `engine`: continuous batching, greedy decoding and prompt-lookup speculation
   (`Engine`, `SamplingParams`, `SpecConfig`), plus the hooks disaggregation needs.
 - `checkpoint`: Hugging Face checkpoints (`load_model`) and a tiny seeded one (`make_model`).
-- `worker`, `server`, `app`: the engine thread, the HTTP API and `kvpush serve`.
+- `worker`, `server`, `app`, `options`: the engine thread, the HTTP API and `kvpush serve`.
 - `disagg`: the prefill and decode roles over `kvpush.runtime.PushRuntime` on NIXL.
 - `proxy`: `kvpush proxy`, both legs at once.
 

@@ -39,14 +39,25 @@ from kvpush.serving.engine import (
     RequestRejected,
     SamplingParams,
 )
-from kvpush.serving.metrics import Registry
+from kvpush.serving.metrics import Registry, RegistryTransferMetrics
 from kvpush.serving.paged import KV_LAYOUT
 from kvpush.serving.server import BadRequest, CompletionRequest, Prepare
 from kvpush.serving.worker import Accepted, AdmissionConfig, Done, EngineWorker, Job, Rejected
+from kvpush.transfer_metrics import record_ended
+from kvpush.transfer_params import (
+    REMOTE_DECODE,
+    REMOTE_PREFILL,
+    BadTransferParams,
+    PrefillComputed,
+    parse_remote_decode,
+    parse_remote_prefill,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
 
 if TYPE_CHECKING:
     from kvpush.runtime import PeerAddress, PushRuntime, TransferResult
-    from kvpush.serving.app import ServeOptions
+    from kvpush.serving.options import ServeOptions
     from kvpush.sidechannel import MetadataServer
 
 log = logging.getLogger(__name__)
@@ -56,27 +67,6 @@ log = logging.getLogger(__name__)
 # transfer (a few ms), long enough that the sleeping thread leaves the GIL to the
 # runtime's thread.
 _TRANSFER_POLL_S = 0.001
-
-
-_MAX_PARAM_CHARS = 256
-
-
-def _str_param(params: dict[str, object], key: str) -> str:
-    value = params.get(key)
-    if not isinstance(value, str) or not value or len(value) > _MAX_PARAM_CHARS:
-        shown = value if not isinstance(value, str) else value[:40]
-        raise BadRequest(
-            f"kv_transfer_params.{key} must be a non-empty string of at most "
-            f"{_MAX_PARAM_CHARS} characters, got {shown!r}"
-        )
-    return value
-
-
-def _int_param(params: dict[str, object], key: str) -> int:
-    value = params.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 65536:
-        raise BadRequest(f"kv_transfer_params.{key} must be a port number, got {value!r}")
-    return value
 
 
 def prompt_fingerprint(prompt_token_ids: Sequence[int]) -> str:
@@ -145,6 +135,7 @@ class _TransferWorker(EngineWorker):
         super().__init__(engine, admission=admission)
         self.runtime = runtime
         self.registry = registry
+        self._transfer_metrics = RegistryTransferMetrics(registry)
 
     def _idle_wait(self) -> float:
         return _TRANSFER_POLL_S if self._has_pending() else super()._idle_wait()
@@ -162,19 +153,9 @@ class _TransferWorker(EngineWorker):
         raise NotImplementedError
 
     def _count(self, result: TransferResult, started: float, nbytes: int) -> None:
-        outcome = "finished" if result.ok else "failed"
-        reason = result.reason.value if result.reason is not None else ""
-        self.registry.inc(
-            "kvpush_transfers_total",
-            labels={"side": result.side, "outcome": outcome, "reason": reason},
+        record_ended(
+            self._transfer_metrics, result, seconds=time.monotonic() - started, nbytes=nbytes
         )
-        if result.ok:
-            self.registry.inc("kvpush_transfer_bytes_total", nbytes, labels={"side": result.side})
-            self.registry.observe(
-                "kvpush_transfer_latency_seconds",
-                time.monotonic() - started,
-                labels={"side": result.side},
-            )
 
 
 class PrefillWorker(_TransferWorker):
@@ -222,10 +203,11 @@ class PrefillWorker(_TransferWorker):
 
     def _accept(self, job: Job) -> None:
         kvp = job.kv_transfer_params or {}
-        if not kvp.get("do_remote_decode"):
+        if not wants_remote_decode(kvp):
             super()._accept(job)
             return
-        client_tid = str(kvp["transfer_id"])
+        client_tid = parse_remote_decode(kvp, require_transfer_id=True).transfer_id
+        assert client_tid is not None  # checked by the HTTP layer's prepare
         if client_tid in self._by_client_id:
             job.sink(Rejected(409, f"transfer_id {client_tid!r} is already in flight here"))
             return
@@ -375,12 +357,11 @@ class PrefillWorker(_TransferWorker):
             Done(
                 reason,
                 stats,
-                kv_transfer_params={
-                    "do_remote_decode": True,
-                    "transfer_id": out.client_transfer_id,
-                    "num_blocks": out.num_blocks,
-                    "prompt_fingerprint": prompt_fingerprint(job.prompt_token_ids),
-                },
+                kv_transfer_params=PrefillComputed(
+                    transfer_id=out.client_transfer_id,
+                    num_blocks=out.num_blocks,
+                    prompt_fingerprint=prompt_fingerprint(job.prompt_token_ids),
+                ).to_params(),
             )
         )
 
@@ -502,15 +483,15 @@ _LOOK_INTERVAL_S = 0.02
 _PAIRING_LOOK_S = 0.1
 
 
-def _sender_of(kvp: dict[str, object]) -> PeerAddress | None:
+def _sender_of(kvp: dict[str, object]) -> tuple[str, PeerAddress] | None:
+    """A decode request's transfer id and sender, or None where its params name none."""
     from kvpush.runtime import PeerAddress
 
-    host, port = kvp.get("remote_host"), kvp.get("remote_port")
-    if not isinstance(host, str) or not host or isinstance(port, bool):
+    try:
+        remote = parse_remote_prefill(kvp)
+    except BadTransferParams:
         return None
-    if not isinstance(port, int) or not 0 < port < 65536:
-        return None
-    return PeerAddress(host, port)
+    return remote.transfer_id, PeerAddress(remote.remote_host, remote.remote_port)
 
 
 class DecodeWorker(_TransferWorker):
@@ -536,14 +517,15 @@ class DecodeWorker(_TransferWorker):
 
     def _accept(self, job: Job) -> None:
         kvp = job.kv_transfer_params or {}
-        if not kvp.get("do_remote_prefill"):
+        if not wants_remote_prefill(kvp):
             super()._accept(job)
             return
-        tid = runtime_transfer_id(str(kvp["transfer_id"]), job.prompt_token_ids)
-        sender = _sender_of(kvp)
-        assert sender is not None  # checked by the HTTP layer's prepare
+        named = _sender_of(kvp)
+        assert named is not None  # checked by the HTTP layer's prepare
+        client_tid, sender = named
+        tid = runtime_transfer_id(client_tid, job.prompt_token_ids)
         if tid in self._incoming or tid in self._queued_ids:
-            job.sink(Rejected(409, f"transfer_id {kvp['transfer_id']!r} is already in flight here"))
+            job.sink(Rejected(409, f"transfer_id {client_tid!r} is already in flight here"))
             return
         try:
             self.engine.check_request(job.request_id, job.prompt_token_ids, job.params)
@@ -610,12 +592,12 @@ class DecodeWorker(_TransferWorker):
     def _refuse_transfer(
         self, kv_transfer_params: dict[str, object], prompt_token_ids: list[int] | None, why: str
     ) -> None:
-        kvp = kv_transfer_params
-        tid, sender = kvp.get("transfer_id"), _sender_of(kvp)
-        if not kvp.get("do_remote_prefill") or not isinstance(tid, str) or not tid:
-            return
-        if sender is None or prompt_token_ids is None:
-            return  # nobody to tell, or a prompt no prefill server could have computed
+        named = _sender_of(kv_transfer_params)
+        if not wants_remote_prefill(kv_transfer_params) or named is None:
+            return  # nobody to tell
+        if prompt_token_ids is None:
+            return  # a prompt no prefill server could have computed
+        tid, sender = named
         self.runtime.reject(runtime_transfer_id(tid, prompt_token_ids), sender, why)
         self.registry.inc("kvpush_transfers_rejected_total", labels={"status": "400"})
 
@@ -762,19 +744,20 @@ def _prepare_for(role: str) -> Prepare:
         kvp = req.kv_transfer_params
         if kvp is None:
             return req
-        if role == "prefill" and kvp.get("do_remote_decode"):
-            _str_param(kvp, "transfer_id")
-            if req.stream:
-                raise BadRequest("a remote-decode (prefill) request cannot stream")
-        elif role == "decode" and kvp.get("do_remote_prefill"):
-            _str_param(kvp, "transfer_id")
-            _str_param(kvp, "remote_host")
-            _int_param(kvp, "remote_port")
-        elif kvp.get("do_remote_decode") or kvp.get("do_remote_prefill"):
-            raise BadRequest(
-                f"this is a {role} server: expected "
-                + ("do_remote_decode" if role == "prefill" else "do_remote_prefill")
-            )
+        try:
+            if role == "prefill" and wants_remote_decode(kvp):
+                parse_remote_decode(kvp, require_transfer_id=True)
+                if req.stream:
+                    raise BadRequest("a remote-decode (prefill) request cannot stream")
+            elif role == "decode" and wants_remote_prefill(kvp):
+                parse_remote_prefill(kvp)
+            elif wants_remote_decode(kvp) or wants_remote_prefill(kvp):
+                raise BadRequest(
+                    f"this is a {role} server: expected "
+                    + (REMOTE_DECODE if role == "prefill" else REMOTE_PREFILL)
+                )
+        except BadTransferParams as exc:
+            raise BadRequest(str(exc)) from None
         return req
 
     return prepare

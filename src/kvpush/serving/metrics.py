@@ -115,6 +115,7 @@ def serving_registry() -> Registry:
     """The metrics every kvpush server exports."""
     r = Registry()
     r.counter("kvpush_requests_total", "Completed requests by outcome.")
+    r.counter("kvpush_body_disconnects_total", "Clients that went away while their body was read.")
     r.counter("kvpush_prompt_tokens_total", "Prompt tokens received.")
     r.counter("kvpush_generation_tokens_total", "Tokens generated.")
     r.gauge("kvpush_requests_running", "Requests being computed or waiting for KV.")
@@ -138,3 +139,22 @@ def serving_registry() -> Registry:
     )
     r.histogram("kvpush_transfer_latency_seconds", "KV transfer latency.", LATENCY_BUCKETS)
     return r
+
+
+class RegistryTransferMetrics:
+    """The serving stack's `TransferMetricsSink`: transfer metrics into a registry made by
+    `serving_registry`."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def count_ended(self, side: str, outcome: str, reason: str) -> None:
+        self.registry.inc(
+            "kvpush_transfers_total", labels={"side": side, "outcome": outcome, "reason": reason}
+        )
+
+    def add_bytes(self, side: str, nbytes: int) -> None:
+        self.registry.inc("kvpush_transfer_bytes_total", nbytes, labels={"side": side})
+
+    def observe_seconds(self, side: str, seconds: float) -> None:
+        self.registry.observe("kvpush_transfer_latency_seconds", seconds, labels={"side": side})

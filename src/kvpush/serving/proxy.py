@@ -32,12 +32,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from kvpush.serving.http import (
     DEFAULT_MAX_BODY_BYTES,
     BadBody,
+    ClientDisconnected,
     Terminated,
     bearer_headers,
     error_event,
@@ -48,6 +49,7 @@ from kvpush.serving.http import (
     wait_for_disconnect,
 )
 from kvpush.serving.metrics import Registry
+from kvpush.transfer_params import RemoteDecode, RemotePrefill
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,10 @@ def proxy_registry() -> Registry:
     r.counter("kvpush_proxy_requests_total", "Client requests by outcome.")
     r.counter("kvpush_proxy_prefill_aborts_total", "Prefill legs cancelled: the decode leg failed.")
     r.gauge("kvpush_proxy_in_flight", "Requests in flight per backend.")
+    r.counter(
+        "kvpush_proxy_body_disconnects_total",
+        "Clients that went away while their body was read.",
+    )
     return r
 
 
@@ -132,12 +138,44 @@ def create_proxy_app(
     ):
         inst.fixed_info = {"side_channel_host": sc_host, "side_channel_port": sc_port}
     decode = _Pool("decode", [_Instance(u.rstrip("/")) for u in decode_urls])
-    state: dict[str, httpx.AsyncClient] = {}
-    registry = proxy_registry()
-    background: set[asyncio.Task[None]] = set()
+    routes = ProxyRoutes(
+        prefill, decode, timeout_s=timeout_s, max_body_bytes=max_body_bytes, token=token
+    )
+    app = FastAPI(title="kvpush proxy", docs_url=None, redoc_url=None, lifespan=routes.lifespan)
+    install_error_handlers(app)
+    app.include_router(routes.router())
+    return app
+
+
+class ProxyRoutes:
+    """The proxy's routes, its HTTP client (opened and closed by `lifespan`) and the
+    background cancels it sends; each completion becomes a `_Legs`."""
+
+    def __init__(
+        self,
+        prefill: _Pool,
+        decode: _Pool,
+        *,
+        timeout_s: float,
+        max_body_bytes: int,
+        token: str | None,
+    ) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.timeout_s = timeout_s
+        self.max_body_bytes = max_body_bytes
+        self.token = token
+        self.registry = proxy_registry()
+        self.background: set[asyncio.Task[None]] = set()
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        assert self._client is not None, "the proxy's lifespan has not started"
+        return self._client
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         # Servers close a keep-alive connection after 5 s idle (uvicorn's default, vLLM's
         # too), httpx reuses one for 5 s: a request sent into a connection the server is
         # closing fails with ReadError before the server ever saw it. Reusing only
@@ -145,58 +183,50 @@ def create_proxy_app(
         limits = httpx.Limits(
             max_connections=1000, max_keepalive_connections=100, keepalive_expiry=2.0
         )
-        async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-            state["client"] = client
+        async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits) as client:
+            self._client = client
             yield
-            for task in list(background):
+            for task in list(self.background):
                 task.cancel()
 
-    app = FastAPI(title="kvpush proxy", docs_url=None, redoc_url=None, lifespan=lifespan)
-    install_error_handlers(app)
+    def router(self) -> APIRouter:
+        r = APIRouter()
+        r.add_api_route("/health", self.health, methods=["GET"])
+        r.add_api_route("/metrics", self.metrics, methods=["GET"])
+        r.add_api_route("/v1/models", self.models, methods=["GET"])
+        r.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        r.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        return r
 
-    async def prefill_info(inst: _Instance) -> dict[str, Any]:
-        if inst.fixed_info is not None:
-            return inst.fixed_info
-        if inst.info is None:
-            resp = await state["client"].get(f"{inst.url}/health", timeout=5.0)
-            body = resp.json()
-            if body.get("role") != "prefill" or "side_channel_port" not in body:
-                raise RuntimeError(f"{inst.url} is not a prefill server (health: {body})")
-            inst.info = body
-        return inst.info
-
-    async def backend_health(pool: _Pool, inst: _Instance) -> dict[str, Any]:
-        try:
-            resp = await state["client"].get(f"{inst.url}/health", timeout=2.0)
-        except httpx.HTTPError as exc:
-            return {"url": inst.url, "status": "unreachable", "detail": f"{type(exc).__name__}"}
-        status = "ok" if resp.status_code == 200 else "unhealthy"
-        return {"url": inst.url, "status": status, "http_status": resp.status_code}
-
-    @app.get("/health")
-    async def health() -> Response:
+    async def health(self) -> Response:
         p, d = await asyncio.gather(
-            asyncio.gather(*(backend_health(prefill, i) for i in prefill.instances)),
-            asyncio.gather(*(backend_health(decode, i) for i in decode.instances)),
+            asyncio.gather(*(self._backend_health(i) for i in self.prefill.instances)),
+            asyncio.gather(*(self._backend_health(i) for i in self.decode.instances)),
         )
         ok = any(b["status"] == "ok" for b in p) and any(b["status"] == "ok" for b in d)
         body = {"status": "ok" if ok else "unhealthy", "role": "proxy", "prefill": p, "decode": d}
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        for pool in (prefill, decode):
+    async def _backend_health(self, inst: _Instance) -> dict[str, Any]:
+        try:
+            resp = await self.client.get(f"{inst.url}/health", timeout=2.0)
+        except httpx.HTTPError as exc:
+            return {"url": inst.url, "status": "unreachable", "detail": f"{type(exc).__name__}"}
+        status = "ok" if resp.status_code == 200 else "unhealthy"
+        return {"url": inst.url, "status": status, "http_status": resp.status_code}
+
+    async def metrics(self) -> Response:
+        for pool in (self.prefill, self.decode):
             for inst in pool.instances:
                 labels = {"pool": pool.name, "url": inst.url}
-                registry.set("kvpush_proxy_in_flight", inst.in_flight, labels=labels)
-        return PlainTextResponse(registry.render(), media_type="text/plain; version=0.0.4")
+                self.registry.set("kvpush_proxy_in_flight", inst.in_flight, labels=labels)
+        return PlainTextResponse(self.registry.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(self) -> Response:
         errors = []
-        for inst in decode.instances:
+        for inst in self.decode.instances:
             try:
-                resp = await state["client"].get(f"{inst.url}/v1/models", timeout=5.0)
+                resp = await self.client.get(f"{inst.url}/v1/models", timeout=5.0)
             except httpx.HTTPError as exc:
                 errors.append(f"{inst.url}: {type(exc).__name__}")
                 continue
@@ -205,297 +235,343 @@ def create_proxy_app(
             errors.append(f"{inst.url}: HTTP {resp.status_code}")
         return error_response(502, f"no decode server answered /v1/models: {'; '.join(errors)}")
 
-    def done(outcome: str) -> None:
-        registry.inc("kvpush_proxy_requests_total", labels={"outcome": outcome})
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, "/v1/completions")
 
-    def abort_prefill(p_inst: _Instance, p_task: asyncio.Task[Any], tid: str) -> None:
-        """The decode leg will not take this transfer: the prefill server must not hold
-        its blocks for it. Its request is dropped (if still running) and its transfer
-        cancelled by id (if already computed, or not even started)."""
-        p_task.cancel()
-        registry.inc("kvpush_proxy_prefill_aborts_total")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, "/v1/chat/completions")
 
-        async def cancel() -> None:
-            with contextlib.suppress(httpx.HTTPError):
-                resp = await state["client"].post(
-                    f"{p_inst.url}/kvpush/abort",
-                    json={"transfer_id": tid},
-                    headers=bearer_headers(token),
-                    timeout=5.0,
-                )
-                if resp.status_code == 401:  # a token missing or wrong: say so, once per cancel
-                    log.warning(
-                        "prefill server %s refused to cancel %s: %s",
-                        p_inst.url,
-                        tid,
-                        _error_text(resp),
-                    )
+    def done(self, outcome: str) -> None:
+        self.registry.inc("kvpush_proxy_requests_total", labels={"outcome": outcome})
 
-        task = asyncio.create_task(cancel())
-        background.add(task)
-        task.add_done_callback(background.discard)
+    async def _prefill_info(self, inst: _Instance) -> dict[str, Any]:
+        if inst.fixed_info is not None:
+            return inst.fixed_info
+        if inst.info is None:
+            resp = await self.client.get(f"{inst.url}/health", timeout=5.0)
+            body = resp.json()
+            if body.get("role") != "prefill" or "side_channel_port" not in body:
+                raise RuntimeError(f"{inst.url} is not a prefill server (health: {body})")
+            inst.info = body
+        return inst.info
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await complete(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await complete(request, "/v1/chat/completions")
-
-    async def complete(request: Request, path: str) -> Response:
+    async def _read_body(self, request: Request) -> dict[str, Any] | Response:
+        """The client's body, or the answer that refuses it."""
         try:
-            body = await read_json(request, max_body_bytes)
+            body = await read_json(request, self.max_body_bytes)
+        except ClientDisconnected:
+            self.registry.inc("kvpush_proxy_body_disconnects_total")
+            return Response(status_code=499)
         except BadBody as exc:
-            done("rejected")
+            self.done("rejected")
             return error_response(exc.status, exc.message)
         if not isinstance(body, dict):
-            done("rejected")
+            self.done("rejected")
             return error_response(400, "request body must be a JSON object")
         if body.get("kv_transfer_params") is not None:
-            done("rejected")
+            self.done("rejected")
             return error_response(400, "kv_transfer_params is set by the proxy: leave it out")
-        client = state["client"]
-        p_inst, d_inst = prefill.pick(), decode.pick()
+        return body
+
+    async def _complete(self, request: Request, path: str) -> Response:
+        body = await self._read_body(request)
+        if isinstance(body, Response):
+            return body
+        p_inst, d_inst = self.prefill.pick(), self.decode.pick()
         try:
-            info = await prefill_info(p_inst)
+            info = await self._prefill_info(p_inst)
         except (httpx.HTTPError, ValueError, RuntimeError) as exc:
             p_inst.info = None
-            done("prefill_failed")
+            self.done("prefill_failed")
             return error_response(502, f"prefill server {p_inst.url} is unavailable: {exc!s}")
         tid = f"xfer-{uuid.uuid4().hex}"
-        stream = body.get("stream") is True
-        d_body = {
-            **body,
-            "kv_transfer_params": {
-                "do_remote_prefill": True,
-                "remote_engine_id": info.get("engine_id"),
-                "remote_host": info["side_channel_host"],
-                "remote_port": info["side_channel_port"],
-                "transfer_id": tid,
-            },
-        }
+        remote = RemotePrefill(
+            transfer_id=tid,
+            remote_host=info["side_channel_host"],
+            remote_port=info["side_channel_port"],
+            remote_engine_id=info.get("engine_id"),
+        )
+        d_body = {**body, "kv_transfer_params": remote.to_params()}
         # The prefill leg keeps the client's max_tokens: its checks (context length) then
         # speak of what the client asked; the prefill server computes one token anyway.
         p_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         if p_inst.fixed_info is not None:
             p_body["max_tokens"] = 1  # a vLLM prefill server computes what it is asked
-        p_body["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": tid}
-
+        p_body["kv_transfer_params"] = RemoteDecode(transfer_id=tid).to_params()
         lease = _Lease(p_inst, d_inst)
+        legs = _Legs(self, request, path, tid, body.get("stream") is True, lease)
         try:
-            return await legs(
-                request, client, path, p_inst, d_inst, p_body, d_body, tid, stream, lease
-            )
+            return await legs.run(p_inst, d_inst, p_body, d_body)
         except BaseException:
             lease.release()
             raise
 
-    async def legs(
+    def abort_prefill(self, p_inst: _Instance, p_task: asyncio.Task[Any], tid: str) -> None:
+        """The decode leg will not take this transfer: the prefill server must not hold
+        its blocks for it. Its request is dropped (if still running) and its transfer
+        cancelled by id (if already computed, or not even started)."""
+        p_task.cancel()
+        self.registry.inc("kvpush_proxy_prefill_aborts_total")
+        task = asyncio.create_task(self._cancel(p_inst, tid))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def _cancel(self, p_inst: _Instance, tid: str) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            resp = await self.client.post(
+                f"{p_inst.url}/kvpush/abort",
+                json={"transfer_id": tid},
+                headers=bearer_headers(self.token),
+                timeout=5.0,
+            )
+            if resp.status_code == 401:  # a token missing or wrong: say so, once per cancel
+                log.warning(
+                    "prefill server %s refused to cancel %s: %s", p_inst.url, tid, _error_text(resp)
+                )
+
+
+class _Legs:
+    """One client request's two legs, sent at once: the decode server's answer is
+    relayed, cut short (and the other leg dropped) when a leg fails or the client goes."""
+
+    def __init__(
+        self,
+        routes: ProxyRoutes,
         request: Request,
-        client: httpx.AsyncClient,
         path: str,
+        tid: str,
+        stream: bool,
+        lease: _Lease,
+    ) -> None:
+        self.routes = routes
+        self.client = routes.client
+        self.request = request
+        self.path = path
+        self.tid = tid
+        self.stream = stream
+        self.lease = lease
+        self.p_checked = False  # the prefill leg's verdict was looked at
+
+    async def run(
+        self,
         p_inst: _Instance,
         d_inst: _Instance,
         p_body: dict[str, Any],
         d_body: dict[str, Any],
-        tid: str,
-        stream: bool,
-        lease: _Lease,
     ) -> Response:
-        async def prefill_leg() -> tuple[int, str] | None:
-            """None when the prefill server did its part; else (status, what went wrong).
-
-            A 4xx from the prefill server is the client's mistake and keeps its status
-            and message; anything else is a 502 naming the server."""
-            try:
-                resp = await client.post(f"{p_inst.url}{path}", json=p_body)
-            except httpx.HTTPError as exc:
-                p_inst.info = None
-                return 502, f"prefill server {p_inst.url} failed: {type(exc).__name__}: {exc}"
-            finally:
-                lease.release(p_inst)
-            if 400 <= resp.status_code < 500:
-                return resp.status_code, _error_text(resp)
-            if resp.status_code != 200:
-                text = _error_text(resp)
-                return 502, f"prefill server {p_inst.url} answered {resp.status_code}: {text}"
-            return None
-
-        p_task = asyncio.create_task(prefill_leg())
-
-        async def prefill_outcome(
-            task: asyncio.Task[tuple[int, str] | None],
-        ) -> tuple[int, str] | None:
-            """The prefill leg's failure, if it ends within a moment; else None."""
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                return await asyncio.wait_for(asyncio.shield(task), _PREFILL_VERDICT_S)
-            return None
-
-        d_req = client.build_request("POST", f"{d_inst.url}{path}", json=d_body)
-        d_task = asyncio.create_task(client.send(d_req, stream=True))
-        gone = asyncio.create_task(wait_for_disconnect(request))
-
-        async def drop_decode() -> None:
-            d_task.cancel()
-            with contextlib.suppress(BaseException):
-                resp = await d_task
-                await resp.aclose()
-
-        # Wait for the decode server to answer (headers), for the prefill leg to fail,
-        # or for the client to go away.
-        p_checked = False
+        self.p_inst, self.d_inst = p_inst, d_inst
+        self.p_task = asyncio.create_task(self._prefill_leg(p_body))
+        d_req = self.client.build_request("POST", f"{d_inst.url}{self.path}", json=d_body)
+        self.d_task = asyncio.create_task(self.client.send(d_req, stream=True))
+        self.gone = asyncio.create_task(wait_for_disconnect(self.request))
         try:
-            while not d_task.done():
-                waiting: set[asyncio.Future[Any]] = {d_task, gone}
-                if not p_checked:
-                    waiting.add(p_task)
-                ready, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if gone in ready:
-                    await drop_decode()
-                    abort_prefill(p_inst, p_task, tid)
-                    lease.release()
-                    done("client_gone")
-                    return Response(status_code=499)
-                if p_task in ready and not p_checked:
-                    p_checked = True
-                    p_error = p_task.result()
-                    if p_error is not None:
-                        await drop_decode()
-                        lease.release()
-                        done("prefill_failed")
-                        return error_response(*p_error)
+            early = await self._wait_for_decode()
         except BaseException:
-            gone.cancel()
+            self.gone.cancel()
             raise
+        if early is not None:
+            return early
         try:
-            d_resp = d_task.result()
+            d_resp = self.d_task.result()
         except httpx.HTTPError as exc:
-            gone.cancel()
-            abort_prefill(p_inst, p_task, tid)
-            lease.release()
-            done("decode_failed")
+            self.gone.cancel()
+            self._abort_prefill()
+            self._end("decode_failed")
             return error_response(502, f"decode server {d_inst.url} failed: {exc}")
         if d_resp.status_code != 200:
-            gone.cancel()
-            with contextlib.suppress(httpx.HTTPError):
-                await d_resp.aread()
+            self.gone.cancel()
+            return await self._refused_by_decode(d_resp)
+        if self.stream:
+            return StreamingResponse(self._sse(d_resp), media_type="text/event-stream")
+        return await self._whole(d_resp)
+
+    async def _prefill_leg(self, p_body: dict[str, Any]) -> tuple[int, str] | None:
+        """None when the prefill server did its part; else (status, what went wrong).
+
+        A 4xx from the prefill server is the client's mistake and keeps its status and
+        message; anything else is a 502 naming the server."""
+        p_inst = self.p_inst
+        try:
+            resp = await self.client.post(f"{p_inst.url}{self.path}", json=p_body)
+        except httpx.HTTPError as exc:
+            p_inst.info = None
+            return 502, f"prefill server {p_inst.url} failed: {type(exc).__name__}: {exc}"
+        finally:
+            self.lease.release(p_inst)
+        if 400 <= resp.status_code < 500:
+            return resp.status_code, _error_text(resp)
+        if resp.status_code != 200:
+            text = _error_text(resp)
+            return 502, f"prefill server {p_inst.url} answered {resp.status_code}: {text}"
+        return None
+
+    async def _prefill_outcome(self) -> tuple[int, str] | None:
+        """The prefill leg's failure, if it ends within a moment; else None."""
+        self.p_checked = True
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            return await asyncio.wait_for(asyncio.shield(self.p_task), _PREFILL_VERDICT_S)
+        return None
+
+    def _prefill_failed_now(self, ready: set[asyncio.Future[Any]]) -> tuple[int, str] | None:
+        """The prefill leg's failure, if it is among `ready` and not yet looked at."""
+        if self.p_task not in ready or self.p_checked:
+            return None
+        self.p_checked = True
+        return self.p_task.result()
+
+    def _waiting_with(self, *futures: asyncio.Future[Any]) -> set[asyncio.Future[Any]]:
+        waiting: set[asyncio.Future[Any]] = {*futures, self.gone}
+        if not self.p_checked:
+            waiting.add(self.p_task)
+        return waiting
+
+    def _abort_prefill(self) -> None:
+        self.routes.abort_prefill(self.p_inst, self.p_task, self.tid)
+
+    def _end(self, outcome: str) -> None:
+        self.lease.release()
+        self.routes.done(outcome)
+
+    async def _drop_decode(self) -> None:
+        self.d_task.cancel()
+        with contextlib.suppress(BaseException):
+            resp = await self.d_task
+            await resp.aclose()
+
+    async def _wait_for_decode(self) -> Response | None:
+        """Wait for the decode server to answer (headers), for the prefill leg to fail,
+        or for the client to go away; the answer to give in the last two cases."""
+        while not self.d_task.done():
+            waiting = self._waiting_with(self.d_task)
+            ready, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if self.gone in ready:
+                await self._drop_decode()
+                self._abort_prefill()
+                self._end("client_gone")
+                return Response(status_code=499)
+            p_error = self._prefill_failed_now(ready)
+            if p_error is not None:
+                await self._drop_decode()
+                self._end("prefill_failed")
+                return error_response(*p_error)
+        return None
+
+    async def _refused_by_decode(self, d_resp: httpx.Response) -> Response:
+        with contextlib.suppress(httpx.HTTPError):
+            await d_resp.aread()
+        await d_resp.aclose()
+        if d_resp.status_code >= 500 and not self.p_checked:
+            # The decode server failed its transfer: if the prefill leg failed too,
+            # that is the cause to report (a dead prefill server, say).
+            p_error = await self._prefill_outcome()
+            if p_error is not None:
+                self._end("prefill_failed")
+                return error_response(*p_error)
+        self._abort_prefill()
+        self._end("rejected")
+        headers = {}
+        if "retry-after" in d_resp.headers:
+            headers["Retry-After"] = d_resp.headers["retry-after"]
+        return Response(
+            d_resp.content,
+            status_code=d_resp.status_code,
+            media_type=d_resp.headers.get("content-type"),
+            headers=headers,
+        )
+
+    async def _relay(self, d_resp: httpx.Response) -> AsyncIterator[bytes]:
+        """The decode server's body in whole events, cut short if the prefill leg
+        fails first, the decode server fails, or the client goes away."""
+        chunks = d_resp.aiter_raw().__aiter__()
+        nxt: asyncio.Future[bytes] | None = None
+        finished = False
+        buffer = b""
+        try:
+            while True:
+                if nxt is None:
+                    nxt = asyncio.ensure_future(chunks.__anext__())
+                ready, _ = await asyncio.wait(
+                    self._waiting_with(nxt), return_when=asyncio.FIRST_COMPLETED
+                )
+                if self.gone in ready:
+                    raise _ClientGone
+                err = self._prefill_failed_now(ready)
+                if err is not None:
+                    raise _LegFailed(*err)
+                if nxt not in ready:
+                    continue
+                chunk = self._chunk(nxt)
+                nxt = None
+                if chunk is None:
+                    finished = True
+                    if buffer:
+                        yield buffer
+                    return
+                buffer += chunk
+                if self.stream:
+                    events, buffer = await self._whole_events(buffer)
+                    if events:
+                        yield events
+        finally:
+            self.gone.cancel()
+            if nxt is not None:
+                nxt.cancel()
             await d_resp.aclose()
-            if d_resp.status_code >= 500 and not p_checked:
-                # The decode server failed its transfer: if the prefill leg failed too,
-                # that is the cause to report (a dead prefill server, say).
-                p_checked = True
-                p_error = await prefill_outcome(p_task)
-                if p_error is not None:
-                    lease.release()
-                    done("prefill_failed")
-                    return error_response(*p_error)
-            abort_prefill(p_inst, p_task, tid)
-            lease.release()
-            done("rejected")
-            headers = {}
-            if "retry-after" in d_resp.headers:
-                headers["Retry-After"] = d_resp.headers["retry-after"]
-            return Response(
-                d_resp.content,
-                status_code=d_resp.status_code,
-                media_type=d_resp.headers.get("content-type"),
-                headers=headers,
-            )
+            self.lease.release()
+            if not finished:
+                self._abort_prefill()
 
-        async def relay() -> AsyncIterator[bytes]:
-            """The decode server's body in whole events, cut short if the prefill leg
-            fails first, the decode server fails, or the client goes away."""
-            nonlocal p_checked
-            chunks = d_resp.aiter_raw().__aiter__()
-            nxt: asyncio.Future[bytes] | None = None
-            finished = False
-            buffer = b""
-            try:
-                while True:
-                    if nxt is None:
-                        nxt = asyncio.ensure_future(chunks.__anext__())
-                    waiting: set[asyncio.Future[Any]] = {nxt, gone}
-                    if not p_checked:
-                        waiting.add(p_task)
-                    ready, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                    if gone in ready:
-                        raise _ClientGone
-                    if p_task in ready and not p_checked:
-                        p_checked = True
-                        err = p_task.result()
-                        if err is not None:
-                            raise _LegFailed(*err)
-                    if nxt in ready:
-                        try:
-                            chunk = nxt.result()
-                        except StopAsyncIteration:
-                            finished = True
-                            if buffer:
-                                yield buffer
-                            return
-                        except httpx.HTTPError as exc:
-                            raise _LegFailed(
-                                502,
-                                f"decode server {d_inst.url} failed mid-response: "
-                                f"{type(exc).__name__}: {exc}",
-                            ) from None
-                        nxt = None
-                        if not stream:
-                            buffer += chunk
-                            continue
-                        # Only whole events go out, so an error event after a failure
-                        # never lands inside a half-relayed one.
-                        buffer += chunk
-                        cut = buffer.rfind(b"\n\n")
-                        if cut >= 0:
-                            events, buffer = buffer[: cut + 2], buffer[cut + 2 :]
-                            if b'data: {"error"' in events and not p_checked:
-                                # As above: a failed prefill leg is the cause to report.
-                                p_checked = True
-                                err = await prefill_outcome(p_task)
-                                if err is not None:
-                                    raise _LegFailed(*err)
-                            yield events
-            finally:
-                gone.cancel()
-                if nxt is not None:
-                    nxt.cancel()
-                await d_resp.aclose()
-                lease.release()
-                if not finished:
-                    abort_prefill(p_inst, p_task, tid)
+    def _chunk(self, nxt: asyncio.Future[bytes]) -> bytes | None:
+        """The next piece of the decode server's body; None at its end."""
+        try:
+            return nxt.result()
+        except StopAsyncIteration:
+            return None
+        except httpx.HTTPError as exc:
+            raise _LegFailed(
+                502,
+                f"decode server {self.d_inst.url} failed mid-response: {type(exc).__name__}: {exc}",
+            ) from None
 
-        if stream:
+    async def _whole_events(self, buffer: bytes) -> tuple[bytes, bytes]:
+        """`(whole events to send, the rest)`: only whole events go out, so an error event
+        after a failure never lands inside a half-relayed one."""
+        cut = buffer.rfind(b"\n\n")
+        if cut < 0:
+            return b"", buffer
+        events, rest = buffer[: cut + 2], buffer[cut + 2 :]
+        if b'data: {"error"' in events and not self.p_checked:
+            # As when the decode server refuses: a failed prefill leg is the cause to report.
+            err = await self._prefill_outcome()
+            if err is not None:
+                raise _LegFailed(*err)
+        return events, rest
 
-            async def sse() -> AsyncIterator[bytes]:
-                try:
-                    async for chunk in relay():
-                        yield chunk
-                    done("ok")
-                except _LegFailed as exc:
-                    done("failed")
-                    yield error_event(exc.status, exc.message)
-                    yield b"data: [DONE]\n\n"
-                except _ClientGone:
-                    done("client_gone")
+    async def _sse(self, d_resp: httpx.Response) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._relay(d_resp):
+                yield chunk
+            self.routes.done("ok")
+        except _LegFailed as exc:
+            self.routes.done("failed")
+            yield error_event(exc.status, exc.message)
+            yield b"data: [DONE]\n\n"
+        except _ClientGone:
+            self.routes.done("client_gone")
 
-            return StreamingResponse(sse(), media_type="text/event-stream")
-
+    async def _whole(self, d_resp: httpx.Response) -> Response:
         parts: list[bytes] = []
         try:
-            async for chunk in relay():
+            async for chunk in self._relay(d_resp):
                 parts.append(chunk)
         except _LegFailed as exc:
-            done("failed")
+            self.routes.done("failed")
             return error_response(exc.status, exc.message)
         except _ClientGone:
-            done("client_gone")
+            self.routes.done("client_gone")
             return Response(status_code=499)
-        done("ok")
+        self.routes.done("ok")
         return Response(b"".join(parts), status_code=200, media_type="application/json")
-
-    return app
 
 
 # How long a failed decode leg waits for the prefill leg's verdict, to report the cause.

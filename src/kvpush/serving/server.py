@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from kvpush.errors import ClosedError
@@ -33,6 +33,7 @@ from kvpush.serving.engine import EngineStats, FinishReason, RequestStats, Sampl
 from kvpush.serving.http import (
     DEFAULT_MAX_BODY_BYTES,
     BadBody,
+    ClientDisconnected,
     check_bearer,
     error_event,
     error_response,
@@ -45,10 +46,13 @@ from kvpush.serving.worker import Accepted, Done, EngineWorker, Event, Job, Reje
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400) -> None:
+    """A request refused before it reaches the engine: its status and why."""
+
+    def __init__(self, message: str, status: int = 400, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,26 +176,8 @@ def parse_prompt(
     )
 
 
-def parse_completion_request(
-    body: object,
-    tokenizer: Tokenizer,
-    *,
-    vocab_size: int,
-    max_model_len: int,
-    prompt_token_ids: list[int] | None = None,
-) -> CompletionRequest:
-    """Validate a `/v1/completions` body; raises `BadRequest` naming the bad field.
-    `prompt_token_ids`: the prompt, already parsed by `parse_prompt`."""
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    for key, allowed in _IGNORED_IF_DEFAULT.items():
-        if key in body and allowed and body[key] not in allowed:
-            raise BadRequest(
-                f"{key}={body[key]!r} is not supported by this server: expected "
-                + " or ".join(repr(a) for a in allowed if a is not None)
-                + " (or leave it out)"
-            )
-    known = {
+_KNOWN_FIELDS = frozenset(
+    {
         "model",
         "prompt",
         "max_tokens",
@@ -206,10 +192,56 @@ def parse_completion_request(
         "kv_transfer_params",
         *_IGNORED_IF_DEFAULT,
     }
-    unknown = sorted(set(body) - known)
+)
+
+
+def _check_field_names(body: dict[str, Any]) -> None:
+    """Refuses fields we do not know and OpenAI fields set to what we do not support."""
+    for key, allowed in _IGNORED_IF_DEFAULT.items():
+        if key in body and allowed and body[key] not in allowed:
+            raise BadRequest(
+                f"{key}={body[key]!r} is not supported by this server: expected "
+                + " or ".join(repr(a) for a in allowed if a is not None)
+                + " (or leave it out)"
+            )
+    unknown = sorted(set(body) - _KNOWN_FIELDS)
     if unknown:
         raise BadRequest(f"unknown field(s) {unknown}: expected OpenAI completion fields")
 
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _include_usage(stream_options: object) -> bool:
+    if stream_options is None:
+        return False
+    if not isinstance(stream_options, dict):
+        raise BadRequest("stream_options must be an object")
+    usage_flag = stream_options.get("include_usage", False)
+    if not isinstance(usage_flag, bool):
+        raise BadRequest(f"stream_options.include_usage must be true or false, got {usage_flag!r}")
+    return usage_flag
+
+
+def parse_completion_request(
+    body: object,
+    tokenizer: Tokenizer,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    prompt_token_ids: list[int] | None = None,
+) -> CompletionRequest:
+    """Validate a `/v1/completions` body; raises `BadRequest` naming the bad field.
+    `prompt_token_ids`: the prompt, already parsed by `parse_prompt`."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    _check_field_names(body)
     ids = (
         prompt_token_ids
         if prompt_token_ids is not None
@@ -234,25 +266,8 @@ def parse_completion_request(
     if seed is not None and not _is_int(seed):
         raise BadRequest(f"seed must be an integer, got {seed!r}")
     stop = _stop_strings(body.get("stop"))
-    flags: dict[str, bool] = {}
-    for key in ("stream", "ignore_eos", "return_token_ids"):
-        value = body.get(key, False)
-        if value is None:
-            value = False
-        if not isinstance(value, bool):
-            raise BadRequest(f"{key} must be true or false, got {value!r}")
-        flags[key] = value
-    stream_options = body.get("stream_options")
-    include_usage = False
-    if stream_options is not None:
-        if not isinstance(stream_options, dict):
-            raise BadRequest("stream_options must be an object")
-        usage_flag = stream_options.get("include_usage", False)
-        if not isinstance(usage_flag, bool):
-            raise BadRequest(
-                f"stream_options.include_usage must be true or false, got {usage_flag!r}"
-            )
-        include_usage = usage_flag
+    flags = {key: _flag(body, key) for key in ("stream", "ignore_eos", "return_token_ids")}
+    include_usage = _include_usage(body.get("stream_options"))
     kvp = body.get("kv_transfer_params")
     if kvp is not None and not isinstance(kvp, dict):
         raise BadRequest("kv_transfer_params must be an object")
@@ -346,6 +361,21 @@ def update_engine_metrics(registry: Registry, stats: EngineStats) -> None:
 Prepare = Callable[[CompletionRequest], CompletionRequest]
 
 
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """What a server's routes need to know besides its engine thread and registry."""
+
+    model_name: str
+    role: str
+    vocab_size: int
+    max_model_len: int
+    prepare: Prepare | None = None
+    health_extra: Callable[[], dict[str, object]] | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    chat_template: str | None = None
+    internal_token: str | None = None
+
+
 def create_app(
     worker: EngineWorker,
     tokenizer: Tokenizer,
@@ -361,294 +391,414 @@ def create_app(
     chat_template: str | None = None,
     internal_token: str | None = None,
 ) -> FastAPI:
+    settings = ServerSettings(
+        model_name=model_name,
+        role=role,
+        vocab_size=vocab_size,
+        max_model_len=max_model_len,
+        prepare=prepare,
+        health_extra=health_extra,
+        max_body_bytes=max_body_bytes,
+        chat_template=chat_template,
+        internal_token=internal_token,
+    )
     app = FastAPI(title=f"kvpush {role} server", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     worker.on_stats = lambda s: update_engine_metrics(registry, s)
+    app.include_router(ServerRoutes(worker, tokenizer, registry, settings).router())
+    return app
 
-    @app.get("/health")
-    async def health() -> Response:
-        extra = health_extra() if health_extra is not None else {}
-        healthy = worker.alive and extra.get("healthy", True) is True
-        status = "ok" if healthy else ("stopped" if not worker.alive else "unhealthy")
-        body: dict[str, object] = {"status": status, "role": role, **extra}
+
+class ServerRoutes:
+    """The routes of one server: status routes, the internal abort, and the completions
+    (each of which becomes a `_Completion` once it is submitted)."""
+
+    def __init__(
+        self,
+        worker: EngineWorker,
+        tokenizer: Tokenizer,
+        registry: Registry,
+        settings: ServerSettings,
+    ) -> None:
+        self.worker = worker
+        self.tokenizer = tokenizer
+        self.registry = registry
+        self.settings = settings
+
+    def router(self) -> APIRouter:
+        r = APIRouter()
+        r.add_api_route("/health", self.health, methods=["GET"])
+        r.add_api_route("/metrics", self.metrics, methods=["GET"])
+        r.add_api_route("/v1/models", self.models, methods=["GET"])
+        r.add_api_route("/kvpush/abort", self.abort_transfer, methods=["POST"])
+        r.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        r.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        return r
+
+    async def health(self) -> Response:
+        s = self.settings
+        extra = s.health_extra() if s.health_extra is not None else {}
+        alive = self.worker.alive
+        healthy = alive and extra.get("healthy", True) is True
+        status = "ok" if healthy else ("stopped" if not alive else "unhealthy")
+        body: dict[str, object] = {"status": status, "role": s.role, **extra}
         return JSONResponse(body, status_code=200 if healthy else 503)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(self) -> Response:
         # Refresh from the latest snapshot, so every gauge is there from the first scrape.
-        update_engine_metrics(registry, worker.statistics())
-        return PlainTextResponse(registry.render(), media_type="text/plain; version=0.0.4")
+        update_engine_metrics(self.registry, self.worker.statistics())
+        return PlainTextResponse(self.registry.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [{"id": model_name, "object": "model", "owned_by": "kvpush"}],
-            }
-        )
+    async def models(self) -> Response:
+        model = {"id": self.settings.model_name, "object": "model", "owned_by": "kvpush"}
+        return JSONResponse({"object": "list", "data": [model]})
 
-    @app.post("/kvpush/abort")
-    async def abort_transfer(request: Request) -> Response:
+    async def abort_transfer(self, request: Request) -> Response:
         """Cancel a transfer by the `transfer_id` its legs carry (the proxy calls this when
         the other leg failed); unknown ids are remembered and refused if they come later.
         With a token configured, only a caller that has it (the proxy) may."""
-        refused = check_bearer(request, internal_token)
+        refused = check_bearer(request, self.settings.internal_token)
         if refused is not None:
             return refused
         try:
             body = await read_json(request, 4096)
+        except ClientDisconnected:
+            return self._body_disconnect()
         except BadBody as exc:
             return error_response(exc.status, exc.message)
         tid = body.get("transfer_id") if isinstance(body, dict) else None
         if not isinstance(tid, str) or not tid or len(tid) > 256:
             return error_response(400, 'expected {"transfer_id": "..."}')
-        worker.abort_transfer(tid)
+        self.worker.abort_transfer(tid)
         return JSONResponse({"transfer_id": tid, "status": "cancelling"})
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await complete(request, chat=False)
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await complete(request, chat=True)
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=True)
 
-    async def complete(request: Request, *, chat: bool) -> Response:
+    def _body_disconnect(self) -> Response:
+        """The client went away while its body was read: counted, nobody to answer."""
+        self.registry.inc("kvpush_body_disconnects_total")
+        return Response(status_code=499)
+
+    async def _complete(self, request: Request, *, chat: bool) -> Response:
         try:
-            parsed = await read_json(request, max_body_bytes)
-        except BadBody as exc:
-            return error_response(exc.status, exc.message)
-        if not isinstance(parsed, dict):
-            return error_response(400, "request body must be a JSON object")
-        body: dict[str, Any] = parsed
-        if chat:
-            try:
-                body = await asyncio.to_thread(chat_to_completion, body, chat_template)
-            except BadRequest as exc:
-                return error_response(exc.status, exc.message)
-        shape = _Shape(chat)
-        raw_kvp = body.get("kv_transfer_params")
-        ids: list[int] | None = None
-
-        def refuse(status: int, message: str, retry_after_s: float | None = None) -> Response:
-            # The other leg of a transfer (the prefill server) must not hold its blocks
-            # for a request this server will never take: tell it now.
-            if isinstance(raw_kvp, dict):
-                worker.refuse_transfer(raw_kvp, ids, message)
-            registry.inc("kvpush_requests_total", labels={"outcome": "rejected"})
-            return error_response(status, message, retry_after_s=retry_after_s)
-
-        try:
-            # Tokenizing a long prompt takes a while: off the event loop, so /health and
-            # every other request keep being answered meanwhile.
-            ids = await asyncio.to_thread(
-                parse_prompt,
-                body.get("prompt"),
-                tokenizer,
-                vocab_size=vocab_size,
-                max_model_len=max_model_len,
-            )
-            req = parse_completion_request(
-                body,
-                tokenizer,
-                vocab_size=vocab_size,
-                max_model_len=max_model_len,
-                prompt_token_ids=ids,
-            )
+            body = await self._read_body(request, chat=chat)
+        except ClientDisconnected:
+            return self._body_disconnect()
         except BadRequest as exc:
-            return refuse(exc.status, exc.message)
-        if req.model is not None and req.model != model_name:
-            return refuse(
-                404, f"model {req.model!r} does not exist: this server has {model_name!r}"
-            )
-        if prepare is not None:
-            try:
-                req = prepare(req)
-            except BadRequest as exc:
-                return refuse(exc.status, exc.message)
-        if not worker.alive:
-            return refuse(503, "the engine is not running", 5.0)
+            return error_response(exc.status, exc.message)
+        refusal = _Refusal(self.worker, self.registry, body.get("kv_transfer_params"))
+        try:
+            req = await self._parse(body, refusal)
+        except BadRequest as exc:
+            return refusal.answer(exc.status, exc.message, exc.retry_after_s)
+        completion = _Completion(self, req, _Shape(chat), request)
+        try:
+            completion.submit()
+        except ClosedError:
+            return refusal.answer(503, "the server is shutting down", 5.0)
+        return await completion.respond()
 
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+    async def _read_body(self, request: Request, *, chat: bool) -> dict[str, Any]:
+        """The request's body as a completion body; raises `BadRequest`."""
+        try:
+            parsed = await read_json(request, self.settings.max_body_bytes)
+        except BadBody as exc:
+            raise BadRequest(exc.message, exc.status) from None
+        if not isinstance(parsed, dict):
+            raise BadRequest("request body must be a JSON object")
+        if not chat:
+            return parsed
+        return await asyncio.to_thread(chat_to_completion, parsed, self.settings.chat_template)
+
+    async def _parse(self, body: dict[str, Any], refusal: _Refusal) -> CompletionRequest:
+        """The checked request, ready to submit; raises `BadRequest`."""
+        s = self.settings
+        # Tokenizing a long prompt takes a while: off the event loop, so /health and
+        # every other request keep being answered meanwhile.
+        refusal.prompt_token_ids = await asyncio.to_thread(
+            parse_prompt,
+            body.get("prompt"),
+            self.tokenizer,
+            vocab_size=s.vocab_size,
+            max_model_len=s.max_model_len,
+        )
+        req = parse_completion_request(
+            body,
+            self.tokenizer,
+            vocab_size=s.vocab_size,
+            max_model_len=s.max_model_len,
+            prompt_token_ids=refusal.prompt_token_ids,
+        )
+        if req.model is not None and req.model != s.model_name:
+            raise BadRequest(
+                f"model {req.model!r} does not exist: this server has {s.model_name!r}", 404
+            )
+        if s.prepare is not None:
+            req = s.prepare(req)
+        if not self.worker.alive:
+            raise BadRequest("the engine is not running", 503, retry_after_s=5.0)
+        return req
+
+
+class _Refusal:
+    """How a request is refused before the engine took it."""
+
+    def __init__(
+        self, worker: EngineWorker, registry: Registry, kv_transfer_params: object
+    ) -> None:
+        self.worker = worker
+        self.registry = registry
+        self.kv_transfer_params = kv_transfer_params
+        self.prompt_token_ids: list[int] | None = None
+
+    def answer(self, status: int, message: str, retry_after_s: float | None = None) -> Response:
+        # The other leg of a transfer (the prefill server) must not hold its blocks for a
+        # request this server will never take: tell it now.
+        if isinstance(self.kv_transfer_params, dict):
+            self.worker.refuse_transfer(self.kv_transfer_params, self.prompt_token_ids, message)
+        self.registry.inc("kvpush_requests_total", labels={"outcome": "rejected"})
+        return error_response(status, message, retry_after_s=retry_after_s)
+
+
+class _Completion:
+    """One submitted request: its engine events, turned into a response (streamed or
+    whole) and into metrics. A `None` event: the client went away."""
+
+    def __init__(
+        self, routes: ServerRoutes, req: CompletionRequest, shape: _Shape, request: Request
+    ) -> None:
+        self.worker = routes.worker
+        self.registry = routes.registry
+        self.tokenizer = routes.tokenizer
+        self.req = req
+        self.shape = shape
+        self.request = request
+        self.request_id = f"cmpl-{uuid.uuid4().hex}"
+        self.events: asyncio.Queue[Event | None] = asyncio.Queue()
+        self.pending: list[Event] = []
+        self.head = {"id": self.request_id, "created": 0, "model": routes.settings.model_name}
+        self.started = 0.0
+        self.ttft_seen = False
+        self.watcher: asyncio.Task[None] | None = None
+
+    def submit(self) -> None:
+        """Hand the request to the engine thread; raises `ClosedError` when it is closed."""
         loop = asyncio.get_running_loop()
-        # None: the client went away.
-        events: asyncio.Queue[Event | None] = asyncio.Queue()
 
         def sink(ev: Event) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, ev)
+            loop.call_soon_threadsafe(self.events.put_nowait, ev)
 
-        async def watch() -> None:
-            await wait_for_disconnect(request)
-            events.put_nowait(None)
-
-        watcher = asyncio.create_task(watch())
-        started = time.monotonic()
+        self.watcher = asyncio.create_task(self._watch())
+        self.started = time.monotonic()
+        req = self.req
+        job = Job(
+            self.request_id,
+            req.prompt_token_ids,
+            req.sampling_params(),
+            sink,
+            kv_transfer_params=req.kv_transfer_params,
+        )
         try:
-            worker.submit(
-                Job(
-                    request_id,
-                    req.prompt_token_ids,
-                    req.sampling_params(),
-                    sink,
-                    kv_transfer_params=req.kv_transfer_params,
-                )
-            )
+            self.worker.submit(job)
         except ClosedError:
-            watcher.cancel()
-            return refuse(503, "the server is shutting down", 5.0)
-        registry.inc("kvpush_prompt_tokens_total", len(req.prompt_token_ids))
+            self._stop_watching()
+            raise
+        self.registry.inc("kvpush_prompt_tokens_total", len(req.prompt_token_ids))
+
+    async def _watch(self) -> None:
+        await wait_for_disconnect(self.request)
+        self.events.put_nowait(None)
+
+    def _stop_watching(self) -> None:
+        if self.watcher is not None:
+            self.watcher.cancel()
+
+    async def respond(self) -> Response:
+        """The response, once the engine took the request (or refused it)."""
         try:
-            first = await events.get()
+            first = await self.events.get()
         except asyncio.CancelledError:
-            watcher.cancel()
-            worker.abort(request_id)
+            self._stop_watching()
+            self.worker.abort(self.request_id)
             raise
         if first is None:
-            return _client_gone(worker, registry, request_id)
+            return self._client_gone()
         if isinstance(first, Rejected):
-            watcher.cancel()
-            registry.inc("kvpush_requests_total", labels={"outcome": "rejected"})
-            return error_response(first.status, first.message, retry_after_s=first.retry_after_s)
-        pending: list[Event] = [] if isinstance(first, Accepted) else [first]
-        created = int(time.time())
-        head = {"id": request_id, "created": created, "model": model_name}
-        ttft_seen = False
+            self._stop_watching()
+            return self._rejected(first)
+        self.pending = [] if isinstance(first, Accepted) else [first]
+        self.head["created"] = int(time.time())
+        if self.req.stream:
+            return StreamingResponse(self._sse(), media_type="text/event-stream")
+        return await self._whole()
 
-        async def next_event() -> Event | None:
-            return pending.pop() if pending else await events.get()
+    async def _next_event(self) -> Event | None:
+        return self.pending.pop() if self.pending else await self.events.get()
 
-        def on_tokens(n: int) -> None:
-            nonlocal ttft_seen
-            registry.inc("kvpush_generation_tokens_total", n)
-            if not ttft_seen:
-                ttft_seen = True
-                registry.observe("kvpush_time_to_first_token_seconds", time.monotonic() - started)
+    def _rejected(self, ev: Rejected) -> Response:
+        self._outcome("rejected")
+        return error_response(ev.status, ev.message, retry_after_s=ev.retry_after_s)
 
-        def on_done(done: Done) -> None:
-            outcome = "error" if done.reason is FinishReason.ERROR else "ok"
-            registry.inc("kvpush_requests_total", labels={"outcome": outcome})
-            registry.observe("kvpush_e2e_request_latency_seconds", time.monotonic() - started)
+    def _client_gone(self) -> Response:
+        """The client disconnected: stop its request now (its blocks, its transfer)."""
+        self.worker.abort(self.request_id)
+        self._outcome("aborted")
+        return Response(status_code=499)
 
-        def usage(n_out: int) -> dict[str, int]:
-            n_in = len(req.prompt_token_ids)
-            return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+    def _outcome(self, outcome: str) -> None:
+        self.registry.inc("kvpush_requests_total", labels={"outcome": outcome})
 
-        if req.stream:
+    def _tokens(self, n: int) -> None:
+        self.registry.inc("kvpush_generation_tokens_total", n)
+        if not self.ttft_seen:
+            self.ttft_seen = True
+            elapsed = time.monotonic() - self.started
+            self.registry.observe("kvpush_time_to_first_token_seconds", elapsed)
 
-            async def sse() -> AsyncIterator[bytes]:
-                detok = _Detokenizer(tokenizer, req.stop)
-                n_out = 0
-                finished = False
-                try:
-                    while True:
-                        ev = await next_event()
-                        if ev is None:
-                            return  # the client went away: aborted in `finally`
-                        if isinstance(ev, Rejected):
-                            finished = True
-                            registry.inc("kvpush_requests_total", labels={"outcome": "rejected"})
-                            yield error_event(ev.status, ev.message)
-                            yield b"data: [DONE]\n\n"
-                            return
-                        if isinstance(ev, Tokens):
-                            on_tokens(len(ev.token_ids))
-                            n_out += len(ev.token_ids)
-                            choice = shape.chunk_choice(
-                                detok.add(ev.token_ids), n_out == len(ev.token_ids)
-                            )
-                            if req.return_token_ids:
-                                choice["token_ids"] = list(ev.token_ids)
-                            if detok.stopped:
-                                # A stop string: the completion ends here, like an EOS.
-                                finished = True
-                                worker.abort(request_id)
-                                choice["finish_reason"] = FinishReason.STOP.value
-                                registry.inc("kvpush_requests_total", labels={"outcome": "ok"})
-                            chunk = {**head, "object": shape.chunk_object, "choices": [choice]}
-                            if detok.stopped and req.include_usage:
-                                chunk["usage"] = usage(n_out)
-                            yield f"data: {json.dumps(chunk)}\n\n".encode()
-                            if detok.stopped:
-                                yield b"data: [DONE]\n\n"
-                                return
-                        elif isinstance(ev, Done):
-                            finished = True
-                            on_done(ev)
-                            if ev.reason is FinishReason.ERROR:
-                                yield error_event(ev.status, ev.error or "request failed")
-                                yield b"data: [DONE]\n\n"
-                                return
-                            final = shape.chunk_choice(detok.flush(), n_out == 0)
-                            final["finish_reason"] = ev.reason.value
-                            last: dict[str, Any] = {
-                                **head,
-                                "object": shape.chunk_object,
-                                "choices": [final],
-                                "kvpush_stats": _stats_json(ev.stats),
-                            }
-                            if ev.kv_transfer_params is not None:
-                                last["kv_transfer_params"] = ev.kv_transfer_params
-                            if req.include_usage:
-                                last["usage"] = usage(n_out)
-                            yield f"data: {json.dumps(last)}\n\n".encode()
-                            yield b"data: [DONE]\n\n"
-                            return
-                finally:
-                    watcher.cancel()
-                    if not finished:
-                        worker.abort(request_id)
+    def _done(self, done: Done) -> None:
+        self._outcome("error" if done.reason is FinishReason.ERROR else "ok")
+        elapsed = time.monotonic() - self.started
+        self.registry.observe("kvpush_e2e_request_latency_seconds", elapsed)
 
-            return StreamingResponse(sse(), media_type="text/event-stream")
+    def _usage(self, n_out: int) -> dict[str, int]:
+        n_in = len(self.req.prompt_token_ids)
+        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
+    async def _sse(self) -> AsyncIterator[bytes]:
+        stream = _Stream(self)
+        try:
+            while not stream.finished:
+                ev = await self._next_event()
+                if ev is None:
+                    return  # the client went away: aborted in `finally`
+                for chunk in stream.on_event(ev):
+                    yield chunk
+        finally:
+            self._stop_watching()
+            if not stream.finished:
+                self.worker.abort(self.request_id)
+
+    async def _whole(self) -> Response:
+        req = self.req
         out: list[int] = []
-        detok_all = _Detokenizer(tokenizer, req.stop)
+        detok = _Detokenizer(self.tokenizer, req.stop)
         text_parts: list[str] = []
         try:
             while True:
-                ev = await next_event()
+                ev = await self._next_event()
                 if ev is None:
-                    return _client_gone(worker, registry, request_id)
+                    return self._client_gone()
                 if isinstance(ev, Rejected):
-                    watcher.cancel()
-                    registry.inc("kvpush_requests_total", labels={"outcome": "rejected"})
-                    return error_response(ev.status, ev.message, retry_after_s=ev.retry_after_s)
+                    return self._rejected(ev)
                 if isinstance(ev, Tokens):
-                    on_tokens(len(ev.token_ids))
+                    self._tokens(len(ev.token_ids))
                     out.extend(ev.token_ids)
-                    text_parts.append(detok_all.add(ev.token_ids))
-                    if detok_all.stopped:
-                        worker.abort(request_id)
+                    text_parts.append(detok.add(ev.token_ids))
+                    if detok.stopped:
+                        self.worker.abort(self.request_id)
                         ev = Done(FinishReason.STOP, None)
                         break
                 elif isinstance(ev, Done):
                     break
         except asyncio.CancelledError:
-            worker.abort(request_id)
+            self.worker.abort(self.request_id)
             raise
         finally:
-            watcher.cancel()
-        on_done(ev)
+            self._stop_watching()
+        self._done(ev)
         if ev.reason is FinishReason.ERROR:
             return error_response(ev.status, ev.error or "request failed")
-        choice_out = shape.whole_choice("".join(text_parts) + detok_all.flush())
-        choice_out["finish_reason"] = ev.reason.value
+        return JSONResponse(self._whole_body(ev, "".join(text_parts) + detok.flush(), out))
+
+    def _whole_body(self, ev: Done, text: str, out: list[int]) -> dict[str, Any]:
+        req = self.req
+        choice = self.shape.whole_choice(text)
+        choice["finish_reason"] = ev.reason.value
         if req.return_token_ids:
-            choice_out["token_ids"] = out
+            choice["token_ids"] = out
         response: dict[str, Any] = {
-            **head,
-            "object": shape.whole_object,
-            "choices": [choice_out],
-            "usage": usage(len(out)),
+            **self.head,
+            "object": self.shape.whole_object,
+            "choices": [choice],
+            "usage": self._usage(len(out)),
             "kvpush_stats": _stats_json(ev.stats),
         }
         if req.return_token_ids:
             response["prompt_token_ids"] = req.prompt_token_ids
         if ev.kv_transfer_params is not None:
             response["kv_transfer_params"] = ev.kv_transfer_params
-        return JSONResponse(response)
+        return response
 
-    return app
+
+_DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def _sse_event(body: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+class _Stream:
+    """A streamed completion: each engine event as the server-sent events it makes."""
+
+    def __init__(self, completion: _Completion) -> None:
+        self.c = completion
+        self.detok = _Detokenizer(completion.tokenizer, completion.req.stop)
+        self.n_out = 0
+        self.finished = False
+
+    def on_event(self, ev: Event) -> list[bytes]:
+        if isinstance(ev, Rejected):
+            self.finished = True
+            self.c._outcome("rejected")
+            return [error_event(ev.status, ev.message), _DONE_EVENT]
+        if isinstance(ev, Tokens):
+            return self._tokens(ev)
+        if isinstance(ev, Done):
+            return self._done(ev)
+        return []
+
+    def _tokens(self, ev: Tokens) -> list[bytes]:
+        c, shape = self.c, self.c.shape
+        c._tokens(len(ev.token_ids))
+        self.n_out += len(ev.token_ids)
+        choice = shape.chunk_choice(self.detok.add(ev.token_ids), self.n_out == len(ev.token_ids))
+        if c.req.return_token_ids:
+            choice["token_ids"] = list(ev.token_ids)
+        chunk: dict[str, Any] = {**c.head, "object": shape.chunk_object, "choices": [choice]}
+        if not self.detok.stopped:
+            return [_sse_event(chunk)]
+        # A stop string: the completion ends here, like an EOS.
+        self.finished = True
+        c.worker.abort(c.request_id)
+        choice["finish_reason"] = FinishReason.STOP.value
+        c._outcome("ok")
+        if c.req.include_usage:
+            chunk["usage"] = c._usage(self.n_out)
+        return [_sse_event(chunk), _DONE_EVENT]
+
+    def _done(self, ev: Done) -> list[bytes]:
+        c, shape = self.c, self.c.shape
+        self.finished = True
+        c._done(ev)
+        if ev.reason is FinishReason.ERROR:
+            return [error_event(ev.status, ev.error or "request failed"), _DONE_EVENT]
+        final = shape.chunk_choice(self.detok.flush(), self.n_out == 0)
+        final["finish_reason"] = ev.reason.value
+        last: dict[str, Any] = {
+            **c.head,
+            "object": shape.chunk_object,
+            "choices": [final],
+            "kvpush_stats": _stats_json(ev.stats),
+        }
+        if ev.kv_transfer_params is not None:
+            last["kv_transfer_params"] = ev.kv_transfer_params
+        if c.req.include_usage:
+            last["usage"] = c._usage(self.n_out)
+        return [_sse_event(last), _DONE_EVENT]
 
 
 class _Shape:
@@ -721,10 +871,3 @@ def render_chat(template: str, messages: list[Any], *, add_generation_prompt: bo
     if not text:
         raise BadRequest("the chat template rendered these messages as empty text")
     return text
-
-
-def _client_gone(worker: EngineWorker, registry: Registry, request_id: str) -> Response:
-    """The client disconnected: stop its request now (its blocks, its transfer)."""
-    worker.abort(request_id)
-    registry.inc("kvpush_requests_total", labels={"outcome": "aborted"})
-    return Response(status_code=499)

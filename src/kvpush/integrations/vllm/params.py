@@ -1,14 +1,15 @@
-"""`kv_transfer_params` in and out, and the connector's settings: read once, typed.
+"""The connector's settings, read once, typed; and `kv_transfer_params` as vLLM sees them.
 
-Requests reach vLLM with `kv_transfer_params` the way vLLM's NIXL connectors expect them
-(a proxy written for `NixlConnector` sends the same fields), plus `transfer_id`, which is
-what pairs the prefill's and the decode's halves of one transfer end to end (never a
-request-id suffix). The prefill's answer keeps every field the NIXL connectors return,
-so routers that forward it to the decode server route kvpush unchanged.
+The params themselves are `kvpush.transfer_params`'s contract (shared with the serving
+stack and the proxy): requests reach vLLM with the fields vLLM's NIXL connectors expect,
+plus `transfer_id`, which pairs the prefill's and the decode's halves of one transfer end
+to end (never a request-id suffix). The prefill's answer keeps every field the NIXL
+connectors return, so routers that forward it to the decode server route kvpush unchanged.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,7 +18,9 @@ from typing import Any
 
 from kvpush.config import TimingConfig, load_token
 from kvpush.errors import ConfigError
-from kvpush.net import unbracket_host
+from kvpush.transfer_params import BadTransferParams, PrefillAnswer, parse_remote_decode
+
+log = logging.getLogger(__name__)
 
 ROLES = {"kv_producer": "sender", "kv_consumer": "receiver", "kv_both": "both"}
 TIMING_KEYS = ("heartbeat_interval_s", "liveness_timeout_s", "lease_s", "transfer_deadline_s")
@@ -164,61 +167,15 @@ class ConnectorConfig:
         return self.role in ("receiver", "both")
 
 
-@dataclass(frozen=True, slots=True)
-class RemotePrefill:
-    """What a decode request says about where its KV comes from."""
-
-    transfer_id: str
-    host: str
-    port: int
-    tp_size: int
-
-
-class BadTransferParams(ConfigError):
-    """A request's `kv_transfer_params` cannot be used; the message says which field."""
-
-
-def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
-    return bool(params and params.get("do_remote_prefill"))
-
-
-def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
-    return bool(params and params.get("do_remote_decode"))
-
-
-def parse_remote_prefill(params: Mapping[str, Any], our_tp_size: int) -> RemotePrefill:
-    """The sender of a decode request's KV, from the prefill's answer (or the proxy)."""
-    tid = params.get("transfer_id")
-    if not isinstance(tid, str) or not tid:
-        raise BadTransferParams(
-            "kv_transfer_params.transfer_id must be a non-empty string (the prefill "
-            f"server's answer carries it), got {tid!r}"
-        )
-    host = params.get("remote_host")
-    if not isinstance(host, str) or not host:
-        raise BadTransferParams(f"kv_transfer_params.remote_host must be a host, got {host!r}")
-    port = params.get("remote_port")
-    if isinstance(port, str) and port.isdigit():
-        port = int(port)
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-        raise BadTransferParams(
-            f"kv_transfer_params.remote_port must be a port number, got {port!r}"
-        )
-    tp = params.get("tp_size", our_tp_size)
-    if not isinstance(tp, int) or tp != our_tp_size:
-        raise BadTransferParams(
-            f"kv_transfer_params.tp_size is {tp!r} but this engine runs tensor parallel "
-            f"size {our_tp_size}: KvpushConnector moves KV between equal TP sizes only"
-        )
-    return RemotePrefill(tid, unbracket_host(host), port, tp)
-
-
 def prefill_transfer_id(params: Mapping[str, Any], engine_id: str) -> str:
-    """The transfer id of a prefill request: the proxy's, or a fresh one we answer with."""
-    tid = params.get("transfer_id")
-    if isinstance(tid, str) and tid:
-        return tid
-    return f"{engine_id}-{uuid.uuid4().hex}"
+    """The transfer id of a prefill request: the proxy's, or a fresh one we answer with
+    (also where the proxy's is unusable: vLLM cannot refuse a request at this point)."""
+    try:
+        tid = parse_remote_decode(params).transfer_id
+    except BadTransferParams as exc:
+        log.warning("%s: the transfer gets a fresh id", exc)
+        tid = None
+    return tid if tid is not None else f"{engine_id}-{uuid.uuid4().hex}"
 
 
 def prefill_answer(
@@ -230,18 +187,21 @@ def prefill_answer(
     num_tokens: int,
 ) -> dict[str, Any]:
     """What the prefill server returns: the NIXL connectors' fields, plus transfer_id."""
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_block_ids": list(block_ids),
-        "remote_engine_id": config.engine_id,
-        "remote_request_id": request_id,
-        "remote_host": config.side_channel_host,
-        "remote_port": config.side_channel_port,
-        "tp_size": config.tp_size,
-        "dcp_size": config.dcp_size,
-        "pp_size": config.pp_size,
-        "remote_num_tokens": num_tokens,
-        "transfer_mode": "push",
-        "transfer_id": transfer_id,
-    }
+    return PrefillAnswer(
+        do_remote_prefill=True,
+        do_remote_decode=False,
+        remote_block_ids=list(block_ids),
+        remote_engine_id=config.engine_id,
+        remote_request_id=request_id,
+        remote_host=config.side_channel_host,
+        remote_port=config.side_channel_port,
+        tp_size=config.tp_size,
+        dcp_size=config.dcp_size,
+        pp_size=config.pp_size,
+        remote_num_tokens=num_tokens,
+        transfer_mode="push",
+        transfer_id=transfer_id,
+    ).to_params()
+
+
+__all__ = ["ConnectorConfig", "prefill_answer", "prefill_transfer_id"]

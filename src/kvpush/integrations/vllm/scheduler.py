@@ -40,13 +40,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvpush.integrations.vllm.metadata import Receive, Refuse, Send, StepPlan
-from kvpush.integrations.vllm.params import (
+from kvpush.integrations.vllm.params import ConnectorConfig, prefill_answer, prefill_transfer_id
+from kvpush.transfer_params import (
     BadTransferParams,
-    ConnectorConfig,
     RemotePrefill,
     parse_remote_prefill,
-    prefill_answer,
-    prefill_transfer_id,
     wants_remote_decode,
     wants_remote_prefill,
 )
@@ -177,12 +175,14 @@ class SchedulerSide:
         total = _cdiv(len(request.prompt_token_ids or ()), bs)
         ours = tuple(blocks.get_block_ids()[0][offset:total])
         self._plan.receives.append(
-            Receive(rid, remote.transfer_id, remote.host, remote.port, ours, offset)
+            Receive(rid, remote.transfer_id, remote.remote_host, remote.remote_port, ours, offset)
         )
         self._receiving[rid] = remote.transfer_id
 
     def _refuse(self, remote: RemotePrefill, detail: str) -> None:
-        self._plan.refusals.append(Refuse(remote.transfer_id, remote.host, remote.port, detail))
+        self._plan.refusals.append(
+            Refuse(remote.transfer_id, remote.remote_host, remote.remote_port, detail)
+        )
 
     # ----------------------------------------------------------------- both
 

@@ -27,6 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvpush.transfer_metrics import record_ended, record_failed_at_once
+
 if TYPE_CHECKING:
     from kvpush.runtime import TransferResult
 
@@ -49,13 +51,7 @@ class TransferStats(KVConnectorStats):
     data: dict[str, Any] = field(default_factory=_empty)
 
     def ended(self, result: TransferResult, seconds: float, nbytes: int) -> None:
-        outcome = "finished" if result.ok else "failed"
-        reason = result.reason.value if result.reason is not None else ""
-        self._count(_key(result.side, outcome, reason))
-        if result.ok:
-            b = self.data["bytes"]
-            b[result.side] = b.get(result.side, 0) + nbytes
-            self.data["seconds"].setdefault(result.side, []).append(seconds)
+        record_ended(self, result, seconds=seconds, nbytes=nbytes)
 
     def opened(self, push: str) -> None:
         o = self.data.setdefault("opened", {})
@@ -66,11 +62,21 @@ class TransferStats(KVConnectorStats):
         a[by] = a.get(by, 0) + n
 
     def ended_at_once(self, side: str, why: str) -> None:
-        self._count(_key(side, "failed", "local_error"))
+        record_failed_at_once(self, side)
 
-    def _count(self, key: str) -> None:
+    # The `TransferMetricsSink` that `record_ended` counts into.
+
+    def count_ended(self, side: str, outcome: str, reason: str) -> None:
         ended = self.data["ended"]
+        key = _key(side, outcome, reason)
         ended[key] = ended.get(key, 0) + 1
+
+    def add_bytes(self, side: str, nbytes: int) -> None:
+        b = self.data["bytes"]
+        b[side] = b.get(side, 0) + nbytes
+
+    def observe_seconds(self, side: str, seconds: float) -> None:
+        self.data["seconds"].setdefault(side, []).append(seconds)
 
     def reset(self) -> None:
         self.data = _empty()

@@ -1,0 +1,157 @@
+"""The `kv_transfer_params` contract shared by the proxy, the serving stack and the vLLM
+connector: one parser per shape, and messages that say what was wrong and what was
+expected. Also the one rule that counts an ended transfer."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush.errors import ConfigError, FailureReason
+from kvpush.protocol import TransferEnded
+from kvpush.transfer_metrics import record_ended, record_failed_at_once
+from kvpush.transfer_params import (
+    MAX_TEXT_CHARS,
+    BadTransferParams,
+    PrefillComputed,
+    RemoteDecode,
+    RemotePrefill,
+    parse_remote_decode,
+    parse_remote_prefill,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
+
+DECODE = {"do_remote_prefill": True, "transfer_id": "t", "remote_host": "h", "remote_port": 5600}
+
+
+def test_a_decode_requests_params_read_back_as_the_struct_the_proxy_built() -> None:
+    built = RemotePrefill(transfer_id="t", remote_host="h", remote_port=5600)
+    params = built.to_params()
+    assert params == DECODE
+    assert wants_remote_prefill(params) and not wants_remote_decode(params)
+    assert parse_remote_prefill(params) == built
+
+
+def test_a_port_written_in_decimal_digits_is_the_integer_it_spells() -> None:
+    remote = parse_remote_prefill({**DECODE, "remote_port": "5600"})
+    assert remote.remote_port == 5600 and isinstance(remote.remote_port, int)
+    assert remote.to_params()["remote_port"] == 5600
+
+
+@pytest.mark.parametrize(
+    ("port", "got"),
+    [
+        (0, "got int 0"),
+        (70000, "got int 70000"),
+        (-1, "got int -1"),
+        ("56x0", "got str '56x0'"),
+        ("", "got str ''"),
+        ("\uff15\uff16\uff10\uff10", "got str"),  # full-width digits are not a port
+        (True, "got bool True"),
+        (5600.0, "got float 5600.0"),
+        (None, "got NoneType None"),
+    ],
+)
+def test_a_bad_port_says_what_it_was_and_what_is_expected(port: object, got: str) -> None:
+    with pytest.raises(BadTransferParams) as err:
+        parse_remote_prefill({**DECODE, "remote_port": port})
+    message = str(err.value)
+    assert message.startswith("kv_transfer_params.remote_port must be a port number")
+    assert "an integer in 1..65535, or one written in decimal digits" in message
+    assert got in message
+
+
+@pytest.mark.parametrize("key", ["transfer_id", "remote_host", "remote_port"])
+def test_a_missing_field_is_named_as_missing(key: str) -> None:
+    params = {k: v for k, v in DECODE.items() if k != key}
+    with pytest.raises(BadTransferParams, match=rf"kv_transfer_params\.{key} .*got missing$"):
+        parse_remote_prefill(params)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "got"),
+    [
+        ("transfer_id", 7, "got int 7"),
+        ("transfer_id", "", "got str ''"),
+        ("remote_host", ["h"], "got list ['h']"),
+        ("remote_host", "h" * (MAX_TEXT_CHARS + 1), "got str 'hhhh"),
+    ],
+)
+def test_a_field_of_the_wrong_type_says_what_was_expected(
+    key: str, value: object, got: str
+) -> None:
+    with pytest.raises(BadTransferParams) as err:
+        parse_remote_prefill({**DECODE, key: value})
+    message = str(err.value)
+    assert message.startswith(
+        f"kv_transfer_params.{key} must be a non-empty string of at most {MAX_TEXT_CHARS} "
+        "characters"
+    )
+    assert got in message
+
+
+def test_tp_size_must_be_the_receivers() -> None:
+    assert parse_remote_prefill({**DECODE, "tp_size": 2}, 2).tp_size == 2
+    with pytest.raises(BadTransferParams, match=r"tp_size is 2 but .* tensor parallel size 1"):
+        parse_remote_prefill({**DECODE, "tp_size": 2}, 1)
+    with pytest.raises(BadTransferParams, match=r"tp_size is '2' .* a positive integer"):
+        parse_remote_prefill({**DECODE, "tp_size": "2"})
+
+
+def test_bad_params_are_a_config_error_and_a_bracketed_host_is_used_bare() -> None:
+    assert issubclass(BadTransferParams, ConfigError)
+    assert parse_remote_prefill({**DECODE, "remote_host": "[::1]"}).remote_host == "::1"
+
+
+def test_a_prefill_requests_transfer_id_is_optional_unless_required() -> None:
+    assert parse_remote_decode({"do_remote_decode": True}) == RemoteDecode()
+    assert parse_remote_decode({"transfer_id": "t"}).transfer_id == "t"
+    with pytest.raises(BadTransferParams, match=r"transfer_id .*got missing"):
+        parse_remote_decode({"do_remote_decode": True}, require_transfer_id=True)
+    with pytest.raises(BadTransferParams, match=r"transfer_id .*got int 3"):
+        parse_remote_decode({"transfer_id": 3})
+    assert RemoteDecode(transfer_id="t").to_params() == {
+        "do_remote_decode": True,
+        "transfer_id": "t",
+    }
+
+
+def test_a_serving_prefill_answer_carries_the_flag_and_its_fields() -> None:
+    answer = PrefillComputed(transfer_id="t", num_blocks=3, prompt_fingerprint="ab")
+    assert answer.to_params() == {
+        "do_remote_decode": True,
+        "transfer_id": "t",
+        "num_blocks": 3,
+        "prompt_fingerprint": "ab",
+    }
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.ended: list[tuple[str, str, str]] = []
+        self.nbytes: list[tuple[str, int]] = []
+        self.seconds: list[tuple[str, float]] = []
+
+    def count_ended(self, side: str, outcome: str, reason: str) -> None:
+        self.ended.append((side, outcome, reason))
+
+    def add_bytes(self, side: str, nbytes: int) -> None:
+        self.nbytes.append((side, nbytes))
+
+    def observe_seconds(self, side: str, seconds: float) -> None:
+        self.seconds.append((side, seconds))
+
+
+def test_a_finished_transfer_adds_bytes_and_time_a_failed_one_only_its_reason() -> None:
+    tally = _Tally()
+    record_ended(tally, TransferEnded("a", "sender", None, "", (1,)), seconds=0.5, nbytes=64)
+    failed = TransferEnded("b", "receiver", FailureReason.PEER_GONE, "gone", ())
+    record_ended(tally, failed, seconds=1.0, nbytes=64)
+    record_failed_at_once(tally, "receiver")
+    assert tally.ended == [
+        ("sender", "finished", ""),
+        ("receiver", "failed", "peer_gone"),
+        ("receiver", "failed", "local_error"),
+    ]
+    assert tally.nbytes == [("sender", 64)]
+    assert tally.seconds == [("sender", 0.5)]
