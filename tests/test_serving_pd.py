@@ -36,7 +36,6 @@ from kvpush.demo.run import (
 from kvpush.net import http_url
 from kvpush.procs.readiness import free_port
 from kvpush.procs.server_process import ServerProcess, log_tail
-from kvpush.serving.checkpoint import make_model
 
 pytestmark = pytest.mark.nixl  # prefill and decode servers move KV through real NIXL
 

@@ -18,7 +18,7 @@ import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-_FILES = ("messages", "_common", "sender", "receiver", "state")
+_FILES = ("messages", "_common", "identity", "leases", "sender", "receiver", "state")
 # The files that every revision the checker can run has; the others are optional.
 _REQUIRED = ("messages", "state")
 

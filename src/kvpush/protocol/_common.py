@@ -20,6 +20,7 @@ from kvpush.errors import (
 from kvpush.geometry import describe_compat_differences
 from kvpush.protocol.messages import (
     Message,
+    Register,
 )
 
 Side = Literal["sender", "receiver"]
@@ -70,6 +71,38 @@ class SenderState(enum.StrEnum):
     REGISTERED = "registered"  # receiver registered, engine has not submitted (no blocks)
     WRITING = "writing"  # both known: writes go out as layers become ready
     ENDING = "ending"  # outcome decided, waiting for in-flight writes to drain
+
+
+# A sender's record of one transfer, and what is left of it once it ended.
+@dataclass(slots=True)
+class _Outgoing:
+    transfer_id: str
+    state: SenderState
+    deadline: float
+    blocks: tuple[int, ...] | None = None
+    ready_layers: set[int] = field(default_factory=set)
+    issued_layers: set[int] = field(default_factory=set)
+    peer: str | None = None
+    register: Register | None = None
+    # The lease runs out at this time of the *receiver's* clock (see the module docstring).
+    lease_until_theirs: float = float("-inf")
+    inflight: set[int] = field(default_factory=set)
+    reason: FailureReason | None = None
+    detail: str = ""
+    reply: Message | None = None
+    done_write: int | None = None  # the write that carries our Done as its notification
+    # The lease looked over on a bound of the receiver's clock measured before it did:
+    # (our clock when we asked for a fresh bound, why it looked over, a Register's?).
+    recheck: tuple[float, str, bool] | None = None
+
+
+@dataclass(slots=True)
+class _Tombstone:
+    peer: str | None
+    reply: Message | None  # what a late Register/Cancel/heartbeat gets
+    expires: float
+    # Set when the engine has not submitted yet: its submit then fails at once.
+    pending_failure: tuple[FailureReason, str] | None = None
 
 
 class ReceiverState(enum.StrEnum):

@@ -29,6 +29,7 @@ from kvpush.protocol._common import (
     PeerInfo,
     SendMessage,
     _Compatibility,
+    _Outgoing,
     _Peer,
     _Side,
 )
@@ -40,9 +41,6 @@ from kvpush.protocol.messages import (
     Register,
     Reject,
 )
-
-if TYPE_CHECKING:
-    from kvpush.protocol.sender import _Outgoing  # noqa: F401 (the base, `_Side["_Outgoing"]`)
 
 # How many messages an agent may send before a side channel vouched for it (a real
 # receiver sends a Register or Reject or two, and a heartbeat, in that time); the rest
@@ -93,7 +91,7 @@ def _claims(p: _Peer, message: Message) -> bool:
     return True
 
 
-class SenderGate(_Side["_Outgoing"]):
+class SenderGate(_Side[_Outgoing]):
     """The sender's identity gate: which agent a receiver's message may be read from.
 
     Its state is the peer records' identity fields (`verified`, `inbox`, `rival`,

@@ -20,8 +20,10 @@ from kvpush.protocol._common import (
     LocalIdentity,
     SenderState,
     SendMessage,
+    _Outgoing,
     _Peer,
     _Side,
+    _Tombstone,
 )
 from kvpush.protocol.messages import (
     Failed,
@@ -29,11 +31,8 @@ from kvpush.protocol.messages import (
     Message,
 )
 
-if TYPE_CHECKING:
-    from kvpush.protocol.sender import _Outgoing, _Tombstone
 
-
-class SenderLeases(_Side["_Outgoing"]):
+class SenderLeases(_Side[_Outgoing]):
     """Leases, heartbeats and timers of the sending side; `SenderProtocol` holds the
     state (the transfers, their tombstones, the peers' clock bounds)."""
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 from kvpush.config import STRICT_COMPATIBILITY, CompatibilityPolicy, TimingConfig
 from kvpush.errors import (
@@ -33,7 +32,9 @@ from kvpush.protocol._common import (
     _check_blocks,
     _Clock,
     _Compatibility,
+    _Outgoing,
     _Peer,
+    _Tombstone,
 )
 from kvpush.protocol.identity import SenderGate
 from kvpush.protocol.leases import SenderLeases
@@ -52,37 +53,6 @@ __all__ = ["SenderProtocol", "SenderState"]
 
 # How many early Cancels are remembered at once.
 _MAX_EARLY_CANCELS = 65536
-
-
-@dataclass(slots=True)
-class _Outgoing:
-    transfer_id: str
-    state: SenderState
-    deadline: float
-    blocks: tuple[int, ...] | None = None
-    ready_layers: set[int] = field(default_factory=set)
-    issued_layers: set[int] = field(default_factory=set)
-    peer: str | None = None
-    register: Register | None = None
-    # The lease runs out at this time of the *receiver's* clock (see the module docstring).
-    lease_until_theirs: float = float("-inf")
-    inflight: set[int] = field(default_factory=set)
-    reason: FailureReason | None = None
-    detail: str = ""
-    reply: Message | None = None
-    done_write: int | None = None  # the write that carries our Done as its notification
-    # The lease looked over on a bound of the receiver's clock measured before it did:
-    # (our clock when we asked for a fresh bound, why it looked over, a Register's?).
-    recheck: tuple[float, str, bool] | None = None
-
-
-@dataclass(slots=True)
-class _Tombstone:
-    peer: str | None
-    reply: Message | None  # what a late Register/Cancel/heartbeat gets
-    expires: float
-    # Set when the engine has not submitted yet: its submit then fails at once.
-    pending_failure: tuple[FailureReason, str] | None = None
 
 
 class SenderProtocol(SenderGate, SenderLeases):
