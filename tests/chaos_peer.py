@@ -349,6 +349,7 @@ def main(argv: list[str]) -> int:
                 REVALIDATE_AFTER_S if args.revalidate_after is None else args.revalidate_after
             ),
             drive_in_step=not args.queue_engine_calls,
+            check_compat_in_lookup=False,  # the runtime's own check names both caches
         ),
         transport_factory=audited_nixl,
     )

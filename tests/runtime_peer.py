@@ -85,7 +85,10 @@ def main(argv: list[str]) -> int:
         NodeIdentity(engine_id, role, HOST),
         port=port,
         settings=RankSettings(
-            token=os.environ.get("KVPUSH_TOKEN"), timing=timing, lookup_timeout_ms=1000
+            token=os.environ.get("KVPUSH_TOKEN"),
+            timing=timing,
+            lookup_timeout_ms=1000,
+            check_compat_in_lookup=False,
         ),
     )
     node.start()

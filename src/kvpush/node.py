@@ -86,6 +86,9 @@ class RankSettings:
     lookup_timeout_ms: int = 2000
     revalidate_after_s: float = REVALIDATE_AFTER_S
     drive_in_step: bool = True
+    # The runtime compares every peer's cache with ours on every handshake; this also
+    # refuses a mismatch earlier, in the side-channel client (its detail names theirs).
+    check_compat_in_lookup: bool = True
 
 
 class Rank:
@@ -170,7 +173,9 @@ class Rank:
             SideChannelPeerDirectory(
                 timeout_ms=settings.lookup_timeout_ms,
                 token=settings.token,
-                expect_compat_hash=self._geometry.compat_hash(),
+                expect_compat_hash=(
+                    self._geometry.compat_hash() if settings.check_compat_in_lookup else None
+                ),
             ),
             timing=settings.timing,
             idle_poll_s=settings.idle_poll_s,

@@ -58,10 +58,10 @@ class BenchRuntime:
             from kvpush.transports import nixl  # noqa: F401  (NIXL missing: mode unavailable)
         except ImportError as exc:
             raise ModeUnavailable(f"not available: {exc}") from None
-        settings = (
-            RankSettings(token=token)
-            if lookup_timeout_ms is None
-            else RankSettings(token=token, lookup_timeout_ms=lookup_timeout_ms)
+        settings = RankSettings(
+            token=token,
+            lookup_timeout_ms=2000 if lookup_timeout_ms is None else lookup_timeout_ms,
+            check_compat_in_lookup=False,
         )
         self.node = Node(
             [geometry],

@@ -211,7 +211,7 @@ class _Endpoint:
             port=args.port,
             bind_host=args.host,
             incarnation=self._incarnation,
-            settings=RankSettings(token=self._token),
+            settings=RankSettings(token=self._token, check_compat_in_lookup=False),
             transport_factory=_nixl_transport_class(),
             control={kind: self._bench_handler(kind) for kind in BENCH_KINDS},
         )
