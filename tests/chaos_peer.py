@@ -1,8 +1,8 @@
 """A whole kvpush rank in its own process, with an engine that REUSES blocks at once.
 
-Like `tests/runtime_peer.py` (PushRuntime + NixlTransport + side channel, driven by JSON
-lines), but its engine behaves as a busy serving engine does, so that a late or stale
-write shows up in the bytes:
+Like `tests/runtime_peer.py` (a `kvpush.node.Node` over NIXL, driven by JSON lines), but
+its engine behaves as a busy serving engine does, so that a late or stale write shows up
+in the bytes:
 
 - sender side: the moment a transfer ends (ok or failed), its source blocks are
   overwritten with a fresh pattern (the next request's prefill). A write still reading
@@ -46,7 +46,6 @@ import signal
 import sys
 import threading
 import traceback
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,18 +55,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import numpy as np
 
-from kvpush.config import SideChannelConfig, TimingConfig
+from kvpush.config import TimingConfig
 from kvpush.errors import FailureReason
 from kvpush.geometry import CacheGeometry, Region
-from kvpush.runtime import (
-    PeerAddress,
-    PushRuntime,
-    RuntimeIdentity,
-    SideChannelPeerDirectory,
-    TransferResult,
-)
-from kvpush.sidechannel.server import MetadataServer
-from kvpush.sidechannel.wire import PeerMetadata
+from kvpush.node import Node, NodeIdentity, RankSettings
+from kvpush.protocol import REVALIDATE_AFTER_S
+from kvpush.runtime import PeerAddress, PushRuntime, TransferResult
 from kvpush.transports.base import (
     PeerLost,
     Transport,
@@ -338,29 +331,31 @@ def main(argv: list[str]) -> int:
         transfer_deadline_s=args.deadline,
     )
     geometry, buffers = torch_cache(args) if args.torch else numpy_cache(args)
-    ranks: dict[int, PeerMetadata] = {}
-    server = MetadataServer(args.host, args.port, SideChannelConfig(), ranks)
-    server.start()
-    incarnation = uuid.uuid4().hex
-    identity = RuntimeIdentity(args.engine_id, incarnation, args.host, server.port, 0, args.role)
-    transport = AuditedTransport(NixlTransport(f"{args.engine_id}-{incarnation[:12]}"))
-    engine = Engine(geometry, transport, args.seed)
-    extra: dict[str, Any] = {}
-    if args.revalidate_after is not None:
-        extra["revalidate_after_s"] = args.revalidate_after
-    if args.queue_engine_calls:
-        extra["drive_in_step"] = False
-    # The directory exactly as the README builds it: every safety check at its default.
-    runtime = PushRuntime(
-        transport,
-        geometry,
-        identity,
-        SideChannelPeerDirectory(timeout_ms=1000),
-        timing=timing,
-        **extra,
+    audited: list[AuditedTransport] = []
+
+    def audited_nixl(agent_name: str) -> Transport:
+        audited.append(AuditedTransport(NixlTransport(agent_name)))
+        return audited[-1]
+
+    # The node exactly as the README builds it: every safety check at its default.
+    node = Node(
+        [geometry],
+        NodeIdentity(args.engine_id, args.role, args.host),
+        port=args.port,
+        settings=RankSettings(
+            timing=timing,
+            lookup_timeout_ms=1000,
+            revalidate_after_s=(
+                REVALIDATE_AFTER_S if args.revalidate_after is None else args.revalidate_after
+            ),
+            drive_in_step=not args.queue_engine_calls,
+            check_compat_in_lookup=False,  # the runtime's own check names both caches
+        ),
+        transport_factory=audited_nixl,
     )
-    runtime.start()
-    ranks[0] = runtime.local_metadata()
+    node.start()
+    runtime, (transport,) = node.runtime, audited
+    engine = Engine(geometry, transport, args.seed)
     stop = threading.Event()
 
     def report() -> None:
@@ -384,10 +379,10 @@ def main(argv: list[str]) -> int:
     emit(
         "reply",
         {
-            "port": server.port,
+            "port": node.port,
             "pid": os.getpid(),
             "agent_name": transport.agent_name,
-            "incarnation": incarnation,
+            "incarnation": node.incarnation,
         },
     )
     try:
@@ -395,8 +390,7 @@ def main(argv: list[str]) -> int:
     finally:
         stop.set()
         reporter.join(5)
-        runtime.close()
-        server.close()
+        node.close()
         del buffers  # the memory stays alive until the runtime is closed
     return 0
 

@@ -1,4 +1,4 @@
-"""A whole kvpush rank in its own process: PushRuntime + NixlTransport + side channel.
+"""A whole kvpush rank in its own process: a `kvpush.node.Node` over NIXL.
 
 Driven by JSON lines on stdin; replies `@reply {...}` and, whenever a transfer ends,
 `@result {...}` (from a thread that waits on the runtime). Tests kill it with SIGKILL.
@@ -22,7 +22,6 @@ import os
 import sys
 import threading
 import traceback
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import numpy as np
 
-from kvpush.config import SideChannelConfig, TimingConfig
+from kvpush.config import TimingConfig
 from kvpush.geometry import CacheGeometry, Region
-from kvpush.runtime import PeerAddress, PushRuntime, RuntimeIdentity, SideChannelPeerDirectory
-from kvpush.sidechannel.server import MetadataServer
-from kvpush.sidechannel.wire import PeerMetadata
-from kvpush.transports.nixl import NixlTransport
+from kvpush.node import Node, NodeIdentity, RankSettings
+from kvpush.runtime import PeerAddress, PushRuntime
 
 HOST = "127.0.0.1"
 NUM_BLOCKS = 32
@@ -83,22 +80,19 @@ def main(argv: list[str]) -> int:
         ),
     )
 
-    ranks: dict[int, PeerMetadata] = {}
-    token = os.environ.get("KVPUSH_TOKEN")
-    server = MetadataServer(HOST, port, SideChannelConfig(token=token), ranks)
-    server.start()
-    incarnation = uuid.uuid4().hex
-    identity = RuntimeIdentity(engine_id, incarnation, HOST, server.port, 0, role)
-    transport = NixlTransport(f"{engine_id}-{incarnation[:12]}")
-    runtime = PushRuntime(
-        transport,
-        geometry,
-        identity,
-        SideChannelPeerDirectory(timeout_ms=1000, token=token),
-        timing=timing,
+    node = Node(
+        [geometry],
+        NodeIdentity(engine_id, role, HOST),
+        port=port,
+        settings=RankSettings(
+            token=os.environ.get("KVPUSH_TOKEN"),
+            timing=timing,
+            lookup_timeout_ms=1000,
+            check_compat_in_lookup=False,
+        ),
     )
-    runtime.start()
-    ranks[0] = runtime.local_metadata()
+    node.start()
+    runtime = node.runtime
     stop = threading.Event()
 
     def report() -> None:
@@ -118,15 +112,14 @@ def main(argv: list[str]) -> int:
     reporter.start()
     emit(
         "reply",
-        {"port": server.port, "agent_name": transport.agent_name, "incarnation": incarnation},
+        {"port": node.port, "agent_name": runtime.agent_name, "incarnation": node.incarnation},
     )
     try:
         _serve(runtime, geometry, buffers)
     finally:
         stop.set()
         reporter.join(5)
-        runtime.close()
-        server.close()
+        node.close()
     return 0
 
 

@@ -2,8 +2,8 @@
 
 Each side wraps the bench's cache regions as torch tensors, registers them with
 `kvpush.kvcache.register_kv_cache`, and runs a `PushRuntime` over a `NixlTransport`, with
-its metadata published on a real side channel (`MetadataServer` on 127.0.0.1, port 0) and
-peers found through it (`SideChannelPeerDirectory`).
+its metadata published on a real side channel on 127.0.0.1, port 0, and peers found
+through it: a `kvpush.node.Node`.
 
 Per batch: the receiver calls `receive()` for every transfer (the decode side allocated
 its blocks and registered them, as in serving), and the sender waits, untimed, until all
@@ -16,7 +16,6 @@ and result delivery are all inside the figure.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -35,7 +34,7 @@ class BenchRuntime:
     def __init__(self, id_prefix: str) -> None:
         self.id_prefix = id_prefix
         self.runtime: Any = None
-        self.server: Any = None
+        self.node: Any = None
 
     def transfer_id(self, tag: int) -> str:
         return f"{self.id_prefix}{tag}"
@@ -55,33 +54,24 @@ class BenchRuntime:
     ) -> int:
         """Start the side channel on `host` (port 0) and the runtime; our port."""
         try:
-            from kvpush.config import SideChannelConfig
-            from kvpush.runtime import PushRuntime, RuntimeIdentity, SideChannelPeerDirectory
-            from kvpush.sidechannel import MetadataServer
-            from kvpush.transports.nixl import NixlTransport
+            from kvpush.node import Node, NodeIdentity, RankSettings, nixl_transport
+            from kvpush.transports import nixl  # noqa: F401  (NIXL missing: mode unavailable)
         except ImportError as exc:
             raise ModeUnavailable(f"not available: {exc}") from None
-        ranks: dict[int, Any] = {}
-        self.server = MetadataServer(host, 0, SideChannelConfig(token=token), ranks)
-        self.server.start()
-        incarnation = uuid.uuid4().hex
-        identity = RuntimeIdentity(
-            engine_id=engine_id,
-            incarnation=incarnation,
-            host=host,
-            port=self.server.port,
-            role=role,
+        settings = RankSettings(
+            token=token,
+            lookup_timeout_ms=2000 if lookup_timeout_ms is None else lookup_timeout_ms,
+            check_compat_in_lookup=False,
         )
-        directory = (
-            SideChannelPeerDirectory(token=token)
-            if lookup_timeout_ms is None
-            else SideChannelPeerDirectory(token=token, timeout_ms=lookup_timeout_ms)
+        self.node = Node(
+            [geometry],
+            NodeIdentity(engine_id, role, host),
+            settings=settings,
+            transport_factory=nixl_transport,
         )
-        transport = NixlTransport(f"{engine_id}-{incarnation[:8]}")
-        self.runtime = PushRuntime(transport, geometry, identity, directory)
-        self.runtime.start()
-        ranks[0] = self.runtime.local_metadata()
-        return int(self.server.port)
+        self.node.start()
+        self.runtime = self.node.runtime
+        return int(self.node.port)
 
     def results(self, deadline: float, what: str) -> list[Any]:
         """The runtime's next results (waits up to 0.2 s); a failed transfer is an error."""
@@ -126,12 +116,10 @@ class BenchRuntime:
         return submitted, finished
 
     def close(self) -> None:
-        if self.runtime is not None:
-            self.runtime.close()
-            self.runtime = None
-        if self.server is not None:
-            self.server.close()
-            self.server = None
+        if self.node is not None:
+            self.node.close()
+            self.node = None
+        self.runtime = None
 
 
 class _KvpushSide:

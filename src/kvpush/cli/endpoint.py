@@ -19,7 +19,6 @@ import signal
 import socket
 import threading
 import uuid
-from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -29,7 +28,8 @@ from kvpush.config import SideChannelConfig, load_token
 from kvpush.errors import ConfigError, SideChannelError
 from kvpush.geometry import CacheGeometry
 from kvpush.net import zmq_address
-from kvpush.runtime import PushRuntime, RuntimeIdentity, SideChannelPeerDirectory
+from kvpush.node import Node, NodeIdentity, RankSettings, TransportFactory
+from kvpush.runtime import PushRuntime
 from kvpush.sidechannel import (
     ControlHandler,
     MetadataServer,
@@ -151,10 +151,10 @@ def run(args: argparse.Namespace) -> int:
 class _Endpoint:
     """The side channel and, with a transport, one runtime per rank; owns them all.
 
-    `__enter__` starts the side channel first (a runtime's identity needs its port),
-    then the runtimes, then publishes their metadata; `__exit__` stops the side channel
-    first (no control request reaches a closing runtime), then closes every runtime,
-    which joins its threads and closes its transport."""
+    With `--transport nixl` it is a `Node` (side channel first, as a runtime's identity
+    needs its port, then the ranks, then their metadata published; closed in the reverse
+    order, so no control request reaches a closing runtime). Without, a side channel
+    alone publishes the synthetic caches' geometries."""
 
     def __init__(
         self,
@@ -169,9 +169,9 @@ class _Endpoint:
         self._engine_id = engine_id
         self._incarnation = incarnation
         self._geometries = geometries
-        self._ranks: dict[int, PeerMetadata] = {}
         self._runtimes: list[PushRuntime] = []
         self._bench: BenchService | None = None
+        self._node: Node | None = None
         self._server: MetadataServer | None = None
         self.finished = 0
         self.failed = 0
@@ -179,6 +179,8 @@ class _Endpoint:
 
     @property
     def port(self) -> int:
+        if self._node is not None:
+            return self._node.port
         assert self._server is not None
         return self._server.port
 
@@ -195,48 +197,42 @@ class _Endpoint:
 
     def _start(self) -> None:
         args = self._args
-        control: dict[bytes, ControlHandler] = {}
-        if args.transport == "nixl":
-            # The handlers are bound now and find the runtime once it exists; until then
-            # (before the ready line) they refuse.
-            control = {kind: self._bench_handler(kind) for kind in BENCH_KINDS}
-        self._server = MetadataServer(
-            args.host, args.port, SideChannelConfig(token=self._token), self._ranks, control=control
+        if args.transport != "nixl":
+            self._server = MetadataServer(
+                args.host, args.port, SideChannelConfig(token=self._token), self._static_ranks()
+            )
+            self._server.start()
+            return
+        # The handlers are bound now and find the runtime once it exists; until then
+        # (before the ready line) they refuse.
+        self._node = Node(
+            self._geometries,
+            NodeIdentity(self._engine_id, args.role, _advertised_host(args)),
+            port=args.port,
+            bind_host=args.host,
+            incarnation=self._incarnation,
+            settings=RankSettings(token=self._token, check_compat_in_lookup=False),
+            transport_factory=_nixl_transport_class(),
+            control={kind: self._bench_handler(kind) for kind in BENCH_KINDS},
         )
-        self._server.start()
-        for rank, geometry in enumerate(self._geometries):
-            agent_name, agent_metadata = "", b""
-            if args.transport != "nixl":
-                self._ranks[rank] = PeerMetadata(
-                    engine_id=self._engine_id,
-                    incarnation=self._incarnation,
-                    rank=rank,
-                    role=args.role,
-                    agent_name=agent_name,
-                    agent_metadata=agent_metadata,
-                    geometry=geometry,
-                    kvpush_version=__version__,
-                )
-                continue
-            identity = RuntimeIdentity(
+        self._node.start()
+        self._runtimes = [rank.runtime for rank in self._node.ranks]
+        self._bench = BenchService(self._runtimes[0], self._geometries[0])
+
+    def _static_ranks(self) -> dict[int, PeerMetadata]:
+        return {
+            rank: PeerMetadata(
                 engine_id=self._engine_id,
                 incarnation=self._incarnation,
-                host=_advertised_host(args),
-                port=self._server.port,
                 rank=rank,
-                role=args.role,
+                role=self._args.role,
+                agent_name="",
+                agent_metadata=b"",
+                geometry=geometry,
+                kvpush_version=__version__,
             )
-            transport = _nixl_transport_class()(
-                f"{self._engine_id}-r{rank}-{self._incarnation[:8]}"
-            )
-            runtime = PushRuntime(
-                transport, geometry, identity, SideChannelPeerDirectory(token=self._token)
-            )
-            self._runtimes.append(runtime)
-            runtime.start()
-            if rank == 0:
-                self._bench = BenchService(runtime, geometry)
-            self._ranks[rank] = runtime.local_metadata()
+            for rank, geometry in enumerate(self._geometries)
+        }
 
     def _bench_handler(self, kind: bytes) -> ControlHandler:
         def handle(body: Any) -> object:
@@ -268,26 +264,26 @@ class _Endpoint:
                     self._bench.record(results)
 
     def _check_side_channel(self) -> None:
-        server = self._server
-        if server is not None and not server.healthy:
-            raise SideChannelError(f"the side channel stopped serving: {server.failure}")
+        if self._node is not None:
+            health = self._node.health()
+            healthy, failure = health.side_channel_healthy, health.side_channel_failure
+        elif self._server is not None:
+            healthy, failure = self._server.healthy, self._server.failure
+        else:
+            return
+        if not healthy:
+            raise SideChannelError(f"the side channel stopped serving: {failure}")
 
     def _stop(self) -> None:
-        errors: list[BaseException] = []
-        if self._server is not None:
-            try:
-                self._server.close()
-            except BaseException as exc:
-                errors.append(exc)
-            self.server_stats = self._server.statistics()
-        for runtime in self._runtimes:
-            try:
-                runtime.close()
-            except BaseException as exc:
-                errors.append(exc)
         self._runtimes = []
-        if errors:
-            raise errors[0]
+        if self._node is not None:
+            try:
+                self._node.close()
+            finally:
+                self.server_stats = self._node.health().side_channel
+        if self._server is not None:
+            self._server.close()
+            self.server_stats = self._server.statistics()
 
 
 def _advertised_host(args: argparse.Namespace) -> str:
@@ -298,7 +294,7 @@ def _advertised_host(args: argparse.Namespace) -> str:
     return str(args.host)
 
 
-def _nixl_transport_class() -> Callable[[str], Transport]:
+def _nixl_transport_class() -> TransportFactory:
     """The NIXL transport's class, if this build of kvpush has it."""
     try:
         module = importlib.import_module("kvpush.transports.nixl")

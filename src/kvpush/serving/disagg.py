@@ -30,9 +30,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpush.config import SideChannelConfig, TimingConfig
+from kvpush.config import TimingConfig
 from kvpush.errors import FailureReason, KVPushError
 from kvpush.kvcache import KVLayout, register_kv_cache
+from kvpush.node import Node, NodeIdentity, RankSettings, TransportFactory, nixl_transport
 from kvpush.serving.engine import (
     Engine,
     FinishReason,
@@ -58,7 +59,6 @@ from kvpush.transfer_params import (
 if TYPE_CHECKING:
     from kvpush.runtime import PeerAddress, PushRuntime, TransferResult
     from kvpush.serving.options import ServeOptions
-    from kvpush.sidechannel import MetadataServer
 
 log = logging.getLogger(__name__)
 
@@ -662,65 +662,67 @@ class DecodeWorker(_TransferWorker):
 
 
 class KVBridge:
-    """The kvpush side of one server: runtime (and its transport) plus side channel."""
+    """The kvpush side of one server: a one-rank `Node` (runtime, transport and side
+    channel) over the engine's KV cache. `transport_factory`: NIXL unless given."""
 
-    def __init__(self, options: ServeOptions, engine: Engine, token: str | None) -> None:
+    def __init__(
+        self,
+        options: ServeOptions,
+        engine: Engine,
+        token: str | None,
+        *,
+        transport_factory: TransportFactory = nixl_transport,
+    ) -> None:
         self.options = options
         self.engine = engine
         self.token = token
         self.engine_id = f"{options.role}-{uuid.uuid4().hex[:8]}"
-        self.runtime: PushRuntime | None = None
-        self.side_channel: MetadataServer | None = None
+        self._transport_factory = transport_factory
+        self.node: Node | None = None
+
+    @property
+    def runtime(self) -> PushRuntime | None:
+        """The runtime, once started."""
+        return self.node.runtime if self.node is not None and self.node.ranks else None
 
     def start(self) -> PushRuntime:
-        from kvpush.runtime import PushRuntime, RuntimeIdentity, SideChannelPeerDirectory
-        from kvpush.sidechannel import MetadataServer
-        from kvpush.transports.nixl import NixlTransport
-
         opts = self.options
         assert opts.side_channel_port is not None
         geometry = register_kv_cache(
             self.engine.kv_cache.by_layer(), KVLayout(KV_LAYOUT), self.engine.block_size
         )
-        incarnation = uuid.uuid4().hex
-        identity = RuntimeIdentity(
-            engine_id=self.engine_id,
-            incarnation=incarnation,
-            host=opts.host,
+        self.node = Node(
+            [geometry],
+            NodeIdentity(
+                self.engine_id, "sender" if opts.role == "prefill" else "receiver", opts.host
+            ),
             port=opts.side_channel_port,
-            role="sender" if opts.role == "prefill" else "receiver",
+            settings=RankSettings(
+                token=self.token,
+                timing=TimingConfig(transfer_deadline_s=opts.transfer_deadline_s),
+                idle_poll_s=opts.idle_poll_ms / 1000,
+            ),
+            transport_factory=self._transport_factory,
         )
-        token = self.token
-        transport = NixlTransport(f"{self.engine_id}-{incarnation[:8]}")
-        self.runtime = PushRuntime(
-            transport,
-            geometry,
-            identity,
-            SideChannelPeerDirectory(token=token, expect_compat_hash=geometry.compat_hash()),
-            timing=TimingConfig(transfer_deadline_s=opts.transfer_deadline_s),
-            # NIXL cannot wake the runtime when a registration arrives: an idle runtime
-            # finds it at its next poll, so this bounds the delay a request sees.
-            idle_poll_s=opts.idle_poll_ms / 1000,
-        )
-        self.runtime.start()
-        meta = self.runtime.local_metadata()
-        self.side_channel = MetadataServer(
-            opts.host, opts.side_channel_port, SideChannelConfig(token=token), {0: meta}
-        )
-        self.side_channel.start()
-        return self.runtime
+        self.node.start()
+        return self.node.runtime
 
     def close(self) -> None:
-        if self.side_channel is not None:
-            self.side_channel.close()
-        if self.runtime is not None:
-            self.runtime.close()
+        if self.node is not None:
+            self.node.close()
 
     def health(self) -> dict[str, object]:
         """What `/health` adds for this role; `healthy: False` makes it answer 503."""
-        side = self.side_channel
-        side_ok = side is not None and side.healthy
-        runtime_failure = "not started" if self.runtime is None else self.runtime.failure
+        side_ok = False
+        runtime_failure: str | None = "not started"
+        side_failure: str | None = None
+        internal_errors: int | None = None
+        if self.node is not None:
+            h = self.node.health()
+            side_ok = h.side_channel_healthy
+            runtime_failure = h.runtime_failure
+            side_failure = h.side_channel_failure
+            internal_errors = h.side_channel.internal_errors
         out: dict[str, object] = {
             "engine_id": self.engine_id,
             "side_channel_host": self.options.host,
@@ -731,11 +733,10 @@ class KVBridge:
         }
         if runtime_failure is not None:
             out["runtime_failure"] = runtime_failure
-        if side is not None and side.failure is not None:
-            out["side_channel_failure"] = side.failure
-        if side is not None:
-            stats = side.statistics()
-            out["side_channel_internal_errors"] = stats.internal_errors
+        if side_failure is not None:
+            out["side_channel_failure"] = side_failure
+        if internal_errors is not None:
+            out["side_channel_internal_errors"] = internal_errors
         return out
 
 

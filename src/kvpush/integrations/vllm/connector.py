@@ -69,7 +69,7 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
             vllm.__version__, KVConnectorBase_V1, allow_untested=self._config.allow_untested_vllm
         )
         self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
+        self._worker: WorkerSide[TransferStats] | None = None
         refused = self._config.layerwise_refused()
         if self._config.layerwise and not hasattr(KVConnectorBase_V1, "bind_kv_cache_manager"):
             # The scheduler reads a running request's blocks through the cache manager.
@@ -81,7 +81,9 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from vllm.distributed.parallel_state import get_tp_group
 
-            self._worker = WorkerSide(self._config, get_tp_group().rank_in_group)
+            self._worker = WorkerSide(
+                self._config, get_tp_group().rank_in_group, new_stats=TransferStats
+            )
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -99,7 +101,7 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None, "a scheduler-side call on a worker connector"
         return self._scheduler
 
-    def _work(self) -> WorkerSide:
+    def _work(self) -> WorkerSide[TransferStats]:
         assert self._worker is not None, "a worker-side call on a scheduler connector"
         return self._worker
 
@@ -162,7 +164,8 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().register_kv_caches(kv_caches)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return self._worker.handshake_metadata() if self._worker is not None else None
+        meta = self._worker.handshake_metadata() if self._worker is not None else None
+        return RankMetadata.of(meta) if meta is not None else None
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._connector_metadata
@@ -192,7 +195,12 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().step_saved(plan)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self._work().transfer_results()
+        ended = self._work().transfer_results()
+        out = KVConnectorTransferResults()
+        out.finished_recving |= ended.finished_recving
+        out.failed_recving |= ended.failed_recving
+        out.finished_sending |= ended.finished_sending
+        return out
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self._worker.take_stats() if self._worker is not None else None

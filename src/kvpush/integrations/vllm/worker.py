@@ -1,11 +1,11 @@
 """The worker half of `KvpushConnector`: one `PushRuntime` per worker rank.
 
 Each vLLM worker process (one per tensor-parallel rank) registers its own KV cache and
-runs its own runtime over its own NIXL agent; rank r of a decode engine registers with
-rank r of the prefill engine (homogeneous TP), through the prefill engine's one side
-channel, which answers by rank. The worker carries out the scheduler's `StepPlan` on the
-runtime at the start of each step and turns what the runtime reports into vLLM's
-transfer results:
+runs its own runtime over its own NIXL agent (a `kvpush.node.Rank`); rank r of a decode
+engine registers with rank r of the prefill engine (homogeneous TP), through the prefill
+engine's one side channel, which answers by rank. The worker carries out the scheduler's
+`StepPlan` on the runtime at the start of each step and turns what the runtime reports
+into vLLM's transfer results:
 
 - a receive that ended is in `finished_recving`; a failed one also in `failed_recving`
   (vLLM then applies `kv_load_failure_policy`). Exactly once, because the runtime
@@ -22,6 +22,10 @@ layer (`layers_ready`): on CPU the layer's KV is in the cache when vLLM calls it
 GPU only once an event recorded on the compute stream after it has completed.
 `wait_for_save` announces whatever is left, as the step's forward is over by then.
 
+The worker side imports no vLLM: it reads `plan.StepPlan` and answers `plan.StepResults`,
+which the connector turns into vLLM's types, so it runs over the loopback transport in
+tests (`transport_factory`).
+
 Misuse the runtime refuses at the call (a transfer id already in flight, params that
 cannot be used) ends that one request the same way, on the next results.
 """
@@ -31,29 +35,58 @@ from __future__ import annotations
 import logging
 import sys
 import time
-import uuid
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from kvpush.errors import FailureReason, KVPushError
 from kvpush.integrations.vllm.kvcache import register_vllm_kv_caches
-from kvpush.integrations.vllm.metadata import RankMetadata, StepPlan
-from kvpush.integrations.vllm.stats import TransferStats
+from kvpush.integrations.vllm.plan import StepPlan, StepResults
+from kvpush.node import NodeIdentity, Rank, RankSettings, TransportFactory, nixl_transport
 
 if TYPE_CHECKING:
     import torch
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
     from kvpush.integrations.vllm.params import ConnectorConfig
     from kvpush.runtime import PushRuntime, TransferResult
+    from kvpush.sidechannel import PeerMetadata
 
 log = logging.getLogger(__name__)
 
 
-class WorkerSide:
-    def __init__(self, config: ConnectorConfig, rank: int) -> None:
+class WorkerStats(Protocol):
+    """What the worker counts (`kvpush.integrations.vllm.stats.TransferStats` in vLLM)."""
+
+    def opened(self, push: str) -> None: ...
+
+    def layers_announced(self, by: str, n: int) -> None: ...
+
+    def ended_at_once(self, side: str, why: str) -> None: ...
+
+    def ended(self, result: TransferResult, seconds: float, nbytes: int) -> None: ...
+
+    def is_empty(self) -> bool: ...
+
+
+S = TypeVar("S", bound=WorkerStats)
+
+
+class WorkerSide(Generic[S]):
+    """One worker rank. `new_stats` makes the counts handed to vLLM each interval;
+    `transport_factory` builds the rank's transport (NIXL unless given)."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        rank: int,
+        *,
+        new_stats: Callable[[], S],
+        transport_factory: TransportFactory = nixl_transport,
+    ) -> None:
         self._config = config
         self._rank = rank
+        self._new_stats = new_stats
+        self._transport_factory = transport_factory
+        self._node_rank: Rank | None = None
         self._runtime: PushRuntime | None = None
         self._bytes_per_block = 0
         # transfer id -> (request id, when it started, blocks), per side
@@ -63,7 +96,7 @@ class WorkerSide:
         self._failed_at_once: dict[str, str] = {}
         self._sent_at_once: set[str] = set()
         self._idle = False
-        self._stats = TransferStats()
+        self._stats = new_stats()
         self._layer_of: dict[str, int] = {}  # vLLM's layer name -> the geometry's layer
         self._all_layers: frozenset[int] = frozenset()
         # Layer-wise sends of the current step: the plan they came from, and per
@@ -75,9 +108,6 @@ class WorkerSide:
     # ----------------------------------------------------------------- lifecycle
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from kvpush.runtime import PushRuntime, RuntimeIdentity, SideChannelPeerDirectory
-        from kvpush.transports.nixl import NixlTransport
-
         cfg = self._config
         geometry = register_vllm_kv_caches(kv_caches, cfg.block_size_tokens)
         if cfg.switch_interval_ms is not None:
@@ -86,29 +116,24 @@ class WorkerSide:
         # Regions are numbered in the order vLLM hands the layers (as the peer does).
         self._layer_of = {name: index for index, name in enumerate(kv_caches)}
         self._all_layers = frozenset(r.layer for r in geometry.regions)
-        incarnation = uuid.uuid4().hex
-        identity = RuntimeIdentity(
-            engine_id=cfg.engine_id,
-            incarnation=incarnation,
-            host=cfg.side_channel_host,
+        # The side channel is the scheduler's (it serves every rank's handshake
+        # metadata): the worker runs the rank alone.
+        rank = Rank(
+            geometry,
+            NodeIdentity(cfg.engine_id, cfg.role, cfg.side_channel_host),
             port=cfg.side_channel_port,
             rank=self._rank,
-            role=cfg.role,
-        )
-        runtime = PushRuntime(
-            NixlTransport(f"{cfg.engine_id}-r{self._rank}-{incarnation[:8]}"),
-            geometry,
-            identity,
-            SideChannelPeerDirectory(
-                timeout_ms=cfg.handshake_timeout_ms,
+            settings=RankSettings(
                 token=cfg.token,
-                expect_compat_hash=geometry.compat_hash(),
+                timing=cfg.timing,
+                idle_poll_s=cfg.idle_poll_ms / 1000,
+                lookup_timeout_ms=cfg.handshake_timeout_ms,
             ),
-            timing=cfg.timing,
-            idle_poll_s=cfg.idle_poll_ms / 1000,
+            transport_factory=self._transport_factory,
         )
-        runtime.start()
-        self._runtime = runtime
+        self._node_rank = rank
+        rank.start()
+        self._runtime = rank.runtime
         log.info(
             "kvpush rank %d: %d layers, %d blocks of %d bytes, layout %s",
             self._rank,
@@ -118,14 +143,15 @@ class WorkerSide:
             geometry.layout,
         )
 
-    def handshake_metadata(self) -> RankMetadata | None:
+    def handshake_metadata(self) -> PeerMetadata | None:
+        """The rank's metadata for the scheduler's side channel (after registration)."""
         if self._runtime is None:
             return None
-        return RankMetadata.of(self._runtime.local_metadata())
+        return self._runtime.local_metadata()
 
     def shutdown(self) -> None:
-        if self._runtime is not None:
-            self._runtime.close()
+        if self._node_rank is not None:
+            self._node_rank.close()
 
     # ----------------------------------------------------------------- each step
 
@@ -260,16 +286,14 @@ class WorkerSide:
 
     # ----------------------------------------------------------------- results
 
-    def transfer_results(self) -> KVConnectorTransferResults:
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-
+    def transfer_results(self) -> StepResults:
         runtime = self._require_runtime()
         ended = runtime.poll()
         if not ended and self._idle and (self._receiving or self._sending):
             # Nothing to compute this step: wait a little for an end instead of letting
             # vLLM's loop come straight back (that loop would spin a core).
             ended = runtime.wait(self._config.idle_wait_s)
-        out = KVConnectorTransferResults()
+        out = StepResults()
         for rid, why in self._failed_at_once.items():
             out.finished_recving.add(rid)
             out.failed_recving.add(rid)
@@ -281,7 +305,7 @@ class WorkerSide:
             self._ended(result, out)
         return out
 
-    def _ended(self, result: TransferResult, out: KVConnectorTransferResults) -> None:
+    def _ended(self, result: TransferResult, out: StepResults) -> None:
         book = self._receiving if result.side == "receiver" else self._sending
         entry = book.pop(result.transfer_id, None)
         if entry is None:
@@ -310,10 +334,10 @@ class WorkerSide:
                 result.detail,
             )
 
-    def take_stats(self) -> TransferStats | None:
+    def take_stats(self) -> S | None:
         if self._stats.is_empty():
             return None
-        stats, self._stats = self._stats, TransferStats()
+        stats, self._stats = self._stats, self._new_stats()
         return stats
 
     def _require_runtime(self) -> PushRuntime:

@@ -1,0 +1,79 @@
+"""What the connector's halves hand each other, as plain values (no vLLM needed).
+
+- `StepPlan` (scheduler -> every worker, once per engine step): the transfers to start,
+  refuse or abort on this step. Each worker rank carries out the same plan with its own
+  runtime, towards the same rank of the peer.
+- `StepResults` (worker -> vLLM, every step): the requests whose transfers ended.
+
+`kvpush.integrations.vllm.metadata` wraps the plan into vLLM's own connector metadata
+type; the worker side (`kvpush.integrations.vllm.worker`) reads only these, so it runs,
+and is tested, without vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Receive:
+    """Decode side: expect `transfer_id` from the sender's side channel into `blocks`;
+    `blocks[i]` receives the sender's block `sender_offset + i`."""
+
+    request_id: str
+    transfer_id: str
+    host: str
+    port: int
+    blocks: tuple[int, ...]
+    sender_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Decode side: tell the sender at once that `transfer_id` will never be received,
+    so it frees its blocks (a request aborted before it was scheduled, a full local
+    prefix-cache hit)."""
+
+    transfer_id: str
+    host: str
+    port: int
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Prefill side: offer `blocks` (all layers computed) for `transfer_id`. With
+    `cancel`, the request ended without its KV (aborted): the transfer is opened with
+    no layer ready and aborted at once, so the receiver hears of it now, nothing is
+    written, and the blocks come back through the runtime's result like any other.
+    With `layerwise`, this step computes the prompt's last tokens: the transfer is
+    opened with no layer ready before the first layer's KV is saved, and each layer is
+    announced once this step computed it (`save_kv_layer`; all by `wait_for_save`)."""
+
+    request_id: str
+    transfer_id: str
+    blocks: tuple[int, ...]
+    cancel: bool = False
+    layerwise: bool = False
+
+
+@dataclass
+class StepPlan:
+    receives: list[Receive] = field(default_factory=list)
+    refusals: list[Refuse] = field(default_factory=list)
+    sends: list[Send] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)  # transfer ids
+    # Nothing is computed on this step: the worker may wait a little for a transfer to
+    # end instead of returning at once (an engine that only waits must not spin).
+    idle: bool = False
+
+
+@dataclass
+class StepResults:
+    """Request ids, as vLLM's `KVConnectorTransferResults` takes them: a receive that
+    ended is in `finished_recving` (a failed one in `failed_recving` too); a send that
+    ended, either way, in `finished_sending`."""
+
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+    finished_sending: set[str] = field(default_factory=set)

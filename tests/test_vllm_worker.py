@@ -1,0 +1,199 @@
+"""The vLLM connector's worker side (`WorkerSide`), without vLLM, over the loopback transport.
+
+A prefill and a decode worker each register real torch CPU tensors in vLLM's packed
+per-layer layout, run their rank over one `LoopbackFabric`, and publish their metadata on
+a real side channel each (as vLLM's scheduler process serves it from the workers'
+handshake metadata). The test drives `StepPlan`s through them step by step, as vLLM's
+engine loop would (`start_step`, `layer_saved`, `step_saved`, `transfer_results`), and
+compares the bytes that arrived.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import pytest
+import torch
+
+from kvpush.config import SideChannelConfig, TimingConfig
+from kvpush.integrations.vllm.params import ConnectorConfig
+from kvpush.integrations.vllm.plan import Receive, Send, StepPlan, StepResults
+from kvpush.integrations.vllm.worker import WorkerSide
+from kvpush.runtime import TransferResult
+from kvpush.sidechannel import MetadataServer, PeerMetadata
+from kvpush.transports.base import Transport
+from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
+
+pytestmark = pytest.mark.timeout(60)
+
+HOST = "127.0.0.1"
+TOKEN = "s3cret"
+BLOCKS, LAYERS, HEADS, TOKENS, C = 8, 3, 2, 16, 32  # C = head_size + head_size_v
+
+
+class Stats:
+    """The worker's counts (what vLLM's `TransferStats` holds), plain."""
+
+    def __init__(self) -> None:
+        self.pushes: Counter[str] = Counter()
+        self.announced: Counter[str] = Counter()
+        self.nbytes: Counter[str] = Counter()
+        self.failed_at_once: list[str] = []
+
+    def opened(self, push: str) -> None:
+        self.pushes[push] += 1
+
+    def layers_announced(self, by: str, n: int) -> None:
+        self.announced[by] += n
+
+    def ended_at_once(self, side: str, why: str) -> None:
+        self.failed_at_once.append(why)
+
+    def ended(self, result: TransferResult, seconds: float, nbytes: int) -> None:
+        if result.ok:
+            self.nbytes[result.side] += nbytes
+
+    def is_empty(self) -> bool:
+        return not (self.pushes or self.announced or self.nbytes or self.failed_at_once)
+
+
+def kv_caches(seed: int) -> dict[str, torch.Tensor]:
+    """vLLM's CPU KV cache: one [blocks, heads, tokens, K|V] view per layer."""
+    storage = torch.empty((LAYERS, BLOCKS, HEADS, TOKENS, C), dtype=torch.bfloat16)
+    flat = storage.view(torch.uint8).reshape(-1)
+    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=_gen(seed)))
+    return {f"model.layers.{i}.self_attn.attn": storage[i] for i in range(LAYERS)}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def block_bytes(caches: dict[str, torch.Tensor], layer: int, block: int) -> bytes:
+    tensor = list(caches.values())[layer]
+    return bytes(tensor[block].contiguous().view(torch.uint8).reshape(-1).numpy())
+
+
+class Engine:
+    """One vLLM engine of one rank: its worker side, its KV cache, and the side channel
+    its scheduler would serve (started first: the rank's identity carries its port)."""
+
+    def __init__(
+        self, stack: ExitStack, fabric: LoopbackFabric, name: str, role: str, seed: int
+    ) -> None:
+        self.ranks: dict[int, PeerMetadata] = {}
+        self.server = stack.enter_context(
+            MetadataServer(HOST, 0, SideChannelConfig(token=TOKEN), self.ranks)
+        )
+        config = ConnectorConfig(
+            engine_id=f"vllm-{name}",
+            role=role,
+            side_channel_host=HOST,
+            side_channel_port=self.server.port,
+            token=TOKEN,
+            timing=TimingConfig(heartbeat_interval_s=0.2, liveness_timeout_s=2.0, lease_s=3.0),
+            tp_size=1,
+            pp_size=1,
+            dcp_size=1,
+            block_size_tokens=TOKENS,
+            handshake_timeout_ms=1000,
+        )
+
+        def loopback(agent_name: str) -> Transport:
+            return LoopbackTransport(fabric, agent_name)
+
+        self.worker: WorkerSide[Stats] = WorkerSide(
+            config, 0, new_stats=Stats, transport_factory=loopback
+        )
+        stack.callback(self.worker.shutdown)
+        self.caches = kv_caches(seed)
+        self.worker.register_kv_caches(self.caches)
+        meta = self.worker.handshake_metadata()
+        assert meta is not None
+        self.ranks[0] = meta
+        self.ended = StepResults()
+
+    def step(self, plan: StepPlan | None = None) -> StepResults:
+        """One engine step as vLLM runs it: the plan, each layer's forward, the end."""
+        plan = plan or StepPlan(idle=True)
+        self.worker.start_step(plan)
+        for name, layer in self.caches.items():
+            self.worker.layer_saved(plan, name, layer)
+        self.worker.step_saved(plan)
+        out = self.worker.transfer_results()
+        self.ended.finished_recving |= out.finished_recving
+        self.ended.failed_recving |= out.failed_recving
+        self.ended.finished_sending |= out.finished_sending
+        return out
+
+
+@pytest.fixture
+def engines() -> Iterator[tuple[Engine, Engine]]:
+    fabric = LoopbackFabric()
+    with ExitStack() as stack:
+        yield (
+            Engine(stack, fabric, "prefill", "sender", seed=1),
+            Engine(stack, fabric, "decode", "receiver", seed=2),
+        )
+
+
+def run_until_ended(prefill: Engine, decode: Engine, rid_p: str, rid_d: str) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if rid_p in prefill.ended.finished_sending and rid_d in decode.ended.finished_recving:
+            return
+        prefill.step()
+        decode.step()
+        time.sleep(0.002)
+    raise AssertionError(f"not ended: prefill {prefill.ended}, decode {decode.ended}")
+
+
+def receive(prefill: Engine, tid: str, blocks: tuple[int, ...], offset: int = 0) -> StepPlan:
+    return StepPlan(receives=[Receive("req-d", tid, HOST, prefill.server.port, blocks, offset)])
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+def test_a_prefill_worker_pushes_its_blocks_into_the_decode_workers_cache(
+    engines: tuple[Engine, Engine], layerwise: bool
+) -> None:
+    prefill, decode = engines
+    # The decode worker's blocks 5, 6 take the prefill's blocks 3, 4 (offset 1 of 2-4).
+    decode.step(receive(prefill, "t1", (5, 6), offset=1))
+    prefill.step(StepPlan(sends=[Send("req-p", "t1", (2, 3, 4), layerwise=layerwise)]))
+    run_until_ended(prefill, decode, "req-p", "req-d")
+    assert decode.ended.failed_recving == set()
+    for layer in range(LAYERS):
+        for ours, theirs in zip((5, 6), (3, 4), strict=True):
+            assert block_bytes(decode.caches, layer, ours) == block_bytes(
+                prefill.caches, layer, theirs
+            )
+    stats = prefill.worker.take_stats()
+    assert stats is not None
+    assert stats.pushes == Counter({"layerwise" if layerwise else "whole": 1})
+    if layerwise:  # each layer announced as the CPU forward saved it
+        assert stats.announced == Counter({"save_kv_layer": LAYERS})
+    received = decode.worker.take_stats()
+    assert received is not None and received.nbytes["receiver"] > 0
+
+
+def test_unusable_params_end_the_request_at_once_on_the_next_results(
+    engines: tuple[Engine, Engine],
+) -> None:
+    prefill, decode = engines
+    out = decode.step(receive(prefill, "", (1,)))
+    assert out.finished_recving == {"req-d"} and out.failed_recving == {"req-d"}
+    stats = decode.worker.take_stats()
+    assert stats is not None and stats.failed_at_once == ["unusable kv_transfer_params"]
+
+
+def test_a_cancelled_send_fails_the_receive_and_frees_the_prefill_blocks(
+    engines: tuple[Engine, Engine],
+) -> None:
+    prefill, decode = engines
+    decode.step(receive(prefill, "t2", (1, 2)))
+    prefill.step(StepPlan(sends=[Send("req-p", "t2", (0, 1), cancel=True)]))
+    run_until_ended(prefill, decode, "req-p", "req-d")
+    assert decode.ended.failed_recving == {"req-d"}
