@@ -1,4 +1,8 @@
-"""The prefill role's engine thread, driven with a recording runtime (no NIXL needed).
+"""The prefill and decode roles' engine threads over the loopback transport.
+
+Each role is built the way `kvpush serve` builds it (`build_role`: a `KVBridge` with a
+real `PushRuntime` and side channel on 127.0.0.1), only with loopback transports on one
+fabric instead of NIXL, so the two legs of a request really pair, register and write.
 
 A layer-wise request is offered to the runtime after its first layer, so its blocks may
 be read by writes in flight from then on: whatever ends the request early, its blocks
@@ -7,238 +11,308 @@ must stay held until the runtime reports that the transfer ended (issue 9).
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from kvpush.errors import FailureReason
-from kvpush.runtime import RuntimeStatistics, TransferResult
-from kvpush.serving.checkpoint import LoadedModel, load_model, make_model
-from kvpush.serving.disagg import PrefillWorker, runtime_transfer_id
+from helpers.fakes import HeldWrites
+from helpers.waiting import wait_until
+from kvpush.node import TransportFactory
+from kvpush.runtime import PushRuntime
+from kvpush.serving.checkpoint import LoadedModel, load_model
+from kvpush.serving.disagg import KVBridge, build_role, runtime_transfer_id
 from kvpush.serving.engine import Engine, SamplingParams
 from kvpush.serving.metrics import serving_registry
-from kvpush.serving.worker import AdmissionConfig, Done, Event, Job, Rejected
+from kvpush.serving.options import ServeOptions
+from kvpush.serving.worker import Accepted, Done, EngineWorker, Event, Job, Rejected, Tokens
+from kvpush.transports.base import Transport
+from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
 
 pytestmark = pytest.mark.timeout(60)
 
-
-class RecordingRuntime:
-    """Stands in for a PushRuntime: records calls; ends transfers when told to; shows
-    the registrations a test makes (`register`) in `statistics()`, as the protocol's
-    sender does when a decode server's Register arrived."""
-
-    def __init__(self, fail_on_layer: int | None = None) -> None:
-        self.fail_on_layer = fail_on_layer
-        self.sent: list[tuple[str, tuple[int, ...]]] = []
-        self.aborted: list[str] = []
-        self.refused: list[tuple[str, str]] = []
-        self._registered: set[str] = set()
-        self._results: list[TransferResult] = []
-        self._lock = threading.Lock()
-
-    def register(self, transfer_id: str) -> None:
-        with self._lock:
-            self._registered.add(transfer_id)
-
-    def statistics(self) -> RuntimeStatistics:
-        with self._lock:
-            sent = {t for t, _ in self.sent}
-            states = {t: "writing" if t in sent else "registered" for t in self._registered}
-            states.update({t: "awaiting_register" for t in sent - self._registered})
-        return RuntimeStatistics(
-            sending={},
-            receiving={},
-            finished=0,
-            failed=0,
-            failures={},
-            bytes_written=0,
-            blocks_held_sending=0,
-            blocks_held_receiving=0,
-            results_queued=0,
-            peers=0,
-            handshakes_in_flight=0,
-            malformed_messages=0,
-            transport_polls=0,
-            duplicate_reports=0,
-            sending_transfers=states,
-        )
-
-    def refuse(self, transfer_id: str, detail: str = "") -> None:
-        with self._lock:
-            if transfer_id in self._registered:
-                self._registered.discard(transfer_id)
-                self.refused.append((transfer_id, detail))
-
-    def send(self, transfer_id: str, blocks: Sequence[int], *, ready_layers: object = None) -> None:
-        self.sent.append((transfer_id, tuple(blocks)))
-
-    def layers_ready(self, transfer_id: str, layers: Sequence[int]) -> None:
-        if self.fail_on_layer in layers:
-            raise RuntimeError("injected: the engine step fails after its first layer")
-
-    def abort(self, transfer_id: str) -> None:
-        self.aborted.append(transfer_id)
-
-    def reject(self, transfer_id: str, sender: object, detail: str = "") -> None:
-        raise AssertionError("a prefill server never rejects")
-
-    def poll(self) -> list[TransferResult]:
-        with self._lock:
-            out, self._results = self._results, []
-        return out
-
-    def end(self, transfer_id: str, blocks: tuple[int, ...]) -> None:
-        result = TransferResult(transfer_id, "sender", FailureReason.CANCELLED, "test", blocks)
-        with self._lock:
-            self._results.append(result)
+HOST = "127.0.0.1"
+MAX_TOKENS = 4
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    path: Path = tmp_path_factory.mktemp("worker-model")
-    make_model(path, seed=4)
-    return load_model(path)
+def tiny(model_dir: Path) -> LoadedModel:
+    return load_model(model_dir)
+
+
+@dataclass
+class Role:
+    worker: EngineWorker
+    bridge: KVBridge
+    engine: Engine
+
+    @property
+    def runtime(self) -> PushRuntime:
+        assert self.bridge.runtime is not None
+        return self.bridge.runtime
+
+    @property
+    def side_channel_port(self) -> int:
+        assert self.bridge.node is not None
+        return self.bridge.node.port
+
+
+StartRole = Callable[..., Role]
 
 
 @pytest.fixture
-def engine(tiny: LoadedModel) -> Engine:
-    return Engine(tiny.model, num_blocks=64, block_size=8)
-
-
-def _until(predicate: Callable[[], bool], timeout_s: float = 10) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return False
+def fabric() -> LoopbackFabric:
+    return LoopbackFabric()
 
 
 @pytest.fixture
-def runtime() -> RecordingRuntime:
-    return RecordingRuntime(fail_on_layer=1)
+def start_role(tiny: LoadedModel, model_dir: Path, fabric: LoopbackFabric) -> Iterator[StartRole]:
+    """Start a role as `kvpush serve` does, over loopback; every one is closed at the end.
 
+    An engine of 64 blocks of 8 tokens is one longest request's worth: only a request
+    a decode server registered may take the last of them."""
+    started: list[Role] = []
 
-@pytest.fixture
-def worker(engine: Engine, runtime: RecordingRuntime) -> Iterator[PrefillWorker]:
-    w = PrefillWorker(engine, runtime, serving_registry(), layerwise=True)  # type: ignore[arg-type]
-    w.start()
-    yield w
-    w.close()
-
-
-def test_a_failed_layerwise_step_keeps_the_blocks_until_the_runtime_reports_the_end(
-    engine: Engine, runtime: RecordingRuntime, worker: PrefillWorker
-) -> None:
-    events: list[Event] = []
-    prompt = list(range(1, 60))  # 8 blocks
-    # 64 blocks are one longest request's: only a registered one may take them.
-    runtime.register(runtime_transfer_id("t1", prompt))
-    worker.submit(
-        Job(
-            "r1",
-            prompt,
-            SamplingParams(max_tokens=4),
-            events.append,
-            kv_transfer_params={"do_remote_decode": True, "transfer_id": "t1"},
+    def start(
+        role: str,
+        *,
+        num_blocks: int = 64,
+        transport: type[LoopbackTransport] = LoopbackTransport,
+        **options: object,
+    ) -> Role:
+        engine = Engine(tiny.model, num_blocks=num_blocks, block_size=8)
+        opts = ServeOptions(
+            model=str(model_dir), role=role, host=HOST, side_channel_port=0, **options
         )
-    )
-    assert _until(lambda: any(isinstance(e, Done) for e in events))
-    done = events[-1]
-    assert isinstance(done, Done) and done.error is not None and "engine error" in done.error
-    tid = runtime_transfer_id("t1", prompt)
-    assert [t for t, _ in runtime.sent] == [tid]  # offered after layer 0
-    assert runtime.aborted == [tid]
-    # The writes of layer 0 may still be in flight: the request holds its blocks.
-    assert _until(lambda: worker.statistics().num_held == 1)
-    assert worker.statistics().num_free_blocks < engine.allocator.num_blocks
-    runtime.end(tid, runtime.sent[0][1])
-    assert _until(lambda: worker.statistics().num_free_blocks == engine.allocator.num_blocks)
+
+        def make(name: str) -> Transport:
+            return transport(fabric, name)
+
+        factory: TransportFactory = make
+        worker, bridge, _, _ = build_role(
+            opts, engine, serving_registry(), None, transport_factory=factory
+        )
+        r = Role(worker, bridge, engine)
+        started.append(r)
+        worker.start()
+        return r
+
+    yield start
+    for r in started:
+        r.worker.close()
+        r.bridge.close()
 
 
-def _prefill_job(rid: str, tid: str, prompt: list[int], events: list[Event]) -> Job:
+def prefill_job(rid: str, tid: str, prompt: list[int], events: list[Event]) -> Job:
     return Job(
         rid,
         prompt,
-        SamplingParams(max_tokens=4),
+        SamplingParams(max_tokens=MAX_TOKENS),
         events.append,
         kv_transfer_params={"do_remote_decode": True, "transfer_id": tid},
     )
 
 
-@pytest.fixture
-def whole_worker(engine: Engine, runtime: RecordingRuntime) -> Iterator[PrefillWorker]:
-    w = PrefillWorker(
-        engine,
-        runtime,  # type: ignore[arg-type]
-        serving_registry(),
-        layerwise=False,
-        admission=AdmissionConfig(queue_timeout_s=30.0),
+def decode_job(rid: str, tid: str, prompt: list[int], prefill: Role, events: list[Event]) -> Job:
+    return Job(
+        rid,
+        prompt,
+        SamplingParams(max_tokens=MAX_TOKENS),
+        events.append,
+        kv_transfer_params={
+            "do_remote_prefill": True,
+            "transfer_id": tid,
+            "remote_host": HOST,
+            "remote_port": prefill.side_channel_port,
+        },
     )
-    w.start()
-    yield w
-    w.close()
+
+
+def done(events: list[Event]) -> Done | None:
+    return next((e for e in events if isinstance(e, Done)), None)
+
+
+def tokens(events: list[Event]) -> list[int]:
+    return [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
+
+
+def single_instance_tokens(tiny: LoadedModel, prompt: list[int]) -> list[int]:
+    worker = EngineWorker(Engine(tiny.model, num_blocks=256, block_size=8))
+    worker.start()
+    try:
+        events: list[Event] = []
+        worker.submit(Job("alone", prompt, SamplingParams(max_tokens=MAX_TOKENS), events.append))
+        wait_until(lambda: done(events) is not None, what="the single-instance run")
+        return tokens(events)
+    finally:
+        worker.close()
+
+
+def test_a_failed_layerwise_step_keeps_the_blocks_until_the_runtime_reports_the_end(
+    start_role: StartRole,
+) -> None:
+    # The prefill's writes stay in flight until released, as a slow data plane's would.
+    prefill = start_role("prefill", layerwise=True, transport=HeldWrites)
+    decode = start_role("decode", num_blocks=256)
+    failing = prefill.engine.on_layer_done
+    assert failing is not None
+
+    def fail_after_the_first_layer(layer: int, request_ids: list[str]) -> None:
+        failing(layer, request_ids)
+        if layer == 1:
+            raise RuntimeError("injected: the engine step fails after its first layer")
+
+    prefill.engine.on_layer_done = fail_after_the_first_layer
+    prompt = list(range(1, 60))  # 8 blocks
+    tid = runtime_transfer_id("t1", prompt)
+    decode_events: list[Event] = []
+    decode.worker.submit(decode_job("d1", "t1", prompt, prefill, decode_events))
+    wait_until(
+        lambda: prefill.runtime.statistics().sending_transfers.get(tid) == "registered",
+        what="the decode server's registration at the prefill server",
+    )
+    events: list[Event] = []
+    prefill.worker.submit(prefill_job("r1", "t1", prompt, events))
+    wait_until(lambda: done(events) is not None, what="the prefill request's end")
+    failed = done(events)
+    assert failed is not None and failed.error is not None and "engine error" in failed.error
+    assert prefill.bridge.node is not None
+    transport = prefill.bridge.node.rank(0).transport
+    assert isinstance(transport, HeldWrites) and transport.held >= 1  # layer 0, in flight
+    # The engine aborted the transfer; the runtime drains the write before it ends it.
+    wait_until(
+        lambda: prefill.runtime.statistics().sending_transfers.get(tid) == "ending",
+        what="the abort to reach the runtime",
+    )
+    stats = prefill.worker.statistics()
+    assert stats.num_held == 1
+    assert stats.num_free_blocks < prefill.engine.allocator.num_blocks
+    transport.release.set()
+    wait_until(
+        lambda: prefill.worker.statistics().num_free_blocks == prefill.engine.allocator.num_blocks,
+        what="the prefill blocks to come back once the transfer ended",
+    )
+    assert prefill.worker.statistics().num_held == 0
+    # The decode leg fails with the transfer, and gives its blocks back too.
+    wait_until(lambda: done(decode_events) is not None, what="the decode request's end")
+    decode_end = done(decode_events)
+    assert decode_end is not None and decode_end.status == 502
+    assert decode_end.error is not None and tid in decode_end.error
+    wait_until(
+        lambda: decode.worker.statistics().num_free_blocks == decode.engine.allocator.num_blocks,
+        what="the decode blocks to come back",
+    )
 
 
 def test_registered_prefill_requests_go_first_and_unregistered_ones_keep_the_reserve_free(
-    runtime: RecordingRuntime, whole_worker: PrefillWorker
+    start_role: StartRole, tiny: LoadedModel
 ) -> None:
-    # 64 blocks, one longest request's worth: a prompt nobody registered yet must wait
-    # (it would hold blocks a registered decode leg's prompt may need); a registered
-    # one queued after it goes first.
+    # A prompt nobody registered yet must wait (it would hold blocks a registered decode
+    # leg's prompt may need); a registered one queued after it goes first.
+    prefill = start_role("prefill", queue_timeout_s=30.0)
+    decode = start_role("decode", num_blocks=256)
     first, second = list(range(1, 200)), list(range(150, 250))
+    early_tid, late_tid = (
+        runtime_transfer_id("t-early", first),
+        runtime_transfer_id("t-late", second),
+    )
     early: list[Event] = []
     late: list[Event] = []
-    whole_worker.submit(_prefill_job("early", "t-early", first, early))
-    assert _until(lambda: whole_worker.statistics().num_waiting == 1)
-    whole_worker.submit(_prefill_job("late", "t-late", second, late))
-    assert _until(lambda: whole_worker.statistics().num_waiting == 2)
-    assert runtime.sent == [] and early == [] and late == []
-    runtime.register(runtime_transfer_id("t-late", second))
-    assert _until(lambda: any(isinstance(e, Done) for e in late))
-    assert [t for t, _ in runtime.sent] == [runtime_transfer_id("t-late", second)]
-    assert early == [] and whole_worker.statistics().num_waiting == 1
-    runtime.register(runtime_transfer_id("t-early", first))
-    assert _until(lambda: any(isinstance(e, Done) for e in early))
-    assert [t for t, _ in runtime.sent][1:] == [runtime_transfer_id("t-early", first)]
+    prefill.worker.submit(prefill_job("early", "t-early", first, early))
+    wait_until(lambda: prefill.worker.statistics().num_waiting == 1, what="early to queue")
+    prefill.worker.submit(prefill_job("late", "t-late", second, late))
+    wait_until(lambda: prefill.worker.statistics().num_waiting == 2, what="late to queue")
+    assert early == [] and late == [] and prefill.runtime.statistics().sending_transfers == {}
+
+    late_decode: list[Event] = []
+    decode.worker.submit(decode_job("d-late", "t-late", second, prefill, late_decode))
+    wait_until(lambda: done(late) is not None, what="the registered (late) prefill request")
+    wait_until(lambda: done(late_decode) is not None, what="the late decode leg")
+    late_end = done(late_decode)
+    assert late_end is not None and late_end.error is None, late_end
+    assert tokens(late_decode) == single_instance_tokens(tiny, second)
+    # The unregistered one never started: nothing of it reached the runtime.
+    assert early == [] and prefill.worker.statistics().num_waiting == 1
+    assert early_tid not in prefill.runtime.statistics().sending_transfers
+    assert prefill.runtime.statistics().finished == 1
+
+    early_decode: list[Event] = []
+    decode.worker.submit(decode_job("d-early", "t-early", first, prefill, early_decode))
+    wait_until(lambda: done(early) is not None, what="the early prefill request")
+    wait_until(lambda: done(early_decode) is not None, what="the early decode leg")
+    assert tokens(early_decode) == single_instance_tokens(tiny, first)
+    stats = prefill.runtime.statistics()
+    assert stats.finished == 2 and stats.failed == 0
+    assert late_tid not in stats.sending_transfers and early_tid not in stats.sending_transfers
 
 
 def test_a_registration_of_our_transfer_id_with_another_prompt_refuses_both_legs(
-    runtime: RecordingRuntime, whole_worker: PrefillWorker
+    start_role: StartRole,
 ) -> None:
+    prefill = start_role("prefill", queue_timeout_s=30.0)
+    decode = start_role("decode", num_blocks=256)
     ours, theirs = list(range(1, 40)), list(range(41, 80))
+    their_tid = runtime_transfer_id("t1", theirs)
+    decode_events: list[Event] = []
+    decode.worker.submit(decode_job("d1", "t1", theirs, prefill, decode_events))  # its prompt
+    wait_until(
+        lambda: prefill.runtime.statistics().sending_transfers.get(their_tid) == "registered",
+        what="the decode leg's registration",
+    )
     events: list[Event] = []
-    runtime.register(runtime_transfer_id("t1", theirs))  # the decode leg's prompt
-    whole_worker.submit(_prefill_job("r1", "t1", ours, events))
-    assert _until(lambda: bool(runtime.refused))
-    ((refused_id, why),) = runtime.refused
-    assert refused_id == runtime_transfer_id("t1", theirs)
-    assert "carry different prompts" in why and refused_id.rpartition("#")[2] in why
-    # Our leg: refused too (409), or, if it was computed and offered first, aborted.
-    assert _until(lambda: bool(events) or bool(runtime.aborted))
-    done = [e for e in events if isinstance(e, Done)]
-    if done:
-        assert done[-1].status == 409 and done[-1].error == why
-    else:
-        assert runtime.aborted == [runtime_transfer_id("t1", ours)]
+    prefill.worker.submit(prefill_job("r1", "t1", ours, events))
+    wait_until(lambda: done(decode_events) is not None, what="the decode leg's refusal")
+    decode_end = done(decode_events)
+    assert decode_end is not None and decode_end.error is not None
+    assert "carry different prompts" in decode_end.error
+    assert their_tid.rpartition("#")[2] in decode_end.error
+    # Our leg: refused too (409) with the same reason.
+    wait_until(lambda: done(events) is not None, what="the prefill leg's refusal")
+    prefill_end = done(events)
+    assert prefill_end is not None and prefill_end.status == 409
+    assert prefill_end.error is not None and prefill_end.error in decode_end.error
+    wait_until(
+        lambda: (
+            prefill.worker.statistics().num_free_blocks == prefill.engine.allocator.num_blocks
+            and decode.worker.statistics().num_free_blocks == decode.engine.allocator.num_blocks
+        ),
+        what="both legs' blocks to come back",
+    )
 
 
-def test_a_prefill_request_queued_past_the_timeout_is_refused(
-    engine: Engine, runtime: RecordingRuntime
+def test_a_prefill_request_queued_past_the_timeout_is_refused(start_role: StartRole) -> None:
+    prefill = start_role("prefill", queue_timeout_s=0.5)
+    events: list[Event] = []
+    prefill.worker.submit(prefill_job("r1", "t1", list(range(1, 200)), events))  # never registered
+    wait_until(lambda: bool(events), what="the refusal")
+    (refusal,) = events
+    assert isinstance(refusal, Rejected) and refusal.status == 503
+    assert refusal.retry_after_s is not None
+    assert prefill.worker.statistics().num_waiting == 0
+    stats = prefill.runtime.statistics()
+    assert stats.sending_transfers == {} and stats.finished == stats.failed == 0
+
+
+def test_a_decode_leg_is_accepted_once_its_blocks_are_registered(
+    start_role: StartRole, tiny: LoadedModel
 ) -> None:
-    admission = AdmissionConfig(queue_timeout_s=0.5)
-    w = PrefillWorker(engine, runtime, serving_registry(), layerwise=False, admission=admission)  # type: ignore[arg-type]
-    w.start()
-    try:
-        events: list[Event] = []
-        w.submit(_prefill_job("r1", "t1", list(range(1, 200)), events))  # never registered
-        assert _until(lambda: bool(events), timeout_s=10)
-        (refusal,) = events
-        assert isinstance(refusal, Rejected) and refusal.status == 503
-        assert refusal.retry_after_s is not None
-        assert runtime.sent == [] and w.statistics().num_waiting == 0
-    finally:
-        w.close()
+    # The decode role answers Accepted only after it registered; the KV then arrives and
+    # decoding continues from it, token for token as one instance would.
+    prefill = start_role("prefill")
+    decode = start_role("decode", num_blocks=256)
+    prompt = list(range(3, 70))
+    decode_events: list[Event] = []
+    decode.worker.submit(decode_job("d1", "t1", prompt, prefill, decode_events))
+    wait_until(lambda: bool(decode_events), what="the decode leg's acceptance")
+    assert isinstance(decode_events[0], Accepted)
+    events: list[Event] = []
+    prefill.worker.submit(prefill_job("r1", "t1", prompt, events))
+    wait_until(lambda: done(decode_events) is not None, what="the decode leg's end")
+    end = done(decode_events)
+    assert end is not None and end.error is None, end
+    assert tokens(decode_events) == single_instance_tokens(tiny, prompt)
+    received = decode.runtime.statistics()
+    assert received.finished == 1 and received.bytes_written == 0  # it only receives
+    sent = prefill.runtime.statistics()
+    assert sent.finished == 1 and sent.bytes_written > 0

@@ -1,9 +1,11 @@
 """Fakes handed to real objects through their constructors: a clock, a data plane that
-crashes on demand, a peer directory behind a slow network."""
+crashes on demand, one whose writes stay in flight until the test lets them go, a peer
+directory behind a slow network."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 from kvpush.errors import PeerUnreachable, UnknownRank
 from kvpush.runtime import PeerDirectory
@@ -45,6 +47,42 @@ class CrashingTransport(LoopbackTransport):
     def poll(self) -> list[TransportEvent]:
         if self.crash.is_set():
             raise self.error
+        return super().poll()
+
+
+_Ids = Sequence[int] | None
+
+
+class HeldWrites(LoopbackTransport):
+    """A loopback endpoint whose writes stay in flight (posted, not done) until the test
+    sets `release`: the runtime sees them as writes still reading its blocks. `held`
+    counts the writes posted while held."""
+
+    def __init__(self, fabric: LoopbackFabric, name: str) -> None:
+        super().__init__(fabric, name)
+        self.release = threading.Event()
+        self.held = 0
+        self._posts: list[tuple[str, int, Sequence[int], Sequence[int], bytes | None, _Ids]] = []
+
+    def write_blocks(
+        self,
+        peer: str,
+        write_id: int,
+        our_blocks: Sequence[int],
+        their_blocks: Sequence[int],
+        notification: bytes | None,
+        regions: Sequence[int] | None = None,
+    ) -> None:
+        if self.release.is_set():
+            super().write_blocks(peer, write_id, our_blocks, their_blocks, notification, regions)
+            return
+        self._posts.append((peer, write_id, our_blocks, their_blocks, notification, regions))
+        self.held += 1
+
+    def poll(self) -> list[TransportEvent]:
+        if self.release.is_set():
+            while self._posts:
+                super().write_blocks(*self._posts.pop(0))
         return super().poll()
 
 

@@ -160,17 +160,17 @@ wake-up of a thread that does not hold the GIL (the runtime's thread, or the thr
 runs over TCP and a write needs three alternating polls (receiver, sender, receiver), so
 a transfer needs several such wake-ups. What removes them: in-step calls (above), an
 engine that takes results with `poll()` on its own thread, and NIXL's UCX progress
-thread (`NixlTransport(progress_thread_wait_ms=10)`, opt-in: it moves the data plane
-without the GIL, at a CPU cost per GB on large transfers). Figures, and the commands:
+thread (`NixlTransport(progress_thread_wait_ms=10)`, from a node's `transport_factory`;
+opt-in: it moves the data plane without the GIL, at a CPU cost per GB on large
+transfers). Figures, and the commands:
 docs/benchmarks.md, "Per-transfer cost".
 
-Publishing: the runtime does not serve its own side channel. Pass `local_metadata()` to
-a `kvpush.sidechannel.MetadataServer` (one per engine, all ranks) after `start()`; the
-engine decides host, port and token there. To let the OS pick the port, start the
-server first on port 0 with a rank mapping (or callable) still empty, build the
-runtime's `RuntimeIdentity` with `server.port`, start the runtime, then add
-`ranks[rank] = rt.local_metadata()`: the server reads the mapping on every request, and
-a lookup before that answers "unknown rank", as for any rank not up yet. The runtime
+Publishing: the runtime does not serve its own side channel. `kvpush.node.Node` does
+the wiring every caller needs: it binds one `MetadataServer` per engine (port 0 lets the
+OS pick), builds each rank's `RuntimeIdentity` with that port, starts each rank's runtime
+and then publishes its `local_metadata()`; a lookup before that answers "unknown rank",
+as for any rank not up yet. (`kvpush.node.Rank` is one rank without a side channel, for
+engines whose side channel lives in another process, as vLLM's does.) The runtime
 owns the transport it is given: `start()` starts it, `close()` closes it.
 
 Handshakes: a receiver handshakes with the sender's address from the request before it

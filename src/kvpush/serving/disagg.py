@@ -765,9 +765,17 @@ def _prepare_for(role: str) -> Prepare:
 
 
 def build_role(
-    options: ServeOptions, engine: Engine, registry: Registry, token: str | None
+    options: ServeOptions,
+    engine: Engine,
+    registry: Registry,
+    token: str | None,
+    *,
+    transport_factory: TransportFactory = nixl_transport,
 ) -> tuple[EngineWorker, KVBridge, Prepare, Callable[[], dict[str, object]]]:
-    bridge = KVBridge(options, engine, token)
+    """The prefill or decode role over `engine`: its worker (not started), its started
+    `KVBridge`, the request check for its HTTP layer and its `/health` extra. The
+    transport is NIXL unless a factory is given (tests run the roles over loopback)."""
+    bridge = KVBridge(options, engine, token, transport_factory=transport_factory)
     runtime = bridge.start()
     try:
         worker: EngineWorker
