@@ -10,12 +10,12 @@ import itertools
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import msgspec
 import pytest
 
-from helpers.fakes import CrashingTransport, FakeClock, GatedDirectory
+from helpers.fakes import CrashingTransport, FakeClock, GatedDirectory, HeldWritesTransport
 from helpers.waiting import wait_results, wait_until
 from kvpush.config import CompatibilityPolicy, TimingConfig
 from kvpush.errors import (
@@ -645,51 +645,6 @@ def test_an_explicit_policy_lets_a_named_field_differ(cluster: Cluster) -> None:
     assert wait_results(d)[0].ok and wait_results(p)[0].ok
     with pytest.raises(ConfigError, match="CompatibilityPolicy"):
         cluster.add("x-1", "engine-x", compatibility="off")
-
-
-class HeldWritesTransport(LoopbackTransport):
-    """A loopback endpoint whose writes do not start until the test lets them: a write
-    the data plane has taken but not yet reported (a stalled peer, a slow NIC)."""
-
-    def __init__(self, fabric: LoopbackFabric, name: str) -> None:
-        super().__init__(fabric, name)
-        self._lock = threading.Lock()
-        self._held: list[tuple[object, ...]] = []
-        self._release = threading.Event()
-        # Called as close() begins: what the engine could see then (the test sets it).
-        self.on_close: Callable[[], object] = lambda: None
-        self.seen_at_close: object = None
-
-    def write_blocks(
-        self,
-        peer: str,
-        write_id: int,
-        our_blocks: Sequence[int],
-        their_blocks: Sequence[int],
-        notification: bytes | None,
-        regions: Sequence[int] | None = None,
-    ) -> None:
-        with self._lock:
-            self._held.append((peer, write_id, our_blocks, their_blocks, notification, regions))
-
-    def held(self) -> int:
-        with self._lock:
-            return len(self._held)
-
-    def release(self) -> None:
-        self._release.set()
-
-    def poll(self) -> list[TransportEvent]:
-        if self._release.is_set():  # on the runtime's thread, as every transport call
-            with self._lock:
-                held, self._held = self._held, []
-            for args in held:
-                super().write_blocks(*args)  # type: ignore[arg-type]
-        return super().poll()
-
-    def close(self) -> None:
-        self.seen_at_close = self.on_close()
-        super().close()
 
 
 def start_a_held_write(cluster: Cluster) -> tuple[HeldWritesTransport, PushRuntime, PushRuntime]:

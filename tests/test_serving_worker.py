@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.fakes import HeldWrites
+from helpers.fakes import HeldWritesTransport
 from helpers.waiting import wait_until
 from kvpush.node import TransportFactory
 from kvpush.runtime import PushRuntime
@@ -153,7 +153,7 @@ def test_a_failed_layerwise_step_keeps_the_blocks_until_the_runtime_reports_the_
     start_role: StartRole,
 ) -> None:
     # The prefill's writes stay in flight until released, as a slow data plane's would.
-    prefill = start_role("prefill", layerwise=True, transport=HeldWrites)
+    prefill = start_role("prefill", layerwise=True, transport=HeldWritesTransport)
     decode = start_role("decode", num_blocks=256)
     failing = prefill.engine.on_layer_done
     assert failing is not None
@@ -179,7 +179,9 @@ def test_a_failed_layerwise_step_keeps_the_blocks_until_the_runtime_reports_the_
     assert failed is not None and failed.error is not None and "engine error" in failed.error
     assert prefill.bridge.node is not None
     transport = prefill.bridge.node.rank(0).transport
-    assert isinstance(transport, HeldWrites) and transport.held >= 1  # layer 0, in flight
+    assert (
+        isinstance(transport, HeldWritesTransport) and transport.held() >= 1
+    )  # layer 0, in flight
     # The engine aborted the transfer; the runtime drains the write before it ends it.
     wait_until(
         lambda: prefill.runtime.statistics().sending_transfers.get(tid) == "ending",
@@ -188,7 +190,7 @@ def test_a_failed_layerwise_step_keeps_the_blocks_until_the_runtime_reports_the_
     stats = prefill.worker.statistics()
     assert stats.num_held == 1
     assert stats.num_free_blocks < prefill.engine.allocator.num_blocks
-    transport.release.set()
+    transport.release()
     wait_until(
         lambda: prefill.worker.statistics().num_free_blocks == prefill.engine.allocator.num_blocks,
         what="the prefill blocks to come back once the transfer ended",

@@ -5,7 +5,7 @@ directory behind a slow network."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvpush.errors import PeerUnreachable, UnknownRank
 from kvpush.runtime import PeerDirectory
@@ -53,16 +53,18 @@ class CrashingTransport(LoopbackTransport):
 _Ids = Sequence[int] | None
 
 
-class HeldWrites(LoopbackTransport):
-    """A loopback endpoint whose writes stay in flight (posted, not done) until the test
-    sets `release`: the runtime sees them as writes still reading its blocks. `held`
-    counts the writes posted while held."""
+class HeldWritesTransport(LoopbackTransport):
+    """A loopback endpoint whose writes do not start until the test lets them: a write
+    the data plane has taken but not yet reported (a stalled peer, a slow NIC)."""
 
     def __init__(self, fabric: LoopbackFabric, name: str) -> None:
         super().__init__(fabric, name)
-        self.release = threading.Event()
-        self.held = 0
-        self._posts: list[tuple[str, int, Sequence[int], Sequence[int], bytes | None, _Ids]] = []
+        self._lock = threading.Lock()
+        self._held: list[tuple[str, int, Sequence[int], Sequence[int], bytes | None, _Ids]] = []
+        self._release = threading.Event()
+        # Called as close() begins: what the engine could see then (the test sets it).
+        self.on_close: Callable[[], object] = lambda: None
+        self.seen_at_close: object = None
 
     def write_blocks(
         self,
@@ -73,17 +75,29 @@ class HeldWrites(LoopbackTransport):
         notification: bytes | None,
         regions: Sequence[int] | None = None,
     ) -> None:
-        if self.release.is_set():
-            super().write_blocks(peer, write_id, our_blocks, their_blocks, notification, regions)
-            return
-        self._posts.append((peer, write_id, our_blocks, their_blocks, notification, regions))
-        self.held += 1
+        with self._lock:
+            self._held.append((peer, write_id, our_blocks, their_blocks, notification, regions))
+
+    def held(self) -> int:
+        """How many writes wait to start."""
+        with self._lock:
+            return len(self._held)
+
+    def release(self) -> None:
+        """Let every held write, and every later one, start (at the next poll)."""
+        self._release.set()
 
     def poll(self) -> list[TransportEvent]:
-        if self.release.is_set():
-            while self._posts:
-                super().write_blocks(*self._posts.pop(0))
+        if self._release.is_set():  # on the runtime's thread, as every transport call
+            with self._lock:
+                held, self._held = self._held, []
+            for args in held:
+                super().write_blocks(*args)
         return super().poll()
+
+    def close(self) -> None:
+        self.seen_at_close = self.on_close()
+        super().close()
 
 
 class GatedDirectory(PeerDirectory):
