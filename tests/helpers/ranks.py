@@ -1,4 +1,8 @@
-"""A rank as the README sets one up, over the loopback data plane."""
+"""A rank built from the runtime's own parts, over the loopback data plane.
+
+Products build ranks with `kvpush.node`; the runtime tests build them here, by hand, so
+that they can hand the runtime what a `Node` does not expose (a gated peer directory,
+runtime options such as a compatibility policy) and test `PushRuntime`'s own contract."""
 
 from __future__ import annotations
 
@@ -25,8 +29,8 @@ TIMING = TimingConfig(heartbeat_interval_s=0.2, liveness_timeout_s=2.0, lease_s=
 
 
 class Engine:
-    """One rank set up the way the README shows: the side channel first, on a port the
-    OS picks; the runtime told that port; its metadata published once it started.
+    """One rank set up as `kvpush.node.Node` does it: the side channel first, on a port
+    the OS picks; the runtime told that port; its metadata published once it started.
 
     Both are entered on `stack`, so they close with it. The peer directory is a
     `SideChannelPeerDirectory` with this rank's token (one that expects the peer's
