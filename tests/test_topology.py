@@ -216,6 +216,27 @@ def test_head_sizes_and_block_ratios_move_the_right_bytes(
         assert len(s.destination_runs) == (1 if ratio == 1 else s.num_heads)
 
 
+@given(
+    prefill_tokens=st.sampled_from([1, 16, 32]),
+    ratio=st.integers(1, 8),
+    prompt_tokens=st.integers(1, 600),
+)
+def test_a_requests_prefill_blocks_fill_its_decode_blocks_in_order(
+    prefill_tokens: int, ratio: int, prompt_tokens: int
+) -> None:
+    plan = _plan(1, 1, 1, False, head_bytes=prefill_tokens, block=prefill_tokens, ratio=ratio)
+    prefill_blocks = -(-prompt_tokens // prefill_tokens)
+    decode_blocks = -(-prompt_tokens // (prefill_tokens * ratio))
+    places = [plan.decode_position(i) for i in range(prefill_blocks)]
+    # Token t sits in prefill block t // Np at t % Np and must land in decode block
+    # t // Nd at t % Nd: the same place, for every token of the prompt.
+    for t in range(prompt_tokens):
+        block, sub = places[t // prefill_tokens]
+        assert block * ratio * prefill_tokens + sub * prefill_tokens + t % prefill_tokens == t
+    assert {b for b, _ in places} == set(range(decode_blocks))
+    assert len(set(places)) == prefill_blocks
+
+
 # ------------------------------------------------------------------- worked examples
 
 

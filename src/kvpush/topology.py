@@ -174,6 +174,11 @@ class TransferPlan:
             and self.prefill_blocks_per_decode_block == 1
         )
 
+    def decode_position(self, prefill_block_index: int) -> tuple[int, int]:
+        """Where a request's `prefill_block_index`-th block lands: the index of the
+        request's decode block, and which of its prefill-sized parts (`sub_block`)."""
+        return divmod(prefill_block_index, self.prefill_blocks_per_decode_block)
+
     def for_decode(self, rank: int) -> DecodeRankPlan:
         return self.decode_ranks[rank]
 
