@@ -87,9 +87,18 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """Layer-wise push runs Python in `save_kv_layer`, which a replayed CUDA graph
-        skips (the step's end would still announce every layer, unpipelined)."""
-        return bool((extra_config or {}).get("push", "layerwise") == "layerwise")
+        """Whether vLLM must drop full CUDA graphs for piecewise ones: only where
+        `"push": "layerwise"` is set explicitly.
+
+        Layer-wise push runs Python in `save_kv_layer`, which a replayed full graph skips;
+        the step's end then announces every layer, so the KV still moves whole and right,
+        only not pipelined. vLLM asks this of the class with `kv_connector_extra_config`
+        alone, before any connector exists, so the role (a decode server never saves KV)
+        and async scheduling (which turns layer-wise push off) cannot be seen here. Forcing
+        piecewise graphs by default would slow every decode server for nothing; a prefill
+        server that wants each layer announced as computed under full graphs says so.
+        """
+        return "push" in (extra_config or {}) and extra_config["push"] == "layerwise"
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

@@ -1,0 +1,344 @@
+"""The transfer plan across ranks (`kvpush.topology`), checked by moving real bytes.
+
+Each check builds the model's KV for one decode block's worth of tokens (every byte
+names its head, token and position), cuts it into the blocks each prefill rank holds,
+copies what the plan says into empty decode blocks, and compares them byte for byte with
+the blocks each decode rank should hold, counting that every byte was written exactly
+once. This runs for every pair of TP sizes up to 16 with 1 to 64 KV heads, split and
+replicated; hypothesis varies head sizes and block-size ratios on top.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpush.errors import ConfigError
+from kvpush.topology import (
+    EngineShape,
+    TransferPlan,
+    UnsupportedShape,
+    plan_transfer,
+    rank_heads,
+)
+
+MAX_TP, MAX_HEADS = 16, 64
+
+
+def _holds_whole_heads(tp: int, heads: int, replicated: bool) -> bool:
+    return replicated or heads % tp == 0 or tp % heads == 0
+
+
+def _pairable(p: int, d: int, heads: int, replicated: bool) -> bool:
+    return (
+        _holds_whole_heads(p, heads, replicated)
+        and _holds_whole_heads(d, heads, replicated)
+        and max(p, d) % min(p, d) == 0
+    )
+
+
+def every_shape() -> Iterator[tuple[int, int, int, bool]]:
+    for p, d, heads in itertools.product(
+        range(1, MAX_TP + 1), range(1, MAX_TP + 1), range(1, MAX_HEADS + 1)
+    ):
+        yield p, d, heads, False
+        yield p, d, heads, True
+
+
+PAIRABLE = [s for s in every_shape() if _pairable(*s)]
+
+
+def _plan(
+    p: int,
+    d: int,
+    heads: int,
+    replicated: bool,
+    head_bytes: int = 3,
+    block: int = 1,
+    ratio: int = 1,
+) -> TransferPlan:
+    return plan_transfer(
+        prefill=EngineShape(p, block),
+        decode=EngineShape(d, block * ratio),
+        total_kv_heads=heads,
+        replicated_kv=replicated,
+        bytes_per_head_per_block=head_bytes,
+    )
+
+
+# ------------------------------------------------------------------- the byte model
+
+
+def _byte(head: int, token: int, i: int) -> int:
+    return (head * 131 + token * 17 + i * 7 + 1) % 251
+
+
+@functools.cache
+def _head_tokens(head: int, first_token: int, tokens: int, per_token: int) -> bytes:
+    return bytes(
+        _byte(head, t, i)
+        for t in range(first_token, first_token + tokens)
+        for i in range(per_token)
+    )
+
+
+def check_plan_moves_the_right_bytes(plan: TransferPlan, per_token: int) -> None:
+    """Copy every slice of `plan` between blocks built from the model's KV and compare
+    each decode rank's block with the one it should hold; every byte written once."""
+    ratio = plan.prefill_blocks_per_decode_block
+    prefill_tokens = plan.prefill.block_size_tokens
+    assert plan.bytes_per_head_per_block == prefill_tokens * per_token
+    heads, replicated = plan.total_kv_heads, plan.replicated_kv
+
+    def block(rank: int, tp: int, first_token: int, tokens: int) -> bytes:
+        held = rank_heads(rank, tp, heads, replicated)
+        return b"".join(
+            _head_tokens(h, first_token, tokens, per_token)
+            for h in range(held.first_head, held.stop)
+        )
+
+    prefill_blocks = {
+        (p, j): block(p, plan.prefill.tp_size, j * prefill_tokens, prefill_tokens)
+        for p in range(plan.prefill.tp_size)
+        for j in range(ratio)
+    }
+    for d_plan in plan.decode_ranks:
+        want = block(d_plan.decode_rank, plan.decode.tp_size, 0, ratio * prefill_tokens)
+        got = bytearray(len(want))
+        written: list[tuple[int, int]] = []
+        for s in d_plan.sources:
+            for j in range(ratio):
+                src = prefill_blocks[(s.prefill_rank, j)]
+                assert 0 <= s.source_bytes.start < s.source_bytes.stop <= len(src)
+                data = src[s.source_bytes.start : s.source_bytes.stop]
+                runs = s.destination_runs_for(j)
+                assert sum(r.length for r in runs) == len(data)
+                at = 0
+                for run in runs:
+                    assert 0 <= run.start < run.stop <= len(got)
+                    got[run.start : run.stop] = data[at : at + run.length]
+                    written.append((run.start, run.stop))
+                    at += run.length
+        assert bytes(got) == want, f"decode rank {d_plan.decode_rank} of {plan}"
+        # Runs laid end to end from 0 to the block's end: every byte written once.
+        ends = [0]
+        for start, stop in sorted(written):
+            assert start == ends[-1], f"decode rank {d_plan.decode_rank}: runs {written}"
+            ends.append(stop)
+        assert ends[-1] == len(want)
+
+
+def check_views_agree(plan: TransferPlan) -> None:
+    p_tp, d_tp = plan.prefill.tp_size, plan.decode.tp_size
+    assert [d.decode_rank for d in plan.decode_ranks] == list(range(d_tp))
+    assert [p.prefill_rank for p in plan.prefill_ranks] == list(range(p_tp))
+    by_decode = [s for d in plan.decode_ranks for s in d.sources]
+    by_prefill = [t for p in plan.prefill_ranks for t in p.targets]
+    assert sorted(map(id, by_decode)) == sorted(map(id, by_prefill))
+    for d in plan.decode_ranks:
+        assert all(s.decode_rank == d.decode_rank for s in d.sources)
+        assert len(set(d.source_ranks)) == len(d.source_ranks)
+        # vLLM's groups: one prefill rank when the decode has as many or more, else P // D.
+        group = (
+            [d.decode_rank * p_tp // d_tp]
+            if d_tp >= p_tp or plan.replicated_kv
+            else list(range(d.decode_rank * p_tp // d_tp, (d.decode_rank + 1) * p_tp // d_tp))
+        )
+        assert set(d.source_ranks) <= set(group)
+        # The sources cover the rank's heads in order, without gap or overlap.
+        at = d.heads.first_head
+        for s in d.sources:
+            assert s.first_head == at and s.num_heads >= 1
+            assert s.first_head_in_decode_rank == at - d.heads.first_head
+            held = plan.for_prefill(s.prefill_rank).heads
+            assert held.first_head <= s.first_head and s.first_head + s.num_heads <= held.stop
+            assert s.first_head_in_prefill_rank == s.first_head - held.first_head
+            at += s.num_heads
+        assert at == d.heads.stop
+        received = sum(s.nbytes for s in d.sources) * plan.prefill_blocks_per_decode_block
+        assert received == d.heads.num_heads * plan.bytes_per_head_per_block * (
+            plan.prefill_blocks_per_decode_block
+        )
+    for p in plan.prefill_ranks:
+        assert all(t.prefill_rank == p.prefill_rank for t in p.targets)
+        assert list(p.target_ranks) == sorted(set(p.target_ranks))
+    # Every head is held by as many decode ranks as the decode shape replicates it, and
+    # each of those holders receives it once (from one prefill rank).
+    holders: dict[int, list[int]] = {h: [] for h in range(plan.total_kv_heads)}
+    for d in plan.decode_ranks:
+        for h in range(d.heads.first_head, d.heads.stop):
+            holders[h].append(d.decode_rank)
+    receivers: dict[int, list[int]] = {h: [] for h in range(plan.total_kv_heads)}
+    for s in plan.slices:
+        for h in range(s.first_head, s.first_head + s.num_heads):
+            receivers[h].append(s.decode_rank)
+    assert {h: sorted(r) for h, r in receivers.items()} == holders
+
+
+def test_every_shape_up_to_tp16_and_64_heads_is_planned_or_refused() -> None:
+    planned = refused = 0
+    for p, d, heads, replicated in every_shape():
+        if not _pairable(p, d, heads, replicated):
+            with pytest.raises(UnsupportedShape) as caught:
+                _plan(p, d, heads, replicated)
+            assert f"prefill TP {p} " in str(caught.value)
+            assert f"decode TP {d} " in str(caught.value)
+            refused += 1
+            continue
+        plan = _plan(p, d, heads, replicated, head_bytes=2, block=2)
+        check_views_agree(plan)
+        check_plan_moves_the_right_bytes(plan, per_token=1)
+        planned += 1
+    assert planned == len(PAIRABLE) and refused == 2 * MAX_TP * MAX_TP * MAX_HEADS - planned
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    shape=st.sampled_from(PAIRABLE),
+    per_token=st.integers(1, 4),
+    prefill_tokens=st.sampled_from([1, 2, 3, 16]),
+    ratio=st.integers(1, 4),
+)
+def test_head_sizes_and_block_ratios_move_the_right_bytes(
+    shape: tuple[int, int, int, bool], per_token: int, prefill_tokens: int, ratio: int
+) -> None:
+    p, d, heads, replicated = shape
+    plan = _plan(p, d, heads, replicated, prefill_tokens * per_token, prefill_tokens, ratio)
+    check_views_agree(plan)
+    check_plan_moves_the_right_bytes(plan, per_token)
+    for s in plan.slices:
+        # One run per slice where the blocks are the same size, else one per head.
+        assert len(s.destination_runs) == (1 if ratio == 1 else s.num_heads)
+
+
+@given(
+    prefill_tokens=st.sampled_from([1, 16, 32]),
+    ratio=st.integers(1, 8),
+    prompt_tokens=st.integers(1, 600),
+)
+def test_a_requests_prefill_blocks_fill_its_decode_blocks_in_order(
+    prefill_tokens: int, ratio: int, prompt_tokens: int
+) -> None:
+    plan = _plan(1, 1, 1, False, head_bytes=prefill_tokens, block=prefill_tokens, ratio=ratio)
+    prefill_blocks = -(-prompt_tokens // prefill_tokens)
+    decode_blocks = -(-prompt_tokens // (prefill_tokens * ratio))
+    places = [plan.decode_position(i) for i in range(prefill_blocks)]
+    # Token t sits in prefill block t // Np at t % Np and must land in decode block
+    # t // Nd at t % Nd: the same place, for every token of the prompt.
+    for t in range(prompt_tokens):
+        block, sub = places[t // prefill_tokens]
+        assert block * ratio * prefill_tokens + sub * prefill_tokens + t % prefill_tokens == t
+    assert {b for b, _ in places} == set(range(decode_blocks))
+    assert len(set(places)) == prefill_blocks
+
+
+# ------------------------------------------------------------------- worked examples
+
+
+def test_tp8_prefill_into_tp4_decode_takes_one_head_from_each_of_two_ranks() -> None:
+    plan = _plan(8, 4, 8, False, head_bytes=100)  # Llama-3-70B: 8 KV heads
+    assert [d.source_ranks for d in plan.decode_ranks] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    first, second = plan.for_decode(1).sources
+    assert (first.source_bytes.start, first.source_bytes.stop) == (0, 100)
+    assert [(r.start, r.stop) for r in second.destination_runs] == [(100, 200)]
+    assert [p.target_ranks for p in plan.prefill_ranks] == [(p // 2,) for p in range(8)]
+
+
+def test_tp1_prefill_into_tp2_decode_writes_half_its_block_to_each() -> None:
+    plan = _plan(1, 2, 8, False, head_bytes=10)
+    (prefill,) = plan.prefill_ranks
+    assert prefill.target_ranks == (0, 1)
+    assert [(t.source_bytes.start, t.source_bytes.stop) for t in prefill.targets] == [
+        (0, 40),
+        (40, 80),
+    ]
+
+
+def test_a_head_held_by_several_prefill_ranks_is_taken_once() -> None:
+    plan = _plan(8, 1, 2, False)  # each head on four prefill ranks
+    assert plan.for_decode(0).source_ranks == (0, 4)
+    assert [p.prefill_rank for p in plan.prefill_ranks if p.targets] == [0, 4]
+
+
+def test_mla_takes_the_whole_block_from_one_rank_and_feeds_every_decode_rank() -> None:
+    down = _plan(2, 1, 1, True)
+    assert down.for_decode(0).source_ranks == (0,)
+    assert down.for_prefill(1).targets == ()
+    up = _plan(1, 4, 1, True)
+    assert up.for_prefill(0).target_ranks == (0, 1, 2, 3)
+    assert {t.nbytes for t in up.for_prefill(0).targets} == {up.bytes_per_head_per_block}
+
+
+def test_equal_shapes_are_rank_to_rank_whole_blocks() -> None:
+    plan = _plan(4, 4, 8, False, head_bytes=5)
+    assert plan.is_rank_to_rank
+    for d in plan.decode_ranks:
+        (only,) = d.sources
+        assert only.prefill_rank == d.decode_rank and only.nbytes == 2 * 5
+
+
+# ------------------------------------------------------------------- refusals
+
+
+def test_tp_sizes_that_do_not_divide_are_refused_naming_both_shapes() -> None:
+    with pytest.raises(UnsupportedShape) as caught:
+        _plan(3, 2, 6, False, block=16)
+    text = str(caught.value)
+    assert "prefill TP 3 (6 KV heads, 16-token blocks)" in text
+    assert "decode TP 2 (6 KV heads, 16-token blocks)" in text
+    assert "whole multiple" in text
+    assert isinstance(caught.value, ConfigError)
+
+
+def test_a_tp_that_splits_heads_unevenly_is_refused_naming_the_side() -> None:
+    with pytest.raises(UnsupportedShape, match=r"the decode's TP 4 neither divides"):
+        _plan(2, 4, 6, False)
+
+
+def test_a_decode_block_that_is_no_whole_multiple_is_refused_naming_both_sizes() -> None:
+    with pytest.raises(UnsupportedShape) as caught:
+        plan_transfer(
+            prefill=EngineShape(1, 16),
+            decode=EngineShape(1, 24),
+            total_kv_heads=8,
+            replicated_kv=False,
+            bytes_per_head_per_block=64,
+        )
+    assert "decode's block size (24 tokens)" in str(caught.value)
+    assert "prefill's (16 tokens)" in str(caught.value)
+    with pytest.raises(UnsupportedShape, match="whole multiple"):
+        # Smaller decode blocks are not carried either (vLLM's rule, too).
+        plan_transfer(
+            prefill=EngineShape(1, 32),
+            decode=EngineShape(1, 16),
+            total_kv_heads=8,
+            replicated_kv=False,
+            bytes_per_head_per_block=64,
+        )
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "heads", "head_bytes"),
+    [
+        (EngineShape(0, 16), EngineShape(1, 16), 8, 64),
+        (EngineShape(1, 16), EngineShape(1, 0), 8, 64),
+        (EngineShape(1, 16), EngineShape(1, 16), 0, 64),
+        (EngineShape(1, 16), EngineShape(1, 16), 8, 0),
+    ],
+)
+def test_empty_shapes_are_refused(
+    prefill: EngineShape, decode: EngineShape, heads: int, head_bytes: int
+) -> None:
+    with pytest.raises(UnsupportedShape, match="at least"):
+        plan_transfer(
+            prefill=prefill,
+            decode=decode,
+            total_kv_heads=heads,
+            replicated_kv=False,
+            bytes_per_head_per_block=head_bytes,
+        )
