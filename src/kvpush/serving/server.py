@@ -437,7 +437,8 @@ class ServerRoutes:
 
     async def health(self) -> Response:
         s = self.settings
-        extra = s.health_extra() if s.health_extra is not None else {}
+        # Off the event loop: the role's health asks the runtime's thread for a snapshot.
+        extra = await asyncio.to_thread(s.health_extra) if s.health_extra is not None else {}
         alive = self.worker.alive
         healthy = alive and extra.get("healthy", True) is True
         status = "ok" if healthy else ("stopped" if not alive else "unhealthy")
