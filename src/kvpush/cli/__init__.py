@@ -19,6 +19,7 @@ _COMMANDS: tuple[str, ...] = (
     "demo",
     "endpoint",
     "probe",
+    "doctor",
     "wait_ready",
     "bench",
     "make_model",

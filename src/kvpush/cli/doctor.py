@@ -1,0 +1,68 @@
+"""`kvpush doctor`: check a live prefill/decode pair, step by step, with the next action."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvpush.config import load_token
+from kvpush.errors import AddressError, ConfigError
+from kvpush.net import parse_host_port
+
+EXIT_USAGE = 2
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "doctor",
+        help="explain what is wrong with a prefill/decode pair, with the next action",
+        description=__doc__
+        + " Steps: addresses, side channel, compatibility, data plane, liveness and clocks, "
+        "health; it stops explaining at the first step that fails. Exit 0: nothing failed "
+        "(warnings allowed); 1: a step failed; 2: usage.",
+    )
+    p.add_argument("--prefill", required=True, metavar="HOST:PORT", help="prefill side channel")
+    p.add_argument("--decode", required=True, metavar="HOST:PORT", help="decode side channel")
+    p.add_argument("--prefill-http", metavar="URL", help="prefill HTTP base URL (http://H:P)")
+    p.add_argument("--decode-http", metavar="URL", help="decode HTTP base URL (http://H:P)")
+    p.add_argument("--token-file", help="shared secret file (default: $KVPUSH_TOKEN, if set)")
+    p.add_argument(
+        "--timeout-ms",
+        type=int,
+        default=2000,
+        help="bound on every connection and request (default 2000)",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpush.doctor import DoctorOptions, Target, run_doctor
+    from kvpush.doctor.http import base_url
+
+    try:
+        if args.timeout_ms <= 0:
+            raise ConfigError(f"--timeout-ms must be positive, got {args.timeout_ms}")
+        targets = {}
+        for role in ("prefill", "decode"):
+            host, port = parse_host_port(getattr(args, role))
+            url = getattr(args, f"{role}_http")
+            targets[role] = Target(role, host, port, base_url(url) if url else None)
+        token = load_token(args.token_file)
+    except (AddressError, ConfigError) as exc:
+        print(f"kvpush doctor: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    options = DoctorOptions(
+        prefill=targets["prefill"],
+        decode=targets["decode"],
+        token=token,
+        timeout_ms=args.timeout_ms,
+    )
+    report = run_doctor(options)
+    if args.json:
+        print(json.dumps(report.as_json(), indent=2))
+    else:
+        print(report.render_text())
+    sys.stdout.flush()
+    return report.exit_code

@@ -1,0 +1,712 @@
+"""The doctor's steps, run in order against a live prefill/decode pair.
+
+Each step reads what earlier ones found (`_Observed`) and adds findings and figures to
+its `StepResult`. Once a step fails, the later ones are listed as not run: what they would
+say is explained by the failure. Every network call is bounded by the timeout given, so
+a stopped or hung peer makes the doctor fail, never wait. Nothing here changes a
+server's state: it reads metadata, `/health` and `/metrics`, and opens TCP connections.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvpush import __version__
+from kvpush.doctor.addresses import SideAddress, look_up, pair_problems, where
+from kvpush.doctor.http import HttpFailed, Sample, get_health, get_metrics, total
+from kvpush.doctor.report import Report, StepResult, Verdict
+from kvpush.errors import (
+    AuthenticationRefused,
+    IncompatiblePeer,
+    MalformedReply,
+    PeerUnreachable,
+    SideChannelError,
+    UnknownRank,
+)
+from kvpush.geometry import PROTOCOL_VERSION, CacheGeometry
+from kvpush.sidechannel.client import FetchResult, fetch_metadata_timed
+
+MAX_RANKS = 64  # ranks asked for before giving up on finding the last one
+SLOW_ROUND_TRIP_MS = 100.0
+ROLES = ("prefill", "decode")
+_PUBLISHED_ROLE = {"prefill": ("sender", "both"), "decode": ("receiver", "both")}
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One server: its side channel, and its HTTP base URL when given."""
+
+    role: str  # "prefill" | "decode"
+    host: str
+    port: int
+    http: str | None = None
+
+    @property
+    def address(self) -> str:
+        return where(SideAddress(self.role, self.host, self.port, ()))
+
+
+@dataclass(frozen=True, slots=True)
+class DoctorOptions:
+    prefill: Target
+    decode: Target
+    token: str | None = None
+    timeout_ms: int = 2000
+    round_trip_samples: int = 5
+
+    def target(self, role: str) -> Target:
+        return self.prefill if role == "prefill" else self.decode
+
+    @property
+    def timeout_s(self) -> float:
+        return self.timeout_ms / 1000
+
+
+@dataclass(slots=True)
+class _Observed:
+    """What the steps found so far, for the steps after them."""
+
+    addresses: dict[str, SideAddress] = field(default_factory=dict)
+    health: dict[str, dict[str, object]] = field(default_factory=dict)
+    health_status: dict[str, int] = field(default_factory=dict)
+    ranks: dict[str, list[FetchResult]] = field(default_factory=dict)
+
+
+def run_doctor(options: DoctorOptions) -> Report:
+    observed = _Observed()
+    steps: list[StepResult] = []
+    failed: StepResult | None = None
+    for number, name, check in _STEPS:
+        step = StepResult(number, name)
+        if failed is not None:
+            step.not_run_because = f"step {failed.number} ({failed.name}) failed"
+        else:
+            check(options, observed, step)
+            if step.verdict is Verdict.FAIL:
+                failed = step
+        steps.append(step)
+    return Report(options.prefill.address, options.decode.address, tuple(steps))
+
+
+# ------------------------------------------------------------------------ 1: addresses
+
+
+def _stopped_action(role: str, what: str) -> str:
+    return (
+        f"the {role} server accepts connections on its {what} but does not answer: it is "
+        "stopped (SIGSTOP, a debugger), hung or overloaded. Check it with `ps -o stat= -p "
+        "PID` (T: stopped; resume it with `kill -CONT PID`), or restart it; on a loaded "
+        "host, raise --timeout-ms"
+    )
+
+
+def _addresses(options: DoctorOptions, seen: _Observed, step: StepResult) -> None:
+    for role in ROLES:
+        t = options.target(role)
+        try:
+            side = look_up(role, t.host, t.port, options.timeout_s)
+        except socket.gaierror as exc:
+            step.add(
+                Verdict.FAIL,
+                f"cannot resolve {t.host!r}: {exc.strerror}",
+                side=role,
+                next_action=f"give --{role} an IPv4 or IPv6 address, or a name this host "
+                "resolves (check /etc/hosts and DNS)",
+            )
+            continue
+        if not side.resolved:
+            step.add(
+                Verdict.FAIL,
+                f"{t.host!r} resolves to no IPv4 or IPv6 address",
+                side=role,
+                next_action=f"give --{role} an IPv4 or IPv6 address",
+            )
+            continue
+        _report_tcp(side, step)
+        if t.http is not None:
+            _read_health(role, t.http, options, seen, step)
+            advertised = seen.health.get(role, {}).get("side_channel_host")
+            if isinstance(advertised, str):
+                side = SideAddress(role, side.host, side.port, side.resolved, advertised)
+            _check_advertised_port(role, t, seen, step)
+        seen.addresses[role] = side
+        step.figures[role] = {
+            "host": side.host,
+            "port": side.port,
+            "advertised_host": side.advertised_host,
+            "addresses": [a.as_json() for a in side.resolved],
+        }
+    if len(seen.addresses) == 2:
+        for role, peer_role in (("prefill", "decode"), ("decode", "prefill")):
+            for problem, action in pair_problems(seen.addresses[role], seen.addresses[peer_role]):
+                step.add(Verdict.FAIL, problem, side=role, next_action=action)
+
+
+def _report_tcp(side: SideAddress, step: StepResult) -> None:
+    answering = [a for a in side.resolved if a.tcp_ms is not None]
+    silent = [a for a in side.resolved if a.tcp_ms is None]
+    described = ", ".join(
+        f"{a.ip} ({a.family}{', loopback' if a.loopback else ''}"
+        f"{', this host' if a.local and not a.loopback else ''})"
+        for a in side.resolved
+    )
+    if not answering:
+        why = "; ".join(f"{a.ip}: {a.tcp_error}" for a in silent)
+        step.add(
+            Verdict.FAIL,
+            f"{where(side)} resolves to {described}; nothing answers TCP on port "
+            f"{side.port} ({why})",
+            side=side.role,
+            next_action=f"start the {side.role} server, or give --{side.role} the port its "
+            "side channel listens on (kvpush serve --side-channel-port; vLLM: "
+            "kv_connector_extra_config side_channel_port)",
+        )
+        return
+    times = ", ".join(f"{a.ip} in {a.tcp_ms:.2f} ms" for a in answering)
+    step.add(
+        Verdict.OK,
+        f"{where(side)} resolves to {described}; TCP answers on {times}",
+        side=side.role,
+    )
+    if silent:
+        step.add(
+            Verdict.WARN,
+            f"{side.host} also resolves to "
+            + ", ".join(f"{a.ip} ({a.tcp_error})" for a in silent)
+            + f", where port {side.port} does not answer: a peer that tries that address "
+            "first fails or waits",
+            side=side.role,
+            next_action=f"give the {side.role} server's peers and the doctor "
+            f"{answering[0].ip} instead of the name, or make the server listen on every "
+            "address the name resolves to",
+        )
+
+
+def _read_health(
+    role: str, base: str, options: DoctorOptions, seen: _Observed, step: StepResult
+) -> None:
+    try:
+        status, body = get_health(base, options.timeout_s)
+    except HttpFailed as exc:
+        step.add(
+            Verdict.FAIL,
+            str(exc),
+            side=role,
+            next_action=_stopped_action(role, "HTTP port")
+            if exc.timed_out
+            else f"start the {role} server, or give --{role}-http its HTTP base URL "
+            "(http://HOST:PORT, the port of /v1/completions)",
+        )
+        return
+    seen.health[role] = body
+    seen.health_status[role] = status
+    step.add(Verdict.OK, f"{base}/health answers {status}", side=role)
+
+
+def _check_advertised_port(role: str, t: Target, seen: _Observed, step: StepResult) -> None:
+    body = seen.health.get(role)
+    if body is None:
+        return
+    port = body.get("side_channel_port")
+    if isinstance(port, int) and port != t.port:
+        step.add(
+            Verdict.FAIL,
+            f"{t.http} is a server whose side channel is on port {port}, not {t.port}: "
+            f"--{role} and --{role}-http name different servers",
+            side=role,
+            next_action=f"give --{role} and --{role}-http the two ports of the same server "
+            f"(its /health says side_channel_port {port})",
+        )
+    served_role = body.get("role")
+    if isinstance(served_role, str) and served_role not in (role, "both"):
+        step.add(
+            Verdict.FAIL,
+            f"{t.http} serves the {served_role} role, not {role}",
+            side=role,
+            next_action="swap --prefill and --decode (and their -http URLs)"
+            if served_role in ROLES
+            else f"point --{role}-http at the {role} server",
+        )
+
+
+# --------------------------------------------------------------------- 2: side channel
+
+
+def _side_channel(options: DoctorOptions, seen: _Observed, step: StepResult) -> None:
+    for role in ROLES:
+        found = _fetch_ranks(role, options, step)
+        if found is None:
+            continue
+        seen.ranks[role] = found
+        first = found[0]
+        ranks = ", ".join(str(r.metadata.rank) for r in found)
+        step.add(
+            Verdict.OK,
+            f"{len(found)} rank{'s' * (len(found) != 1)} ({ranks}) "
+            f"of engine {first.metadata.engine_id}, kvpush {first.peer_kvpush_version}, "
+            f"protocol {first.peer_protocol_version} (ours {PROTOCOL_VERSION}), round trip "
+            f"{first.round_trip_s * 1000:.2f} ms",
+            side=role,
+        )
+        for r in found:
+            m = r.metadata
+            if m.role not in _PUBLISHED_ROLE[role]:
+                step.add(
+                    Verdict.FAIL,
+                    f"rank {m.rank} publishes role {m.role!r}: a {role} server publishes "
+                    f"{' or '.join(_PUBLISHED_ROLE[role])}",
+                    side=role,
+                    next_action="swap --prefill and --decode"
+                    if m.role in ("sender", "receiver")
+                    else f"point --{role} at the {role} server's side channel",
+                )
+            if not m.agent_name or not m.agent_metadata:
+                step.add(
+                    Verdict.FAIL,
+                    f"rank {m.rank} publishes no transport agent: it cannot take part in a "
+                    "transfer",
+                    side=role,
+                    next_action=f"check the {role} server's log for why its NIXL agent did "
+                    "not start",
+                )
+        step.figures[role] = [
+            {
+                "rank": r.metadata.rank,
+                "engine_id": r.metadata.engine_id,
+                "incarnation": r.metadata.incarnation,
+                "role": r.metadata.role,
+                "kvpush_version": r.peer_kvpush_version,
+                "protocol_version": r.peer_protocol_version,
+                "compat_hash": r.compat_hash,
+                "agent_name": r.metadata.agent_name,
+                "round_trip_ms": round(r.round_trip_s * 1000, 3),
+            }
+            for r in found
+        ]
+    if len(seen.ranks) < 2:
+        return
+    p, d = seen.ranks["prefill"][0].metadata, seen.ranks["decode"][0].metadata
+    if p.engine_id == d.engine_id:
+        step.add(
+            Verdict.FAIL,
+            f"--prefill and --decode reach the same engine ({p.engine_id})",
+            next_action="give --decode the decode server's side channel",
+        )
+    if options.token is not None:
+        step.add(
+            Verdict.OK,
+            "the token is proven both ways: each side checked the doctor's proof and proved "
+            "it holds the same token (so the two servers share it)",
+        )
+    else:
+        step.add(
+            Verdict.WARN,
+            "no token: both side channels answer anyone who can reach them, and what they "
+            "publish (agent metadata, message keys) is what a forged data-plane message needs",
+            next_action="give both servers the same secret (kvpush serve --token-file FILE, or "
+            "KVPUSH_TOKEN), and the doctor too",
+        )
+
+
+def _fetch_ranks(role: str, options: DoctorOptions, step: StepResult) -> list[FetchResult] | None:
+    """Every rank the side channel serves, asked for in order until one is unknown."""
+    t = options.target(role)
+    found: list[FetchResult] = []
+    for rank in range(MAX_RANKS + 1):
+        try:
+            found.append(
+                fetch_metadata_timed(
+                    t.host, t.port, rank, timeout_ms=options.timeout_ms, token=options.token
+                )
+            )
+        except UnknownRank as exc:
+            if rank == 0:
+                step.add(
+                    Verdict.FAIL,
+                    f"it serves no rank 0: {exc}",
+                    side=role,
+                    next_action=f"check that --{role} names a kvpush side channel whose "
+                    "ranks have started",
+                )
+                return None
+            return found
+        except SideChannelError as exc:
+            step.add(
+                Verdict.FAIL,
+                f"{type(exc).__name__}: {exc}",
+                side=role,
+                next_action=_side_channel_action(role, exc, options),
+            )
+            return None
+    step.add(
+        Verdict.WARN,
+        f"it answers for every rank the doctor asked (0..{MAX_RANKS}); the rest were not read",
+        side=role,
+        next_action="check the server's tensor-parallel size",
+    )
+    return found
+
+
+def _side_channel_action(role: str, exc: SideChannelError, options: DoctorOptions) -> str:
+    if isinstance(exc, AuthenticationRefused):
+        if options.token is None:
+            return (
+                f"the {role} server needs the shared token: give it to the doctor "
+                "(--token-file FILE, or KVPUSH_TOKEN)"
+            )
+        if "none configured" in str(exc):
+            return (
+                f"the {role} server has no token: start it with --token-file FILE (or "
+                "KVPUSH_TOKEN), the same secret as its peer"
+            )
+        return (
+            f"the {role} server holds another token than the one given: give both servers "
+            "and the doctor the same secret (kvpush serve --token-file FILE, or KVPUSH_TOKEN)"
+        )
+    if isinstance(exc, IncompatiblePeer):
+        return "run the same kvpush version on both servers (and the doctor)"
+    if isinstance(exc, PeerUnreachable):
+        text = str(exc)
+        if "connected, but" in text:
+            return _stopped_action(role, "side channel")
+        if "closed the connection" in text:
+            return (
+                f"check that --{role} is the side-channel port and not the HTTP port; a "
+                "kvpush side channel drops only frames over its size cap"
+            )
+        return f"start the {role} server, or give --{role} the port its side channel uses"
+    if isinstance(exc, MalformedReply):
+        return f"check that --{role} names a kvpush side channel (of kvpush {__version__})"
+    return f"check the {role} server's log: a rank that cannot produce its metadata is named there"
+
+
+# --------------------------------------------------------------------- 3: compatibility
+
+_FIELD_ACTION = {
+    "block_size_tokens": "start both servers with the same --block-size",
+    "dtype": "serve the same model dtype (and KV cache dtype) on both servers",
+    "layout": "use the same KV cache layout (attention backend) on both servers",
+    "mode": "run both servers in push mode",
+    "protocol_version": "run the same kvpush version on both servers",
+    "regions": "serve the same model, with the same tensor-parallel layout, on both servers "
+    "(each rank's layers, KV heads and head size must match)",
+}
+
+
+def _compatibility(options: DoctorOptions, seen: _Observed, step: StepResult) -> None:
+    p_ranks, d_ranks = seen.ranks["prefill"], seen.ranks["decode"]
+    if len(p_ranks) != len(d_ranks):
+        step.add(
+            Verdict.FAIL,
+            f"prefill serves {len(p_ranks)} ranks, decode {len(d_ranks)}: a transfer pairs "
+            "rank r with rank r, so one side would have ranks without a peer",
+            next_action="run both servers with the same tensor-parallel size",
+        )
+    for p, d in zip(p_ranks, d_ranks, strict=False):
+        rank = p.metadata.rank
+        differences = geometry_differences(p.metadata.geometry, d.metadata.geometry)
+        if not differences:
+            step.add(Verdict.OK, f"rank {rank}: compatible (hash {p.compat_hash})")
+            continue
+        for key, text in differences:
+            step.add(
+                Verdict.FAIL,
+                f"rank {rank}: {text}",
+                next_action=_FIELD_ACTION.get(key, "make the two servers' caches agree"),
+            )
+        step.add(
+            Verdict.FAIL,
+            f"rank {rank}: a transfer would be refused (compat hash prefill {p.compat_hash}, "
+            f"decode {d.compat_hash})",
+            next_action="fix the fields above; kvpush refuses the pair before any write",
+        )
+    for role, ranks in (("prefill", p_ranks), ("decode", d_ranks)):
+        step.figures[role] = [_geometry_figures(r.metadata.geometry) for r in ranks]
+
+
+def geometry_differences(prefill: CacheGeometry, decode: CacheGeometry) -> list[tuple[str, str]]:
+    """(field, phrase) for every compatibility field that differs, naming both sides."""
+    ours, theirs = prefill.compat_fields(), decode.compat_fields()
+    out = []
+    for key in sorted(set(ours) | set(theirs)):
+        a, b = ours.get(key), theirs.get(key)
+        if a == b:
+            continue
+        if key == "regions":
+            out.append((key, _region_difference(prefill, decode)))
+        else:
+            out.append((key, f"{key} differs: prefill {a!r}, decode {b!r}"))
+    return out
+
+
+def _region_difference(prefill: CacheGeometry, decode: CacheGeometry) -> str:
+    a, b = prefill.regions, decode.regions
+    if len(a) != len(b):
+        return (
+            f"regions differ: prefill registers {len(a)} ({prefill.num_layers} layers), "
+            f"decode {len(b)} ({decode.num_layers} layers)"
+        )
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        for name in ("name", "layer", "block_bytes"):
+            if getattr(x, name) != getattr(y, name):
+                return (
+                    f"regions differ first at #{i} in {name}: prefill {x.name} (layer "
+                    f"{x.layer}, {x.block_bytes} bytes per block), decode {y.name} (layer "
+                    f"{y.layer}, {y.block_bytes} bytes per block)"
+                )
+    return "regions differ"
+
+
+def _geometry_figures(g: CacheGeometry) -> dict[str, object]:
+    return {
+        "layout": g.layout,
+        "dtype": g.dtype,
+        "block_size_tokens": g.block_size_tokens,
+        "mode": g.mode,
+        "num_layers": g.num_layers,
+        "regions": len(g.regions),
+        "num_blocks": g.num_blocks,
+        "bytes_per_block": g.bytes_per_block,
+        "registered_bytes": g.total_bytes,
+        "devices": sorted({r.device for r in g.regions}),
+    }
+
+
+# ------------------------------------------------------------------------ 4: data plane
+
+
+def _data_plane(options: DoctorOptions, seen: _Observed, step: StepResult) -> None:
+    step.add(
+        Verdict.SKIP,
+        "not checked by this version: a real write between the two servers' agents needs "
+        "a scratch region that the servers do not register yet",
+    )
+
+
+# -------------------------------------------------------------- 5: liveness and clocks
+
+
+def _liveness(options: DoctorOptions, seen: _Observed, step: StepResult) -> None:
+    deadlines: dict[str, float] = {}
+    for role in ROLES:
+        t = options.target(role)
+        samples: list[float] = []
+        for _ in range(options.round_trip_samples):
+            try:
+                r = fetch_metadata_timed(
+                    t.host, t.port, 0, timeout_ms=options.timeout_ms, token=options.token
+                )
+            except SideChannelError as exc:
+                step.add(
+                    Verdict.FAIL,
+                    f"it stopped answering: {type(exc).__name__}: {exc}",
+                    side=role,
+                    next_action=_side_channel_action(role, exc, options),
+                )
+                break
+            samples.append(r.round_trip_s * 1000)
+        figures: dict[str, object] = {}
+        if samples:
+            median = statistics.median(samples)
+            figures["side_channel_round_trip_ms"] = {
+                "min": round(min(samples), 3),
+                "median": round(median, 3),
+                "max": round(max(samples), 3),
+                "samples": len(samples),
+            }
+            text = (
+                f"side-channel round trip (connect, request, reply) over {len(samples)} tries: "
+                f"min {min(samples):.2f} ms, median {median:.2f} ms, max {max(samples):.2f} ms"
+            )
+            if median > SLOW_ROUND_TRIP_MS:
+                step.add(
+                    Verdict.WARN,
+                    text,
+                    side=role,
+                    next_action=f"the {role} server answers slowly: check its host's load "
+                    "and the network path between the servers",
+                )
+            else:
+                step.add(Verdict.OK, text, side=role)
+        health = seen.health.get(role, {})
+        for key in ("transfer_deadline_s", "queue_timeout_s"):
+            value = health.get(key)
+            if isinstance(value, int | float):
+                figures[key] = value
+        if "transfer_deadline_s" in figures:
+            deadlines[role] = float(figures["transfer_deadline_s"])  # type: ignore[arg-type]
+            shown = ", ".join(
+                f"{k.replace('_s', '')} {figures[k]} s"
+                for k in ("transfer_deadline_s", "queue_timeout_s")
+                if k in figures
+            )
+            step.add(Verdict.OK, f"in force: {shown.replace('_', ' ')}", side=role)
+        step.figures[role] = figures
+    queue = seen.health.get("decode", {}).get("queue_timeout_s")
+    if isinstance(queue, int | float):
+        for role, deadline in deadlines.items():
+            if deadline <= queue:
+                step.add(
+                    Verdict.WARN,
+                    f"the {role} server's transfer deadline ({deadline} s) is not above the "
+                    f"decode server's queue timeout ({queue} s): a request that waits in the "
+                    "decode queue for KV blocks can see its transfer fail first",
+                    side=role,
+                    next_action=f"start the {role} server with --transfer-deadline-s above "
+                    f"{queue} (the decode server's --queue-timeout-s)",
+                )
+    if not deadlines:
+        step.add(
+            Verdict.OK,
+            "transfer deadlines: not known (give --prefill-http and --decode-http to read them)",
+        )
+    step.add(
+        Verdict.OK,
+        "clock difference between the servers: not measured by this version (the servers "
+        "do not publish what their leases observed)",
+    )
+
+
+# ---------------------------------------------------------------------------- 6: health
+
+
+def _health(options: DoctorOptions, seen: _Observed, step: StepResult) -> None:
+    asked = [r for r in ROLES if options.target(r).http is not None]
+    if not asked:
+        step.add(
+            Verdict.SKIP,
+            "not checked: no HTTP URLs given (--prefill-http, --decode-http)",
+        )
+        return
+    for role in asked:
+        _one_health(role, options, seen, step)
+
+
+def _one_health(role: str, options: DoctorOptions, seen: _Observed, step: StepResult) -> None:
+    base = options.target(role).http
+    assert base is not None
+    body = seen.health.get(role, {})
+    status = body.get("status")
+    figures: dict[str, object] = {"status": status}
+    if status != "ok":
+        failure = body.get("runtime_failure") or body.get("side_channel_failure") or ""
+        step.add(
+            Verdict.FAIL,
+            f"/health says {status!r} ({seen.health_status.get(role)}){': ' if failure else ''}"
+            f"{failure}",
+            side=role,
+            next_action=f"restart the {role} server; its log says why it stopped serving",
+        )
+    try:
+        samples = get_metrics(base, options.timeout_s)
+    except HttpFailed as exc:
+        step.add(
+            Verdict.FAIL,
+            str(exc),
+            side=role,
+            next_action=_stopped_action(role, "HTTP port")
+            if exc.timed_out
+            else f"check that --{role}-http is a kvpush server",
+        )
+        step.figures[role] = figures
+        return
+    figures.update(_metric_figures(samples))
+    transfers = body.get("transfers")
+    if isinstance(transfers, dict):
+        figures["runtime"] = transfers
+    requests = body.get("side_channel_requests")
+    if isinstance(requests, dict):
+        figures["side_channel_requests"] = requests
+    step.figures[role] = figures
+    held, blocks = figures.get("kv_blocks_held"), figures.get("kv_blocks_total")
+    in_flight = transfers.get("in_flight") if isinstance(transfers, dict) else None
+    parts = [f"blocks held {_n(held)} of {_n(blocks)}"]
+    if in_flight is not None:
+        parts.append(f"transfers in flight {in_flight}")
+    parts.append(
+        f"requests running {_n(figures.get('requests_running'))}, waiting "
+        f"{_n(figures.get('requests_waiting'))}"
+    )
+    parts.append(
+        f"transfers finished {_n(figures.get('transfers_finished'))}, failed "
+        f"{_n(figures.get('transfers_failed'))}"
+    )
+    step.add(Verdict.OK, "; ".join(parts), side=role)
+    failures = figures.get("transfer_failures")
+    if isinstance(failures, dict) and failures:
+        step.add(
+            Verdict.WARN,
+            "transfers have failed since it started: "
+            + ", ".join(f"{k} {v:g}" for k, v in sorted(failures.items())),
+            side=role,
+            next_action=f"read the {role} server's log for those transfers; "
+            "peer_timeout: raise --transfer-deadline-s or find the stalled peer",
+        )
+    forged = transfers.get("forged_messages") if isinstance(transfers, dict) else None
+    if isinstance(forged, dict) and forged:
+        step.add(
+            Verdict.WARN,
+            "data-plane messages dropped unread because of who sent them: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(forged.items())),
+            side=role,
+            next_action="something that is not a verified peer is writing to this server's "
+            "agent: set a token on both servers, and find that agent's host",
+        )
+    elif isinstance(transfers, dict):
+        step.add(Verdict.OK, "no forged or dropped data-plane messages", side=role)
+    if isinstance(requests, dict):
+        bad = {k: v for k, v in requests.items() if k in _BAD_REQUESTS and v}
+        if bad:
+            step.add(
+                Verdict.WARN,
+                "side-channel requests refused or dropped since it started: "
+                + ", ".join(f"{k} {v}" for k, v in sorted(bad.items())),
+                side=role,
+                next_action="a client without the token, or of another kvpush version, "
+                "asks this side channel: check its peers' --token-file and versions",
+            )
+
+
+_BAD_REQUESTS = ("refused_auth", "malformed", "dropped", "internal_errors")
+
+
+def _n(value: object) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return "?" if value is None else str(value)
+
+
+def _metric_figures(samples: list[Sample]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, name in (
+        ("kv_blocks_total", "kvpush_kv_blocks_total"),
+        ("kv_blocks_held", "kvpush_kv_blocks_held"),
+        ("requests_running", "kvpush_requests_running"),
+        ("requests_waiting", "kvpush_requests_waiting"),
+        ("transfer_bytes", "kvpush_transfer_bytes_total"),
+        ("transfers_rejected", "kvpush_transfers_rejected_total"),
+    ):
+        out[key] = total(samples, name)
+    out["transfers_finished"] = total(samples, "kvpush_transfers_total", outcome="finished") or 0
+    failures: dict[str, float] = {}
+    for s in samples:
+        if s.name == "kvpush_transfers_total" and s.labels.get("outcome") == "failed":
+            reason = s.labels.get("reason", "unknown")
+            failures[reason] = failures.get(reason, 0) + s.value
+    out["transfers_failed"] = sum(failures.values())
+    out["transfer_failures"] = failures
+    return out
+
+
+_Check = Callable[[DoctorOptions, _Observed, StepResult], None]
+_STEPS: tuple[tuple[int, str, _Check], ...] = (
+    (1, "addresses", _addresses),
+    (2, "side channel", _side_channel),
+    (3, "compatibility", _compatibility),
+    (4, "data plane", _data_plane),
+    (5, "liveness and clocks", _liveness),
+    (6, "health", _health),
+)

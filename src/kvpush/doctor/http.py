@@ -1,0 +1,119 @@
+"""A server's `/health` (JSON) and `/metrics` (Prometheus text), each fetched once with a
+deadline. Standard library only: the doctor runs where the serving extras are not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from kvpush.errors import AddressError
+
+
+def base_url(url: str) -> str:
+    """`http://h:p` from `http://h:p`, `http://h:p/` or `http://h:p/health`."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise AddressError(f"bad HTTP URL {url!r}: expected http://HOST:PORT")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+class HttpFailed(Exception):
+    """No usable answer; the message says why (timeout, refused, not JSON)."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+@dataclass(frozen=True, slots=True)
+class HttpAnswer:
+    status: int
+    body: str
+    ms: float
+
+
+def get(url: str, timeout_s: float) -> HttpAnswer:
+    started = time.perf_counter()
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+            status, body = reply.status, reply.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:  # a 503 from /health still has a body to read
+        status, body = exc.code, exc.read().decode(errors="replace")
+    except TimeoutError:
+        raise HttpFailed(
+            f"GET {url}: no answer within {timeout_s * 1000:.0f} ms", timed_out=True
+        ) from None
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        if isinstance(reason, TimeoutError):
+            raise HttpFailed(
+                f"GET {url}: no answer within {timeout_s * 1000:.0f} ms", timed_out=True
+            ) from None
+        text = getattr(reason, "strerror", None) or str(reason)
+        raise HttpFailed(f"GET {url}: {text}") from None
+    except (OSError, ValueError) as exc:
+        raise HttpFailed(f"GET {url}: {exc}") from None
+    return HttpAnswer(status, body, (time.perf_counter() - started) * 1000)
+
+
+def get_health(base: str, timeout_s: float) -> tuple[int, dict[str, object]]:
+    answer = get(f"{base}/health", timeout_s)
+    try:
+        body = json.loads(answer.body)
+    except ValueError:
+        raise HttpFailed(
+            f"GET {base}/health answered {answer.status} with a body that is not JSON"
+        ) from None
+    if not isinstance(body, dict):
+        raise HttpFailed(f"GET {base}/health answered {answer.status} with JSON that is no object")
+    return answer.status, body
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+def parse_metrics(text: str) -> list[Sample]:
+    """The samples of a Prometheus text exposition; comments and odd lines are skipped."""
+    out = []
+    for line in text.splitlines():
+        match = _SAMPLE.match(line.strip())
+        if match is None:
+            continue
+        name, labels, value = match.groups()
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        out.append(Sample(name, dict(_LABEL.findall(labels or "")), number))
+    return out
+
+
+def get_metrics(base: str, timeout_s: float) -> list[Sample]:
+    answer = get(f"{base}/metrics", timeout_s)
+    if answer.status != 200:
+        raise HttpFailed(f"GET {base}/metrics answered {answer.status}")
+    return parse_metrics(answer.body)
+
+
+def total(samples: list[Sample], name: str, **labels: str) -> float | None:
+    """The sum of `name`'s samples whose labels include `labels`; None if there are none."""
+    chosen = [
+        s.value
+        for s in samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+    return sum(chosen) if chosen else None
