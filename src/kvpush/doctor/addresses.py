@@ -139,7 +139,6 @@ def pair_problems(side: SideAddress, peer: SideAddress) -> list[tuple[str, str]]
     so a loopback address on one side works only when the other side is on the same host.
     """
     out: list[tuple[str, str]] = []
-    flag = "--host" if side.advertised_host is not None else "its address"
     advertised = side.advertised_host
     if advertised is not None and is_wildcard(advertised):
         out.append(
@@ -168,8 +167,9 @@ def pair_problems(side: SideAddress, peer: SideAddress) -> list[tuple[str, str]]
             (
                 f"its side channel is on loopback ({shown}) while the {peer.role} server "
                 f"({where(peer)}) is on another host: the {peer.role} server cannot reach it",
-                f"start the {side.role} server with {flag} set to an address of its host "
-                f"that {peer.host} can reach, and give the doctor that address",
+                f"start the {side.role} server with --host set to an address of its host "
+                f"that {peer.host} can reach (vLLM: kv_connector_extra_config "
+                "side_channel_host), and give the doctor that address",
             )
         )
     return out
