@@ -1,0 +1,409 @@
+"""`kvpush doctor` against live `kvpush serve` prefill/decode pairs, on 127.0.0.1 and ::1.
+
+One pair per address family, shared by the module (servers are slow to start on a small
+host); the tests that break something (a wrong token, a stopped process) leave the pair
+as they found it. The healthy pair's test runs first: later cases count in its servers'
+side-channel statistics (a wrong token is a refused request there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush.cli import main
+from kvpush.doctor.addresses import ResolvedAddress, SideAddress, pair_problems
+from kvpush.net import bracket_host
+from kvpush.procs.readiness import free_port
+from kvpush.procs.server_process import ServerProcess
+from kvpush.serving.checkpoint import make_model
+
+pytestmark = pytest.mark.timeout(240)
+servers = pytest.mark.nixl  # the cases that start prefill and decode servers (NIXL agents)
+
+TOKEN = "doctor-test-secret"
+PREFILL_BLOCKS, DECODE_BLOCKS = 40, 48
+PREFILL_DEADLINE_S, DECODE_DEADLINE_S, QUEUE_TIMEOUT_S = 45.0, 50.0, 20.0
+
+
+@dataclass
+class Pair:
+    host: str
+    prefill: ServerProcess
+    decode: ServerProcess
+    token_file: Path
+
+    def side(self, server: ServerProcess) -> str:
+        assert server.side_channel_port is not None
+        return f"{bracket_host(self.host)}:{server.side_channel_port}"
+
+    def args(self, *, http: bool = True, token: bool = True) -> list[str]:
+        out = ["--prefill", self.side(self.prefill), "--decode", self.side(self.decode)]
+        if http:
+            out += ["--prefill-http", self.prefill.url, "--decode-http", self.decode.url]
+        if token:
+            out += ["--token-file", str(self.token_file)]
+        return out
+
+
+def _server(
+    name: str, host: str, role: str, model: Path, log_dir: Path, *extra: str
+) -> ServerProcess:
+    port, side = free_port(host), free_port(host)
+    args = ["serve", "--role", role, "--model", str(model), "--host", host, "--port", str(port)]
+    args += ["--side-channel-port", str(side), "--block-size", "8", *extra]
+    env = {k: v for k, v in os.environ.items() if k != "KVPUSH_TOKEN"}
+    return ServerProcess(
+        name, args, host=host, port=port, log_dir=log_dir, side_channel_port=side, env=env
+    )
+
+
+@pytest.fixture(scope="module", params=["127.0.0.1", "::1"], ids=["ipv4", "ipv6"])
+def pair(
+    request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pair]:
+    host = request.param
+    log_dir = tmp_path_factory.mktemp("doctor-logs")
+    token_file = log_dir / "token"
+    token_file.write_text(TOKEN)
+    token = ["--token-file", str(token_file)]
+    prefill = _server(
+        "prefill",
+        host,
+        "prefill",
+        model_dir,
+        log_dir,
+        "--num-blocks",
+        str(PREFILL_BLOCKS),
+        "--transfer-deadline-s",
+        str(PREFILL_DEADLINE_S),
+        *token,
+    )
+    decode = _server(
+        "decode",
+        host,
+        "decode",
+        model_dir,
+        log_dir,
+        "--num-blocks",
+        str(DECODE_BLOCKS),
+        "--transfer-deadline-s",
+        str(DECODE_DEADLINE_S),
+        "--queue-timeout-s",
+        str(QUEUE_TIMEOUT_S),
+        *token,
+    )
+    try:
+        for s in (prefill, decode):
+            s.start()
+        for s in (prefill, decode):
+            s.wait_ready(120)
+        yield Pair(host, prefill, decode, token_file)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The doctor reads $KVPUSH_TOKEN when no --token-file is given; each case says its own.
+    monkeypatch.delenv("KVPUSH_TOKEN", raising=False)
+
+
+def _doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["doctor", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _doctor_json(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any]]:
+    code, out, _ = _doctor(capsys, *args, "--json")
+    return code, json.loads(out)
+
+
+def _verdicts(report: dict[str, Any]) -> list[str]:
+    return [s["verdict"] for s in report["steps"]]
+
+
+def _findings(report: dict[str, Any], step: int, verdict: str) -> list[dict[str, Any]]:
+    return [f for f in report["steps"][step - 1]["findings"] if f["verdict"] == verdict]
+
+
+@servers
+def test_a_healthy_pair_is_all_ok_with_figures(
+    pair: Pair, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, report = _doctor_json(capsys, *pair.args())
+    assert (code, report["verdict"], report["exit_code"]) == (0, "ok", 0), report
+    # Every step checked but the data plane, which this version does not check.
+    assert _verdicts(report) == ["ok", "ok", "ok", "skip", "ok", "ok"]
+    steps = {s["name"]: s for s in report["steps"]}
+    family = "IPv6" if ":" in pair.host else "IPv4"
+    for role, server in (("prefill", pair.prefill), ("decode", pair.decode)):
+        addresses = steps["addresses"]["figures"][role]
+        assert addresses["advertised_host"] == pair.host
+        [found] = addresses["addresses"]
+        assert (found["ip"], found["family"], found["loopback"]) == (pair.host, family, True)
+        assert found["tcp_ms"] > 0
+        [rank] = steps["side channel"]["figures"][role]
+        assert rank["rank"] == 0 and rank["protocol_version"] == 4
+        assert rank["engine_id"].startswith(f"{role}-")
+        assert rank["role"] == ("sender" if role == "prefill" else "receiver")
+        [geometry] = steps["compatibility"]["figures"][role]
+        blocks = PREFILL_BLOCKS if role == "prefill" else DECODE_BLOCKS
+        assert (geometry["block_size_tokens"], geometry["num_blocks"]) == (8, blocks)
+        assert geometry["num_layers"] == 2 and geometry["devices"] == ["cpu"]
+        live = steps["liveness and clocks"]["figures"][role]
+        rtt = live["side_channel_round_trip_ms"]
+        assert 0 < rtt["min"] <= rtt["median"] <= rtt["max"] and rtt["samples"] == 5
+        health = steps["health"]["figures"][role]
+        assert health["status"] == "ok"
+        assert (health["kv_blocks_total"], health["kv_blocks_held"]) == (blocks, 0)
+        assert health["runtime"]["in_flight"] == 0
+        assert health["runtime"]["forged_messages"] == {}
+        assert health["side_channel_requests"]["served"] > 0
+        assert server.url in json.dumps(steps["addresses"]["findings"])
+    live = steps["liveness and clocks"]["figures"]
+    assert live["prefill"]["transfer_deadline_s"] == PREFILL_DEADLINE_S
+    assert live["decode"]["transfer_deadline_s"] == DECODE_DEADLINE_S
+    assert live["decode"]["queue_timeout_s"] == QUEUE_TIMEOUT_S
+    assert any("proven both ways" in f["text"] for f in _findings(report, 2, "ok"))
+
+    # The text report says the same, from the same Report.
+    code, text, _ = _doctor(capsys, *pair.args())
+    assert code == 0
+    lines = text.splitlines()
+    assert lines[0] == f"kvpush doctor: prefill {pair.side(pair.prefill)}, decode " + pair.side(
+        pair.decode
+    )
+    heads = [line for line in lines if line.startswith("[")]
+    assert [h.split()[0] for h in heads] == [f"[{v}]" for v in _verdicts(report)]
+    assert lines[-1] == "verdict: ok (0 failing steps, 0 with warnings, not checked: 4)"
+    assert f"blocks held 0 of {DECODE_BLOCKS}" in text
+    assert "transfer deadline 50.0 s, queue timeout 20.0 s" in text
+
+
+@servers
+def test_a_wrong_or_missing_token_fails_the_side_channel_step(
+    pair: Pair, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-secret")
+    code, report = _doctor_json(capsys, *pair.args(token=False), "--token-file", str(wrong))
+    assert code == 1
+    assert _verdicts(report) == ["ok", "fail", "skip", "skip", "skip", "skip"]
+    assert report["steps"][2]["not_run_because"] == "step 2 (side channel) failed"
+    fails = _findings(report, 2, "fail")
+    assert [f["side"] for f in fails] == ["prefill", "decode"]
+    for f in fails:
+        assert f["text"].startswith("AuthenticationRefused: ") and "wrong token" in f["text"]
+        assert "holds another token than the one given" in f["next_action"]
+        assert "--token-file" in f["next_action"]
+
+    code, report = _doctor_json(capsys, *pair.args(token=False))
+    assert code == 1
+    [first, _] = _findings(report, 2, "fail")
+    assert "no token given" in first["text"]
+    assert first["next_action"].startswith("the prefill server needs the shared token")
+
+
+@servers
+def test_incompatible_caches_name_every_differing_field(
+    pair: Pair,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # A decode server with another model (3 layers, not 2) and another block size.
+    other_model = tmp_path_factory.mktemp("three-layers")
+    make_model(other_model, seed=3, num_layers=3)
+    odd = _server(
+        "decode-odd",
+        pair.host,
+        "decode",
+        other_model,
+        tmp_path_factory.mktemp("odd-logs"),
+        "--block-size",
+        "16",
+        "--token-file",
+        str(pair.token_file),
+    )
+    with odd:
+        odd.wait_ready(120)
+        assert odd.side_channel_port is not None
+        side = f"{bracket_host(pair.host)}:{odd.side_channel_port}"
+        args = ["--prefill", pair.side(pair.prefill), "--decode", side]
+        code, report = _doctor_json(capsys, *args, "--token-file", str(pair.token_file))
+        text_code, text, _ = _doctor(capsys, *args, "--token-file", str(pair.token_file))
+    assert (code, text_code) == (1, 1)
+    assert _verdicts(report) == ["ok", "ok", "fail", "skip", "skip", "skip"]
+    fails = [(f["text"], f["next_action"]) for f in _findings(report, 3, "fail")]
+    assert fails[:2] == [
+        (
+            "rank 0: block_size_tokens differs: prefill 8, decode 16",
+            "start both servers with the same --block-size",
+        ),
+        (
+            "rank 0: regions differ: prefill registers 4 (2 layers), decode 6 (3 layers)",
+            "serve the same model, with the same tensor-parallel layout, on both servers "
+            "(each rank's layers, KV heads and head size must match)",
+        ),
+    ]
+    assert fails[2][0].startswith("rank 0: a transfer would be refused (compat hash prefill ")
+    assert len(fails) == 3
+    assert "FAIL: rank 0: block_size_tokens differs: prefill 8, decode 16" in text
+    assert "next: start both servers with the same --block-size" in text
+
+
+@servers
+def test_nothing_listening_fails_the_address_step_naming_the_port(
+    pair: Pair, capsys: pytest.CaptureFixture[str]
+) -> None:
+    closed = free_port(pair.host)
+    started = time.monotonic()
+    code, report = _doctor_json(
+        capsys,
+        "--prefill",
+        pair.side(pair.prefill),
+        "--decode",
+        f"{bracket_host(pair.host)}:{closed}",
+        "--token-file",
+        str(pair.token_file),
+    )
+    assert time.monotonic() - started < 10  # refused at once, not a timeout
+    assert code == 1
+    assert _verdicts(report) == ["fail", "skip", "skip", "skip", "skip", "skip"]
+    [fail] = _findings(report, 1, "fail")
+    assert fail["side"] == "decode"
+    assert f"nothing answers TCP on port {closed}" in fail["text"]
+    assert "connection refused" in fail["text"]
+    assert fail["next_action"].startswith("start the decode server, or give --decode the port")
+    [ok] = _findings(report, 1, "ok")
+    assert ok["side"] == "prefill"
+
+
+@servers
+def test_http_urls_of_the_wrong_server_are_named(
+    pair: Pair, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --decode-http names the prefill server: its side channel is not --decode's.
+    args = ["--prefill", pair.side(pair.prefill), "--decode", pair.side(pair.decode)]
+    args += ["--decode-http", pair.prefill.url, "--token-file", str(pair.token_file)]
+    code, report = _doctor_json(capsys, *args)
+    assert code == 1
+    assert _verdicts(report)[0] == "fail"
+    texts = [f["text"] for f in _findings(report, 1, "fail")]
+    assert texts == [
+        f"{pair.prefill.url} is a server whose side channel is on port "
+        f"{pair.prefill.side_channel_port}, not {pair.decode.side_channel_port}: --decode and "
+        "--decode-http name different servers",
+        f"{pair.prefill.url} serves the prefill role, not decode",
+    ]
+
+
+@servers
+def test_a_stopped_decode_fails_within_the_timeout_with_the_next_action(
+    pair: Pair, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pid = pair.decode.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        code, report = _doctor_json(capsys, *pair.args(http=False), "--timeout-ms", "1000")
+        side_channel_s = time.monotonic() - started
+        started = time.monotonic()
+        http_code, http_report = _doctor_json(capsys, *pair.args(), "--timeout-ms", "1000")
+        http_s = time.monotonic() - started
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # One bounded wait each, not a hang: the kernel still accepts its TCP connections.
+    assert side_channel_s < 8 and http_s < 8, (side_channel_s, http_s)
+    assert code == 1
+    assert _verdicts(report) == ["ok", "fail", "skip", "skip", "skip", "skip"]
+    [fail] = _findings(report, 2, "fail")
+    assert fail["side"] == "decode"
+    assert "connected, but no answer within 1000 ms" in fail["text"]
+    assert "it is stopped (SIGSTOP, a debugger), hung or overloaded" in fail["next_action"]
+    assert "kill -CONT PID" in fail["next_action"]
+    # With its HTTP URL, the silent /health is found first, in step 1.
+    assert http_code == 1
+    assert _verdicts(http_report)[:2] == ["fail", "skip"]
+    [fail] = _findings(http_report, 1, "fail")
+    assert fail["text"] == f"GET {pair.decode.url}/health: no answer within 1000 ms"
+    assert "accepts connections on its HTTP port but does not answer" in fail["next_action"]
+    # Resumed, it is whole again.
+    code, report = _doctor_json(capsys, *pair.args(http=False))
+    assert (code, _verdicts(report)[:3]) == (0, ["ok", "ok", "ok"])
+
+
+# ------------------------------------------------------------------ no servers needed
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prefill", "::1:5", "--decode", "h:6"], "an IPv6 host must be bracketed"),
+        (["--prefill", "h:5", "--decode", "h:x"], "bad port in 'h:x'"),
+        (["--prefill", "h:5", "--decode", "h:6", "--timeout-ms", "0"], "must be positive"),
+        (["--prefill", "h:5", "--decode", "h:6", "--prefill-http", "h:80"], "bad HTTP URL"),
+        (["--prefill", "h:5"], "the following arguments are required: --decode"),
+    ],
+)
+def test_usage_errors_exit_2(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _doctor(capsys, *args)
+    assert (code, out) == (2, "")
+    assert message in err
+
+
+def _side(
+    role: str, host: str, ip: str, *, local: bool, advertised: str | None = None
+) -> SideAddress:
+    family = "IPv6" if ":" in ip else "IPv4"
+    loopback = ip in ("127.0.0.1", "::1")
+    found = ResolvedAddress(ip, family, loopback, local, tcp_ms=0.1)
+    return SideAddress(role, host, 5600, (found,), advertised)
+
+
+def test_a_loopback_side_channel_with_its_peer_on_another_host_is_a_fail() -> None:
+    prefill = _side("prefill", "127.0.0.1", "127.0.0.1", local=True)
+    # 198.51.100.7 (TEST-NET-2) is no address of this host.
+    decode = _side("decode", "198.51.100.7", "198.51.100.7", local=False)
+    [(problem, action)] = pair_problems(prefill, decode)
+    assert problem == (
+        "its side channel is on loopback (127.0.0.1) while the decode server "
+        "(198.51.100.7:5600) is on another host: the decode server cannot reach it"
+    )
+    assert action.startswith("start the prefill server with --host set to an address of its host")
+    assert pair_problems(decode, prefill) == []
+    # Both on this host: loopback is fine.
+    here = _side("decode", "::1", "::1", local=True)
+    assert pair_problems(prefill, here) == [] and pair_problems(here, prefill) == []
+
+
+def test_an_advertised_loopback_or_wildcard_address_is_a_fail() -> None:
+    peer = _side("prefill", "198.51.100.8", "198.51.100.8", local=False)
+    reached_elsewhere = _side(
+        "decode", "198.51.100.7", "198.51.100.7", local=False, advertised="::1"
+    )
+    problems = pair_problems(reached_elsewhere, peer)
+    assert [p for p, _ in problems] == [
+        "the doctor reached it at 198.51.100.7:5600, but it advertises its side channel as ::1 "
+        "(loopback): peers are told an address that names their own host",
+        "its side channel is on loopback (::1) while the prefill server (198.51.100.8:5600) is "
+        "on another host: the prefill server cannot reach it",
+    ]
+    assert problems[0][1].startswith("start the decode server with --host 198.51.100.7")
+    wildcard = _side("decode", "198.51.100.7", "198.51.100.7", local=False, advertised="0.0.0.0")
+    [(problem, action)] = pair_problems(wildcard, peer)
+    assert "advertised as 0.0.0.0, a wildcard" in problem
+    assert "(not 0.0.0.0 or ::)" in action
