@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from conftest import Endpoint, start_endpoint
 from kvpush.cli import main
 from kvpush.doctor.addresses import ResolvedAddress, SideAddress, pair_problems
 from kvpush.net import bracket_host
@@ -342,6 +343,77 @@ def test_a_stopped_decode_fails_within_the_timeout_with_the_next_action(
     # Resumed, it is whole again.
     code, report = _doctor_json(capsys, *pair.args(http=False))
     assert (code, _verdicts(report)[:3]) == (0, ["ok", "ok", "ok"])
+
+
+# ------------------------------------------- `kvpush endpoint`s: several ranks, no token
+
+
+@pytest.fixture(scope="module")
+def endpoints() -> Iterator[tuple[Endpoint, Endpoint]]:
+    """A sender and a receiver of 2 ranks each, with NIXL agents and no token; the
+    receiver's cache is float16 where the sender's is bfloat16."""
+    common = ["--preset", "tiny", "--blocks", "8", "--ranks", "2", "--transport", "nixl"]
+    sender = start_endpoint(*common, "--role", "sender")
+    try:
+        receiver = start_endpoint(*common, "--role", "receiver", "--dtype", "float16")
+    except BaseException:
+        sender.stop()
+        raise
+    yield sender, receiver
+    receiver.stop()
+    sender.stop()
+
+
+@servers
+def test_every_rank_is_read_and_compared_and_no_token_is_a_warning(
+    endpoints: tuple[Endpoint, Endpoint], capsys: pytest.CaptureFixture[str]
+) -> None:
+    sender, receiver = endpoints
+    code, report = _doctor_json(capsys, "--prefill", sender.address, "--decode", receiver.address)
+    assert code == 1
+    assert _verdicts(report) == ["ok", "warn", "fail", "skip", "skip", "skip"]
+    ranks = report["steps"][1]["figures"]
+    assert [r["rank"] for r in ranks["prefill"]] == [0, 1] == [r["rank"] for r in ranks["decode"]]
+    [warn] = _findings(report, 2, "warn")
+    assert warn["text"].startswith("no token: both side channels answer anyone")
+    assert (
+        "the same secret (kvpush serve --token-file FILE, or KVPUSH_TOKEN)" in warn["next_action"]
+    )
+    fails = [f["text"] for f in _findings(report, 3, "fail")]
+    assert [t for t in fails if "dtype" in t] == [
+        "rank 0: dtype differs: prefill 'bfloat16', decode 'float16'",
+        "rank 1: dtype differs: prefill 'bfloat16', decode 'float16'",
+    ]
+    assert len(fails) == 4  # per rank: the field, and that a transfer would be refused
+
+
+@servers
+def test_swapped_roles_and_a_rank_without_an_agent_fail_the_side_channel_step(
+    endpoints: tuple[Endpoint, Endpoint],
+    tiny_endpoint: Endpoint,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    sender, receiver = endpoints
+    code, report = _doctor_json(capsys, "--prefill", receiver.address, "--decode", sender.address)
+    assert code == 1
+    assert _verdicts(report)[:3] == ["ok", "fail", "skip"]
+    fails = _findings(report, 2, "fail")
+    assert [(f["side"], f["text"]) for f in fails] == [
+        ("prefill", "rank 0 publishes role 'receiver': a prefill server publishes sender or both"),
+        ("prefill", "rank 1 publishes role 'receiver': a prefill server publishes sender or both"),
+        ("decode", "rank 0 publishes role 'sender': a decode server publishes receiver or both"),
+        ("decode", "rank 1 publishes role 'sender': a decode server publishes receiver or both"),
+    ]
+    assert {f["next_action"] for f in fails} == {"swap --prefill and --decode"}
+    # An engine whose side channel runs without a transport (`--transport none`).
+    code, report = _doctor_json(
+        capsys, "--prefill", tiny_endpoint.address, "--decode", receiver.address
+    )
+    assert code == 1
+    texts = [f["text"] for f in _findings(report, 2, "fail")]
+    assert texts == [
+        f"rank {r} publishes no transport agent: it cannot take part in a transfer" for r in (0, 1)
+    ]
 
 
 # ------------------------------------------------------------------ no servers needed

@@ -642,9 +642,11 @@ def _one_health(role: str, options: DoctorOptions, seen: _Observed, step: StepRe
         f"requests running {_n(figures.get('requests_running'))}, waiting "
         f"{_n(figures.get('requests_waiting'))}"
     )
+    moved = figures.get("transfer_bytes")
     parts.append(
-        f"transfers finished {_n(figures.get('transfers_finished'))}, failed "
-        f"{_n(figures.get('transfers_failed'))}"
+        f"transfers finished {_n(figures.get('transfers_finished'))}"
+        + (f" ({_n(moved)} bytes)" if moved else "")
+        + f", failed {_n(figures.get('transfers_failed'))}"
     )
     step.add(Verdict.OK, "; ".join(parts), side=role)
     failures = figures.get("transfer_failures")
