@@ -2,15 +2,19 @@
 
 One pair per address family, shared by the module (servers are slow to start on a small
 host); the tests that break something (a wrong token, a stopped process) leave the pair
-as they found it. The healthy pair's test runs first: later cases count in its servers'
-side-channel statistics (a wrong token is a refused request there).
+as they found it. The cases that expect an all-ok report come first in the file (pytest
+runs a module's tests in order, for each pair): later cases count in the servers'
+side-channel statistics (a wrong token is a refused request there, and a warning after).
 """
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -190,6 +194,62 @@ def test_a_healthy_pair_is_all_ok_with_figures(
     assert lines[-1] == "verdict: ok (0 failing steps, 0 with warnings, not checked: 4)"
     assert f"blocks held 0 of {DECODE_BLOCKS}" in text
     assert "transfer deadline 50.0 s, queue timeout 20.0 s" in text
+
+
+class _VllmLikeHandler(http.server.BaseHTTPRequestHandler):
+    """What a vLLM server answers: /health 200 with an empty body, vLLM's own metrics."""
+
+    def do_GET(self) -> None:
+        body = b"" if self.path == "/health" else b"vllm:num_requests_running 0.0\n"
+        self.send_response(200 if self.path in ("/health", "/metrics") else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+
+@servers
+def test_an_http_server_that_is_not_kvpush_serve_is_read_for_its_status_only(
+    pair: Pair, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server_class = type("_V6Server", (_Server,), {"address_family": socket.AF_INET6})
+    with (server_class if ":" in pair.host else _Server)((pair.host, 0), _VllmLikeHandler) as fake:
+        thread = threading.Thread(target=fake.serve_forever, daemon=True)
+        thread.start()
+        url = f"http://{bracket_host(pair.host)}:{fake.server_address[1]}"
+        try:
+            code, report = _doctor_json(
+                capsys,
+                *pair.args(http=False),
+                "--prefill-http",
+                url,
+                "--decode-http",
+                pair.decode.url,
+            )
+        finally:
+            fake.shutdown()
+            thread.join(10)
+    assert (code, report["verdict"]) == (0, "ok"), report
+    assert _verdicts(report) == ["ok", "ok", "ok", "skip", "ok", "ok"]
+    texts = [f["text"] for f in _findings(report, 1, "ok") if f["side"] == "prefill"]
+    assert texts[1] == (
+        f"{url}/health answers 200, without kvpush's fields (not a kvpush serve server?): its "
+        "advertised address and deadlines are not known"
+    )
+    assert report["steps"][0]["figures"]["prefill"]["advertised_host"] is None
+    assert "transfer_deadline_s" not in report["steps"][4]["figures"]["prefill"]
+    assert report["steps"][4]["figures"]["decode"]["transfer_deadline_s"] == DECODE_DEADLINE_S
+    [health] = [f["text"] for f in _findings(report, 6, "ok") if f["side"] == "prefill"]
+    assert health == (
+        f"{url}/metrics has no kvpush serving metrics (not a kvpush serve server?): blocks and "
+        "transfers are not known"
+    )
 
 
 @servers

@@ -201,8 +201,19 @@ def _read_health(
             "(http://HOST:PORT, the port of /v1/completions)",
         )
         return
-    seen.health[role] = body
     seen.health_status[role] = status
+    if body is None:
+        # Not a `kvpush serve` server (vLLM's /health says nothing but its status): what
+        # it advertises and the deadlines in force are unknown, its status is all there is.
+        seen.health[role] = {"status": "ok" if status == 200 else f"HTTP {status}"}
+        step.add(
+            Verdict.OK,
+            f"{base}/health answers {status}, without kvpush's fields (not a kvpush serve "
+            "server?): its advertised address and deadlines are not known",
+            side=role,
+        )
+        return
+    seen.health[role] = body
     step.add(Verdict.OK, f"{base}/health answers {status}", side=role)
 
 
@@ -430,7 +441,7 @@ def _compatibility(options: DoctorOptions, seen: _Observed, step: StepResult) ->
 def geometry_differences(prefill: CacheGeometry, decode: CacheGeometry) -> list[tuple[str, str]]:
     """(field, phrase) for every compatibility field that differs, naming both sides."""
     ours, theirs = prefill.compat_fields(), decode.compat_fields()
-    out = []
+    out: list[tuple[str, str]] = []
     for key in sorted(set(ours) | set(theirs)):
         a, b = ours.get(key), theirs.get(key)
         if a == b:
@@ -622,6 +633,15 @@ def _one_health(role: str, options: DoctorOptions, seen: _Observed, step: StepRe
             next_action=_stopped_action(role, "HTTP port")
             if exc.timed_out
             else f"check that --{role}-http is a kvpush server",
+        )
+        step.figures[role] = figures
+        return
+    if not any(s.name.startswith("kvpush_") for s in samples):
+        step.add(
+            Verdict.OK,
+            f"{base}/metrics has no kvpush serving metrics (not a kvpush serve server?): "
+            "blocks and transfers are not known",
+            side=role,
         )
         step.figures[role] = figures
         return

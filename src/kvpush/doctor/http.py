@@ -62,17 +62,15 @@ def get(url: str, timeout_s: float) -> HttpAnswer:
     return HttpAnswer(status, body, (time.perf_counter() - started) * 1000)
 
 
-def get_health(base: str, timeout_s: float) -> tuple[int, dict[str, object]]:
+def get_health(base: str, timeout_s: float) -> tuple[int, dict[str, object] | None]:
+    """The status and JSON object of `/health`; None for a body that is not a JSON object
+    (vLLM's `/health` answers 200 with an empty body)."""
     answer = get(f"{base}/health", timeout_s)
     try:
         body = json.loads(answer.body)
     except ValueError:
-        raise HttpFailed(
-            f"GET {base}/health answered {answer.status} with a body that is not JSON"
-        ) from None
-    if not isinstance(body, dict):
-        raise HttpFailed(f"GET {base}/health answered {answer.status} with JSON that is no object")
-    return answer.status, body
+        return answer.status, None
+    return answer.status, body if isinstance(body, dict) else None
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
