@@ -24,12 +24,16 @@ from typing import Any
 import pytest
 
 from conftest import Endpoint, start_endpoint
+from kvpush.bench.presets import synthetic_kv_cache
 from kvpush.cli import main
+from kvpush.config import SideChannelConfig
 from kvpush.doctor.addresses import ResolvedAddress, SideAddress, pair_problems
+from kvpush.doctor.checks import served_ranks
 from kvpush.net import bracket_host
 from kvpush.procs.readiness import free_port
 from kvpush.procs.server_process import ServerProcess
 from kvpush.serving.checkpoint import make_model
+from kvpush.sidechannel import MetadataServer, PeerMetadata
 
 pytestmark = pytest.mark.timeout(240)
 servers = pytest.mark.nixl  # the cases that start prefill and decode servers (NIXL agents)
@@ -539,3 +543,63 @@ def test_an_advertised_loopback_or_wildcard_address_is_a_fail() -> None:
     [(problem, action)] = pair_problems(wildcard, peer)
     assert "advertised as 0.0.0.0, a wildcard" in problem
     assert "(not 0.0.0.0 or ::)" in action
+
+
+# Kept alive for the module: the geometry's addresses point into it.
+_TINY = synthetic_kv_cache(preset="tiny", num_blocks=4, fill=None)
+
+
+def _meta(engine: str, role: str, rank: int) -> PeerMetadata:
+    return PeerMetadata(
+        engine_id=engine,
+        incarnation=f"{engine}-inc",
+        rank=rank,
+        role=role,
+        agent_name=f"{engine}-agent-{rank}",
+        agent_metadata=b"agent metadata",
+        geometry=_TINY.geometry,
+        kvpush_version="0.1.0",
+    )
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_a_rank_that_never_publishes_is_named(
+    host: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Ranks 0 and 2 of the prefill engine publish, rank 1 never does; the decode engine
+    # serves none yet.
+    sender = {r: _meta("engine-p", "sender", r) for r in (0, 2)}
+    receiver: dict[int, PeerMetadata] = {}
+    with (
+        MetadataServer(host, 0, SideChannelConfig(), sender) as p,
+        MetadataServer(host, 0, SideChannelConfig(), lambda: receiver) as d,
+    ):
+        args = ["--prefill", f"{bracket_host(host)}:{p.port}"]
+        args += ["--decode", f"{bracket_host(host)}:{d.port}"]
+        code, report = _doctor_json(capsys, *args)
+        assert code == 1
+        fails = [(f["side"], f["text"]) for f in _findings(report, 2, "fail")]
+        assert fails == [
+            (
+                "prefill",
+                "rank 1 is not published, while 0, 2 are: a transfer for a missing rank "
+                "cannot start",
+            ),
+            ("decode", "it publishes no rank yet: its ranks have not started, or failed to"),
+        ]
+        # Once they all publish, every rank is read, and compared.
+        sender[1] = _meta("engine-p", "sender", 1)
+        receiver.update({r: _meta("engine-d", "receiver", r) for r in range(3)})
+        code, report = _doctor_json(capsys, *args)
+    assert code == 0
+    assert _verdicts(report) == ["ok", "warn", "ok", "skip", "ok", "skip"]
+    assert [f["text"] for f in _findings(report, 3, "ok")] == [
+        f"rank {r}: compatible (hash {_TINY.geometry.compat_hash()})" for r in range(3)
+    ]
+
+
+def test_the_ranks_an_unknown_rank_refusal_names_are_read() -> None:
+    assert served_ranks("x: no rank 5 here: this engine serves ranks 0, 1") == [0, 1]
+    assert served_ranks("x: no rank 9 here: this engine serves ranks 0..7") == list(range(8))
+    assert served_ranks("x: no rank 0 here: this engine serves ranks none (yet)") == []
+    assert served_ranks("x: something else") is None

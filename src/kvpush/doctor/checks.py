@@ -9,6 +9,7 @@ server's state: it reads metadata, `/health` and `/metrics`, and opens TCP conne
 
 from __future__ import annotations
 
+import re
 import socket
 import statistics
 from collections.abc import Callable
@@ -323,10 +324,13 @@ def _side_channel(options: DoctorOptions, seen: _Observed, step: StepResult) -> 
 
 
 def _fetch_ranks(role: str, options: DoctorOptions, step: StepResult) -> list[FetchResult] | None:
-    """Every rank the side channel serves, asked for in order until one is unknown."""
+    """Every rank the side channel serves, asked for in order until one is unknown; the
+    refusal names the ranks it does serve, so a rank missing among them is named too."""
     t = options.target(role)
     found: list[FetchResult] = []
-    for rank in range(MAX_RANKS + 1):
+    rank = 0
+    served: list[int] | None = None
+    while rank <= MAX_RANKS:
         try:
             found.append(
                 fetch_metadata_timed(
@@ -334,16 +338,20 @@ def _fetch_ranks(role: str, options: DoctorOptions, step: StepResult) -> list[Fe
                 )
             )
         except UnknownRank as exc:
-            if rank == 0:
+            if served is not None:  # one it named, gone since: it restarted meanwhile
                 step.add(
                     Verdict.FAIL,
-                    f"it serves no rank 0: {exc}",
+                    f"rank {rank} was named, then unknown: {exc}",
                     side=role,
-                    next_action=f"check that --{role} names a kvpush side channel whose "
-                    "ranks have started",
+                    next_action=f"run the doctor again once the {role} server is up",
                 )
                 return None
-            return found
+            served = served_ranks(str(exc))
+            if served is None or not served or max(served) < rank:
+                break
+            later = [r for r in served if r > rank]
+            rank = later[0]
+            continue
         except SideChannelError as exc:
             step.add(
                 Verdict.FAIL,
@@ -352,13 +360,60 @@ def _fetch_ranks(role: str, options: DoctorOptions, step: StepResult) -> list[Fe
                 next_action=_side_channel_action(role, exc, options),
             )
             return None
-    step.add(
-        Verdict.WARN,
-        f"it answers for every rank the doctor asked (0..{MAX_RANKS}); the rest were not read",
-        side=role,
-        next_action="check the server's tensor-parallel size",
-    )
+        rank += 1
+        if served is not None:
+            later = [r for r in served if r >= rank]
+            if not later:
+                break
+            rank = later[0]
+    else:
+        step.add(
+            Verdict.WARN,
+            f"it answers for every rank the doctor asked (0..{MAX_RANKS}); the rest were not read",
+            side=role,
+            next_action="check the server's tensor-parallel size",
+        )
+    published = [r.metadata.rank for r in found]
+    if not published:
+        step.add(
+            Verdict.FAIL,
+            "it publishes no rank yet: its ranks have not started, or failed to",
+            side=role,
+            next_action=f"wait until the {role} server is ready (kvpush wait-ready), or read "
+            "its log for why its ranks did not start",
+        )
+        return None
+    missing = sorted(set(range(max(published) + 1)) - set(published))
+    if missing:
+        step.add(
+            Verdict.FAIL,
+            f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} "
+            f"{'are' if len(missing) > 1 else 'is'} not published, while "
+            f"{', '.join(map(str, published))} {'are' if len(published) > 1 else 'is'}: a "
+            "transfer for a missing rank cannot start",
+            side=role,
+            next_action=f"read the {role} server's log for why those ranks never started "
+            "(each rank publishes once its runtime runs)",
+        )
+        return None
     return found
+
+
+def served_ranks(refusal: str) -> list[int] | None:
+    """The ranks an unknown-rank refusal says the engine serves ("0, 2", "0..7", "none
+    (yet)"); None when the text says nothing we can read."""
+    match = re.search(r"serves ranks (.+)$", refusal)
+    if match is None:
+        return None
+    text = match.group(1).strip()
+    if text.startswith("none"):
+        return []
+    if span := re.fullmatch(r"(\d+)\.\.(\d+)", text):
+        return list(range(int(span.group(1)), int(span.group(2)) + 1))
+    try:
+        return sorted(int(part) for part in text.split(","))
+    except ValueError:
+        return None
 
 
 def _side_channel_action(role: str, exc: SideChannelError, options: DoctorOptions) -> str:
