@@ -257,6 +257,39 @@ def test_an_http_server_that_is_not_kvpush_serve_is_read_for_its_status_only(
 
 
 @servers
+def test_through_a_proxy_every_pair_is_checked_and_a_dead_backend_named(
+    pair: Pair, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    dead = f"http://{bracket_host(pair.host)}:{free_port(pair.host)}"
+    port = free_port(pair.host)
+    args = ["proxy", "--prefill", pair.prefill.url, "--decode", pair.decode.url, dead]
+    args += ["--host", pair.host, "--port", str(port), "--token-file", str(pair.token_file)]
+    with ServerProcess("proxy", args, host=pair.host, port=port, log_dir=tmp_path) as proxy:
+        proxy.wait_ready(60)
+        code, report = _doctor_json(
+            capsys, "--proxy", proxy.url, "--token-file", str(pair.token_file)
+        )
+        text_code, text, _ = _doctor(
+            capsys, "--proxy", proxy.url, "--token-file", str(pair.token_file)
+        )
+    assert (code, text_code, report["verdict"]) == (1, 1, "fail")
+    [backend] = report["backends"]
+    assert (backend["verdict"], backend["side"]) == ("fail", "decode")
+    assert backend["text"].startswith(f"backend {dead}: GET {dead}/health: ")
+    assert backend["next_action"] == (
+        f"start the decode server at {dead}, or take it out of the proxy's --decode"
+    )
+    [checked] = report["pairs"]
+    assert (checked["prefill"], checked["decode"]) == (
+        pair.side(pair.prefill),
+        pair.side(pair.decode),
+    )
+    assert _verdicts(checked) == ["ok", "ok", "ok", "skip", "ok", "ok"]
+    assert text.splitlines()[0] == f"kvpush doctor: proxy {proxy.url}: 1 pair(s) to check"
+    assert "--- pair 1 of 1" in text and text.splitlines()[-1] == "proxy verdict: fail"
+
+
+@servers
 def test_a_wrong_or_missing_token_fails_the_side_channel_step(
     pair: Pair, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -490,7 +523,9 @@ def test_swapped_roles_and_a_rank_without_an_agent_fail_the_side_channel_step(
         (["--prefill", "h:5", "--decode", "h:x"], "bad port in 'h:x'"),
         (["--prefill", "h:5", "--decode", "h:6", "--timeout-ms", "0"], "must be positive"),
         (["--prefill", "h:5", "--decode", "h:6", "--prefill-http", "h:80"], "bad HTTP URL"),
-        (["--prefill", "h:5"], "the following arguments are required: --decode"),
+        (["--prefill", "h:5"], "give --prefill HOST:PORT and --decode HOST:PORT, or --proxy URL"),
+        (["--proxy", "http://h:1", "--decode", "h:6"], "either --proxy, or --prefill and"),
+        (["--proxy", "h:1"], "bad HTTP URL"),
     ],
 )
 def test_usage_errors_exit_2(
