@@ -41,6 +41,7 @@ servers = pytest.mark.nixl  # the cases that start prefill and decode servers (N
 TOKEN = "doctor-test-secret"
 PREFILL_BLOCKS, DECODE_BLOCKS = 40, 48
 PREFILL_DEADLINE_S, DECODE_DEADLINE_S, QUEUE_TIMEOUT_S = 45.0, 50.0, 20.0
+SLOW_MS = 1000.0
 
 
 @dataclass
@@ -56,6 +57,8 @@ class Pair:
 
     def args(self, *, http: bool = True, token: bool = True) -> list[str]:
         out = ["--prefill", self.side(self.prefill), "--decode", self.side(self.decode)]
+        # A loaded test host may answer slowly: the all-ok cases must not see a warning.
+        out += ["--slow-round-trip-ms", str(SLOW_MS)]
         if http:
             out += ["--prefill-http", self.prefill.url, "--decode-http", self.decode.url]
         if token:
@@ -200,6 +203,22 @@ def test_a_healthy_pair_is_all_ok_with_figures(
     assert "transfer deadline 50.0 s, queue timeout 20.0 s" in text
 
 
+@servers
+def test_a_slow_side_channel_is_a_warning_with_its_threshold(
+    pair: Pair, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given twice, the last one counts (as for any option): 0.001 ms, which nothing meets.
+    code, report = _doctor_json(capsys, *pair.args(http=False), "--slow-round-trip-ms", "0.001")
+    assert (code, report["verdict"]) == (0, "warn")
+    assert _verdicts(report) == ["ok", "ok", "ok", "skip", "warn", "skip"]
+    warns = _findings(report, 5, "warn")
+    assert [w["side"] for w in warns] == ["prefill", "decode"]
+    for w in warns:
+        assert w["text"].startswith("side-channel round trip (connect, request, reply) over 5")
+        assert "answers slowly (over 0.001 ms)" in w["next_action"]
+        assert "raise --slow-round-trip-ms" in w["next_action"]
+
+
 class _VllmLikeHandler(http.server.BaseHTTPRequestHandler):
     """What a vLLM server answers: /health 200 with an empty body, vLLM's own metrics."""
 
@@ -266,12 +285,10 @@ def test_through_a_proxy_every_pair_is_checked_and_a_dead_backend_named(
     args += ["--host", pair.host, "--port", str(port), "--token-file", str(pair.token_file)]
     with ServerProcess("proxy", args, host=pair.host, port=port, log_dir=tmp_path) as proxy:
         proxy.wait_ready(60)
-        code, report = _doctor_json(
-            capsys, "--proxy", proxy.url, "--token-file", str(pair.token_file)
-        )
-        text_code, text, _ = _doctor(
-            capsys, "--proxy", proxy.url, "--token-file", str(pair.token_file)
-        )
+        args = ["--proxy", proxy.url, "--token-file", str(pair.token_file)]
+        args += ["--slow-round-trip-ms", str(SLOW_MS)]
+        code, report = _doctor_json(capsys, *args)
+        text_code, text, _ = _doctor(capsys, *args)
     assert (code, text_code, report["verdict"]) == (1, 1, "fail")
     [backend] = report["backends"]
     assert (backend["verdict"], backend["side"]) == ("fail", "decode")
@@ -526,6 +543,7 @@ def test_swapped_roles_and_a_rank_without_an_agent_fail_the_side_channel_step(
         (["--prefill", "h:5"], "give --prefill HOST:PORT and --decode HOST:PORT, or --proxy URL"),
         (["--proxy", "http://h:1", "--decode", "h:6"], "either --proxy, or --prefill and"),
         (["--proxy", "h:1"], "bad HTTP URL"),
+        (["--proxy", "http://h:1", "--slow-round-trip-ms", "0"], "must be positive"),
     ],
 )
 def test_usage_errors_exit_2(
@@ -610,7 +628,7 @@ def test_a_rank_that_never_publishes_is_named(
         MetadataServer(host, 0, SideChannelConfig(), lambda: receiver) as d,
     ):
         args = ["--prefill", f"{bracket_host(host)}:{p.port}"]
-        args += ["--decode", f"{bracket_host(host)}:{d.port}"]
+        args += ["--decode", f"{bracket_host(host)}:{d.port}", "--slow-round-trip-ms", "1000"]
         code, report = _doctor_json(capsys, *args)
         assert code == 1
         fails = [(f["side"], f["text"]) for f in _findings(report, 2, "fail")]

@@ -39,6 +39,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=2000,
         help="bound on every connection and request (default 2000)",
     )
+    p.add_argument(
+        "--slow-round-trip-ms",
+        type=float,
+        default=100.0,
+        help="a side-channel round trip slower than this (median) is a warning (default 100)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(run=run)
 
@@ -51,6 +57,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.timeout_ms <= 0:
             raise ConfigError(f"--timeout-ms must be positive, got {args.timeout_ms}")
+        if args.slow_round_trip_ms <= 0:
+            raise ConfigError(
+                f"--slow-round-trip-ms must be positive, got {args.slow_round_trip_ms}"
+            )
         if args.proxy is not None:
             if args.prefill or args.decode or args.prefill_http or args.decode_http:
                 raise ConfigError("give either --proxy, or --prefill and --decode, not both")
@@ -74,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         decode=targets["decode"],
         token=token,
         timeout_ms=args.timeout_ms,
+        slow_round_trip_ms=args.slow_round_trip_ms,
     )
     report = check_proxy(args.proxy, options) if args.proxy is not None else run_doctor(options)
     if args.json:

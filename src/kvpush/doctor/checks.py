@@ -57,6 +57,7 @@ class DoctorOptions:
     token: str | None = None
     timeout_ms: int = 2000
     round_trip_samples: int = 5
+    slow_round_trip_ms: float = SLOW_ROUND_TRIP_MS  # a median above it is a warning
 
     def target(self, role: str) -> Target:
         return self.prefill if role == "prefill" else self.decode
@@ -599,13 +600,14 @@ def _liveness(options: DoctorOptions, seen: _Observed, step: StepResult) -> None
                 f"side-channel round trip (connect, request, reply) over {len(samples)} tries: "
                 f"min {min(samples):.2f} ms, median {median:.2f} ms, max {max(samples):.2f} ms"
             )
-            if median > SLOW_ROUND_TRIP_MS:
+            if median > options.slow_round_trip_ms:
                 step.add(
                     Verdict.WARN,
                     text,
                     side=role,
-                    next_action=f"the {role} server answers slowly: check its host's load "
-                    "and the network path between the servers",
+                    next_action=f"the {role} server answers slowly (over "
+                    f"{options.slow_round_trip_ms:g} ms): check its host's load and the network "
+                    "path; where that is expected, raise --slow-round-trip-ms",
                 )
             else:
                 step.add(Verdict.OK, text, side=role)
