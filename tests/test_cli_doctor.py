@@ -9,6 +9,7 @@ side-channel statistics (a wrong token is a refused request there, and a warning
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -219,45 +220,45 @@ def test_a_slow_side_channel_is_a_warning_with_its_threshold(
         assert "raise --slow-round-trip-ms" in w["next_action"]
 
 
-class _VllmLikeHandler(http.server.BaseHTTPRequestHandler):
-    """What a vLLM server answers: /health 200 with an empty body, vLLM's own metrics."""
+@contextlib.contextmanager
+def _http_server(host: str, health: bytes, metrics: bytes) -> Iterator[str]:
+    """A real HTTP server on `host` answering /health and /metrics with these bodies (what
+    a vLLM server or a server in a given state answers); yields its base URL."""
 
-    def do_GET(self) -> None:
-        body = b"" if self.path == "/health" else b"vllm:num_requests_running 0.0\n"
-        self.send_response(200 if self.path in ("/health", "/metrics") else 404)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = {"/health": health, "/metrics": metrics}.get(self.path)
+            self.send_response(404 if body is None else 200)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
 
-    def log_message(self, *args: object) -> None:
-        pass
+        def log_message(self, *args: object) -> None:
+            pass
 
+    class Server(http.server.ThreadingHTTPServer):
+        daemon_threads = True
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
 
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
+    with Server((host, 0), Handler) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield f"http://{bracket_host(host)}:{server.server_address[1]}"
+        finally:
+            server.shutdown()
+            thread.join(10)
 
 
 @servers
 def test_an_http_server_that_is_not_kvpush_serve_is_read_for_its_status_only(
     pair: Pair, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    server_class = type("_V6Server", (_Server,), {"address_family": socket.AF_INET6})
-    with (server_class if ":" in pair.host else _Server)((pair.host, 0), _VllmLikeHandler) as fake:
-        thread = threading.Thread(target=fake.serve_forever, daemon=True)
-        thread.start()
-        url = f"http://{bracket_host(pair.host)}:{fake.server_address[1]}"
-        try:
-            code, report = _doctor_json(
-                capsys,
-                *pair.args(http=False),
-                "--prefill-http",
-                url,
-                "--decode-http",
-                pair.decode.url,
-            )
-        finally:
-            fake.shutdown()
-            thread.join(10)
+    # vLLM's /health: 200, no body; its metrics are vLLM's own.
+    with _http_server(pair.host, b"", b"vllm:num_requests_running 0.0\n") as url:
+        code, report = _doctor_json(
+            capsys, *pair.args(http=False), "--prefill-http", url, "--decode-http", pair.decode.url
+        )
     assert (code, report["verdict"]) == (0, "ok"), report
     assert _verdicts(report) == ["ok", "ok", "ok", "skip", "ok", "ok"]
     texts = [f["text"] for f in _findings(report, 1, "ok") if f["side"] == "prefill"]
@@ -272,6 +273,59 @@ def test_an_http_server_that_is_not_kvpush_serve_is_read_for_its_status_only(
     assert health == (
         f"{url}/metrics has no kvpush serving metrics (not a kvpush serve server?): blocks and "
         "transfers are not known"
+    )
+
+
+@servers
+def test_short_deadlines_failed_transfers_and_forged_messages_are_warnings(
+    pair: Pair, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A prefill server's /health and /metrics as a server in that state answers them: its
+    # deadline below the decode queue's timeout, transfers failed, forged messages dropped.
+    health = {
+        "status": "ok",
+        "role": "prefill",
+        "side_channel_host": pair.host,
+        "side_channel_port": pair.prefill.side_channel_port,
+        "transfer_deadline_s": 10.0,
+        "transfers": {"in_flight": 1, "forged_messages": {"bad_key": 3}},
+        "side_channel_requests": {"served": 9, "refused_auth": 0, "malformed": 2},
+    }
+    metrics = "\n".join(
+        [
+            "# TYPE kvpush_kv_blocks_total gauge",
+            "kvpush_kv_blocks_total 40",
+            "kvpush_kv_blocks_held 6",
+            'kvpush_transfers_total{side="sender",outcome="finished",reason=""} 5',
+            'kvpush_transfers_total{side="sender",outcome="failed",reason="peer_timeout"} 2',
+            'kvpush_transfers_total{side="sender",outcome="failed",reason="cancelled"} 1',
+        ]
+    )
+    with _http_server(pair.host, json.dumps(health).encode(), metrics.encode()) as url:
+        code, report = _doctor_json(
+            capsys, *pair.args(http=False), "--prefill-http", url, "--decode-http", pair.decode.url
+        )
+    assert (code, report["verdict"]) == (0, "warn")
+    assert _verdicts(report) == ["ok", "ok", "ok", "skip", "warn", "warn"]
+    [deadline] = _findings(report, 5, "warn")
+    assert deadline["text"].startswith(
+        f"the prefill server's transfer deadline (10.0 s) is not above the decode server's "
+        f"queue timeout ({QUEUE_TIMEOUT_S} s)"
+    )
+    assert deadline["next_action"] == (
+        f"start the prefill server with --transfer-deadline-s above {QUEUE_TIMEOUT_S} (the "
+        "decode server's --queue-timeout-s)"
+    )
+    warns = [(f["side"], f["text"]) for f in _findings(report, 6, "warn")]
+    assert warns == [
+        ("prefill", "transfers have failed since it started: cancelled 1, peer_timeout 2"),
+        ("prefill", "data-plane messages dropped unread because of who sent them: bad_key 3"),
+        ("prefill", "side-channel requests refused or dropped since it started: malformed 2"),
+    ]
+    [held] = [f["text"] for f in _findings(report, 6, "ok") if f["side"] == "prefill"]
+    assert held == (
+        "blocks held 6 of 40; transfers in flight 1; requests running ?, waiting ?; "
+        "transfers finished 5, failed 3"
     )
 
 
