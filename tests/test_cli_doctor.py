@@ -710,3 +710,17 @@ def test_the_ranks_an_unknown_rank_refusal_names_are_read() -> None:
     assert served_ranks("x: no rank 9 here: this engine serves ranks 0..7") == list(range(8))
     assert served_ranks("x: no rank 0 here: this engine serves ranks none (yet)") == []
     assert served_ranks("x: something else") is None
+
+
+def test_a_name_that_does_not_resolve_fails_the_address_step(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    closed = free_port("127.0.0.1")
+    args = ["--prefill", f"127.0.0.1:{closed}", "--decode", "no-such-host.invalid:5600"]
+    code, report = _doctor_json(capsys, *args)
+    assert code == 1
+    assert _verdicts(report) == ["fail", "skip", "skip", "skip", "skip", "skip"]
+    fails = {f["side"]: f for f in _findings(report, 1, "fail")}
+    assert fails["decode"]["text"].startswith("cannot resolve 'no-such-host.invalid': ")
+    assert "a name this host resolves" in fails["decode"]["next_action"]
+    assert f"nothing answers TCP on port {closed}" in fails["prefill"]["text"]
