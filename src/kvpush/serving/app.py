@@ -4,11 +4,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvpush.config import load_token
 from kvpush.net import unbracket_host
@@ -20,47 +17,7 @@ from kvpush.serving.options import ServeOptions
 from kvpush.serving.server import create_app
 from kvpush.serving.worker import EngineWorker
 
-if TYPE_CHECKING:
-    from kvpush.serving.disagg import KVBridge
-
 log = logging.getLogger(__name__)
-
-
-def _with_transfer_health(
-    role_health: Callable[[], dict[str, object]], bridge: KVBridge, options: ServeOptions
-) -> Callable[[], dict[str, object]]:
-    """The role's `/health`, plus what `kvpush doctor` reads: the deadlines in force, the
-    runtime's transfer figures and the side channel's request counts. Read-only."""
-
-    def health() -> dict[str, object]:
-        out = role_health()
-        out["transfer_deadline_s"] = options.transfer_deadline_s
-        if options.role == "decode":
-            out["queue_timeout_s"] = options.queue_timeout_s
-        runtime = bridge.runtime
-        if runtime is not None and runtime.failure is None:
-            s = runtime.statistics()
-            out["transfers"] = {
-                "in_flight": s.in_flight,
-                "sending": s.sending,
-                "receiving": s.receiving,
-                "writes_in_flight": s.writes_in_flight,
-                "handshakes_in_flight": s.handshakes_in_flight,
-                "blocks_held_sending": s.blocks_held_sending,
-                "blocks_held_receiving": s.blocks_held_receiving,
-                "finished": s.finished,
-                "failed": s.failed,
-                "failures": s.failures,
-                "peers": s.peers,
-                "forged_messages": s.forged_messages,
-                "malformed_messages": s.malformed_messages,
-            }
-        if bridge.node is not None:
-            stats = bridge.node.health().side_channel
-            out["side_channel_requests"] = dataclasses.asdict(stats)
-        return out
-
-    return health
 
 
 def serve(options: ServeOptions) -> int:
@@ -95,8 +52,7 @@ def serve(options: ServeOptions) -> int:
     if options.role != "both":
         from kvpush.serving.disagg import build_role
 
-        worker, bridge, prepare, role_health = build_role(options, engine, registry, token)
-        health_extra = _with_transfer_health(role_health, bridge, options)
+        worker, bridge, prepare, health_extra = build_role(options, engine, registry, token)
     else:
         worker = EngineWorker(engine, admission=options.admission())
     app = create_app(

@@ -20,6 +20,7 @@ ended, so no late write can land in a reused block.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -712,7 +713,8 @@ class KVBridge:
             self.node.close()
 
     def health(self) -> dict[str, object]:
-        """What `/health` adds for this role; `healthy: False` makes it answer 503."""
+        """What `/health` adds for this role; `healthy: False` makes it answer 503. It
+        asks the runtime's thread for a snapshot: call it off an event loop."""
         side_ok = False
         runtime_failure: str | None = "not started"
         side_failure: str | None = None
@@ -737,6 +739,31 @@ class KVBridge:
             out["side_channel_failure"] = side_failure
         if internal_errors is not None:
             out["side_channel_internal_errors"] = internal_errors
+        # What `kvpush doctor` reads: the deadlines in force, the runtime's transfer
+        # figures and the side channel's request counts.
+        out["transfer_deadline_s"] = self.options.transfer_deadline_s
+        if self.options.role == "decode":
+            out["queue_timeout_s"] = self.options.queue_timeout_s
+        runtime = self.runtime
+        if runtime is not None and runtime.failure is None:
+            s = runtime.statistics()
+            out["transfers"] = {
+                "in_flight": s.in_flight,
+                "sending": s.sending,
+                "receiving": s.receiving,
+                "writes_in_flight": s.writes_in_flight,
+                "handshakes_in_flight": s.handshakes_in_flight,
+                "blocks_held_sending": s.blocks_held_sending,
+                "blocks_held_receiving": s.blocks_held_receiving,
+                "finished": s.finished,
+                "failed": s.failed,
+                "failures": s.failures,
+                "peers": s.peers,
+                "forged_messages": s.forged_messages,
+                "malformed_messages": s.malformed_messages,
+            }
+        if self.node is not None:
+            out["side_channel_requests"] = dataclasses.asdict(self.node.health().side_channel)
         return out
 
 
