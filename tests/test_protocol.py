@@ -98,6 +98,27 @@ def test_full_prefix_hit_writes_nothing_and_frees_the_sender_at_once(wire: Wire)
     assert wire.ended("d-1", "t1").ok
 
 
+def test_both_sides_report_the_blocks_moved_not_the_blocks_held(wire: Wire) -> None:
+    # A prefix hit of one block at the receiver: the sender held 3, 2 moved.
+    wire.submit("p-1", "t1", [1, 2, 3])
+    wire.expect("d-1", "t1", "p-1", [5, 6], offset=1)
+    wire.settle()
+    sent, received = wire.ended("p-1", "t1"), wire.ended("d-1", "t1")
+    assert sent.ok and received.ok
+    assert (sent.blocks, sent.blocks_moved) == ((1, 2, 3), 2)
+    assert (received.blocks, received.blocks_moved) == ((5, 6), 2)
+    # A full hit moves nothing; a failed transfer counts nothing as moved.
+    wire.submit("p-1", "t2", [1, 2])
+    wire.expect("d-1", "t2", "p-1", [], offset=2)
+    wire.submit("p-1", "t3", [1, 2, 3])
+    wire.expect("d-1", "t3", "p-1", [5, 6, 7], offset=1)
+    wire.settle()
+    assert wire.ended("p-1", "t2").ok and wire.ended("p-1", "t2").blocks_moved == 0
+    assert wire.ended("d-1", "t2").ok and wire.ended("d-1", "t2").blocks_moved == 0
+    for agent in ("p-1", "d-1"):
+        assert not wire.ended(agent, "t3").ok and wire.ended(agent, "t3").blocks_moved == 0
+
+
 def test_prefix_mapping_that_does_not_add_up_fails_both_sides(wire: Wire) -> None:
     wire.submit("p-1", "t1", [1, 2, 3])
     wire.expect("d-1", "t1", "p-1", [5, 6, 7], offset=1)

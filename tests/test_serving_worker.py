@@ -24,7 +24,7 @@ from kvpush.runtime import PushRuntime
 from kvpush.serving.checkpoint import LoadedModel, load_model
 from kvpush.serving.disagg import KVBridge, build_role, runtime_transfer_id
 from kvpush.serving.engine import Engine, SamplingParams
-from kvpush.serving.metrics import serving_registry
+from kvpush.serving.metrics import Registry, serving_registry
 from kvpush.serving.options import ServeOptions
 from kvpush.serving.worker import Accepted, Done, EngineWorker, Event, Job, Rejected, Tokens
 from kvpush.transports.base import Transport
@@ -46,6 +46,7 @@ class Role:
     worker: EngineWorker
     bridge: KVBridge
     engine: Engine
+    registry: Registry
 
     @property
     def runtime(self) -> PushRuntime:
@@ -90,10 +91,9 @@ def start_role(tiny: LoadedModel, model_dir: Path, fabric: LoopbackFabric) -> It
             return transport(fabric, name)
 
         factory: TransportFactory = make
-        worker, bridge, _, _ = build_role(
-            opts, engine, serving_registry(), None, transport_factory=factory
-        )
-        r = Role(worker, bridge, engine)
+        registry = serving_registry()
+        worker, bridge, _, _ = build_role(opts, engine, registry, None, transport_factory=factory)
+        r = Role(worker, bridge, engine, registry)
         started.append(r)
         worker.start()
         return r
@@ -318,3 +318,33 @@ def test_a_decode_leg_is_accepted_once_its_blocks_are_registered(
     assert received.finished == 1 and received.bytes_written == 0  # it only receives
     sent = prefill.runtime.statistics()
     assert sent.finished == 1 and sent.bytes_written > 0
+
+
+def test_a_prefix_hit_at_the_decode_is_counted_as_the_bytes_that_moved_on_both_sides(
+    start_role: StartRole, tiny: LoadedModel
+) -> None:
+    # The second request's prompt is in the decode server's prefix cache: it registers
+    # only the blocks it lacks (none), and the prefill writes only those. Both sides count what
+    # moved, not what the prefill held.
+    prefill = start_role("prefill")
+    decode = start_role("decode", num_blocks=256, prefix_caching=True)
+    prompt = list(range(5, 70))  # 65 tokens: 8 whole blocks of 8
+    bytes_per_block = prefill.engine.kv_cache.bytes_per_block
+    for n, rid in enumerate(("first", "again"), start=1):
+        decode_events: list[Event] = []
+        decode.worker.submit(decode_job(f"d-{rid}", rid, prompt, prefill, decode_events))
+        events: list[Event] = []
+        prefill.worker.submit(prefill_job(f"p-{rid}", rid, prompt, events))
+        wait_until(lambda e=decode_events: done(e) is not None, what=f"the {rid} decode leg")
+        end = done(decode_events)
+        assert end is not None and end.error is None, end
+        assert tokens(decode_events) == single_instance_tokens(tiny, prompt)
+        wait_until(lambda n=n: prefill.runtime.statistics().finished == n, what="the prefill's end")
+
+    def counted(role: Role, side: str) -> float:
+        return role.registry.value("kvpush_transfer_bytes_total", {"side": side})
+
+    sent, received = counted(prefill, "sender"), counted(decode, "receiver")
+    assert sent == received == prefill.runtime.statistics().bytes_written
+    # The first moved every block; the second, a full hit at the decode, moved none.
+    assert sent == prefill.engine.transfer_block_count(len(prompt)) * bytes_per_block

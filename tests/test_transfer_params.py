@@ -144,9 +144,11 @@ class _Tally:
 
 def test_a_finished_transfer_adds_bytes_and_time_a_failed_one_only_its_reason() -> None:
     tally = _Tally()
-    record_ended(tally, TransferEnded("a", "sender", None, "", (1,)), seconds=0.5, nbytes=64)
+    # Held 3 blocks, moved 2 (a prefix hit at the receiver): the 2 are what count.
+    finished = TransferEnded("a", "sender", None, "", (1, 2, 3), blocks_moved=2)
+    record_ended(tally, finished, seconds=0.5, bytes_per_block=32)
     failed = TransferEnded("b", "receiver", FailureReason.PEER_GONE, "gone", ())
-    record_ended(tally, failed, seconds=1.0, nbytes=64)
+    record_ended(tally, failed, seconds=1.0, bytes_per_block=32)
     record_failed_at_once(tally, "receiver")
     assert tally.ended == [
         ("sender", "finished", ""),

@@ -52,9 +52,9 @@ class Stats:
     def ended_at_once(self, side: str, why: str) -> None:
         self.failed_at_once.append(why)
 
-    def ended(self, result: TransferResult, seconds: float, nbytes: int) -> None:
+    def ended(self, result: TransferResult, seconds: float, bytes_per_block: int) -> None:
         if result.ok:
-            self.nbytes[result.side] += nbytes
+            self.nbytes[result.side] += result.blocks_moved * bytes_per_block
 
     def is_empty(self) -> bool:
         return not (self.pushes or self.announced or self.nbytes or self.failed_at_once)

@@ -36,13 +36,15 @@ def outcome_of(result: TransferEnded) -> tuple[str, str]:
 
 
 def record_ended(
-    sink: TransferMetricsSink, result: TransferEnded, *, seconds: float, nbytes: int
+    sink: TransferMetricsSink, result: TransferEnded, *, seconds: float, bytes_per_block: int
 ) -> None:
-    """Count `result`; a finished transfer also adds `nbytes` moved in `seconds`."""
+    """Count `result`; a finished transfer also adds the bytes it moved (its
+    `blocks_moved`, not the blocks it held: a prefix-cache hit moves fewer) and the
+    `seconds` it took."""
     outcome, reason = outcome_of(result)
     sink.count_ended(result.side, outcome, reason)
     if result.ok:
-        sink.add_bytes(result.side, nbytes)
+        sink.add_bytes(result.side, result.blocks_moved * bytes_per_block)
         sink.observe_seconds(result.side, seconds)
 
 

@@ -182,13 +182,17 @@ class DropPeer:
 
 @dataclass(frozen=True, slots=True)
 class TransferEnded:
-    """The transfer ended, once and for good; kvpush no longer holds `blocks`."""
+    """The transfer ended, once and for good; kvpush no longer holds `blocks`.
+
+    `blocks_moved`: how many blocks a finished transfer carried (the receiver's registered
+    blocks, which a prefix-cache hit makes fewer than the sender's); 0 unless finished."""
 
     transfer_id: str
     side: Side
     reason: FailureReason | None  # None: finished
     detail: str
     blocks: tuple[int, ...]
+    blocks_moved: int = 0
 
     @property
     def ok(self) -> bool:

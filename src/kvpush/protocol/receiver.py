@@ -625,4 +625,5 @@ class ReceiverProtocol(_Side["_Incoming"]):
         del self._transfers[rec.transfer_id]
         self._ended.pop(rec.transfer_id, None)  # keep insertion order = expiry order
         self._ended[rec.transfer_id] = now + self._timing.transfer_deadline_s + self.fence_s
-        return [TransferEnded(rec.transfer_id, "receiver", reason, detail, rec.blocks)]
+        moved = len(rec.blocks) if reason is None else 0
+        return [TransferEnded(rec.transfer_id, "receiver", reason, detail, rec.blocks, moved)]

@@ -578,7 +578,8 @@ class SenderProtocol(SenderGate, SenderLeases):
         if tell and rec.peer is not None and reply is not None:
             out += self._send(rec.peer, reply)
         if rec.blocks is not None:
-            out.append(_ended(tid, reason, detail, rec.blocks))
+            moved = len(rec.register.block_ids) if reason is None and rec.register else 0
+            out.append(_ended(tid, reason, detail, rec.blocks, moved))
         return out
 
     # ----- helpers
@@ -630,8 +631,12 @@ class SenderProtocol(SenderGate, SenderLeases):
 
 
 def _ended(
-    transfer_id: str, reason: FailureReason | None, detail: str, blocks: tuple[int, ...]
+    transfer_id: str,
+    reason: FailureReason | None,
+    detail: str,
+    blocks: tuple[int, ...],
+    blocks_moved: int = 0,
 ) -> TransferEnded:
     """A sender `TransferEnded`: built here only (`_end_transfer`, and the two calls that
     report without a transfer to end: `submit` of an ended id, and `shutdown`)."""
-    return TransferEnded(transfer_id, "sender", reason, detail, blocks)
+    return TransferEnded(transfer_id, "sender", reason, detail, blocks, blocks_moved)

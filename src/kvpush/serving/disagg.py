@@ -110,7 +110,6 @@ class _Incoming:
 
     transfer_id: str
     job: Job
-    num_blocks: int
     started: float
     aborted: bool = False
 
@@ -153,9 +152,12 @@ class _TransferWorker(EngineWorker):
     def _transfer_ended(self, result: TransferResult) -> None:
         raise NotImplementedError
 
-    def _count(self, result: TransferResult, started: float, nbytes: int) -> None:
+    def _count(self, result: TransferResult, started: float) -> None:
         record_ended(
-            self._transfer_metrics, result, seconds=time.monotonic() - started, nbytes=nbytes
+            self._transfer_metrics,
+            result,
+            seconds=time.monotonic() - started,
+            bytes_per_block=self.engine.kv_cache.bytes_per_block,
         )
 
 
@@ -454,7 +456,7 @@ class PrefillWorker(_TransferWorker):
         if out is None or result.side != "sender":
             return
         out.ended = True
-        self._count(result, out.started, out.num_blocks * self.engine.kv_cache.bytes_per_block)
+        self._count(result, out.started)
         if not result.ok:
             log.info(
                 "transfer %s failed (%s): %s", result.transfer_id, result.reason, result.detail
@@ -565,7 +567,7 @@ class DecodeWorker(_TransferWorker):
             self._refuse(job, tid, sender, Rejected(400, f"cannot receive transfer {tid!r}: {exc}"))
             return True
         log.debug("transfer %s: %d blocks registered", tid, len(where.blocks))
-        self._incoming[tid] = _Incoming(tid, job, len(where.blocks), time.monotonic())
+        self._incoming[tid] = _Incoming(tid, job, time.monotonic())
         self._transfer_of[job.request_id] = tid
         self._jobs[job.request_id] = job
         job.sink(Accepted())
@@ -643,7 +645,7 @@ class DecodeWorker(_TransferWorker):
         if inc is None or result.side != "receiver":
             return
         rid = inc.job.request_id
-        self._count(result, inc.started, inc.num_blocks * self.engine.kv_cache.bytes_per_block)
+        self._count(result, inc.started)
         if result.ok and not inc.aborted:
             self.engine.kv_arrived(rid)
             return

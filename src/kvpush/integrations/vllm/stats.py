@@ -50,8 +50,8 @@ class TransferStats(KVConnectorStats):
 
     data: dict[str, Any] = field(default_factory=_empty)
 
-    def ended(self, result: TransferResult, seconds: float, nbytes: int) -> None:
-        record_ended(self, result, seconds=seconds, nbytes=nbytes)
+    def ended(self, result: TransferResult, seconds: float, bytes_per_block: int) -> None:
+        record_ended(self, result, seconds=seconds, bytes_per_block=bytes_per_block)
 
     def opened(self, push: str) -> None:
         o = self.data.setdefault("opened", {})

@@ -62,7 +62,7 @@ class WorkerStats(Protocol):
 
     def ended_at_once(self, side: str, why: str) -> None: ...
 
-    def ended(self, result: TransferResult, seconds: float, nbytes: int) -> None: ...
+    def ended(self, result: TransferResult, seconds: float, bytes_per_block: int) -> None: ...
 
     def is_empty(self) -> bool: ...
 
@@ -90,8 +90,9 @@ class WorkerSide(Generic[S]):
         self._runtime: PushRuntime | None = None
         self._bytes_per_block = 0
         # transfer id -> (request id, when it started, blocks), per side
-        self._receiving: dict[str, tuple[str, float, int]] = {}
-        self._sending: dict[str, tuple[str, float, int]] = {}
+        # transfer id -> (request id, when it started)
+        self._receiving: dict[str, tuple[str, float]] = {}
+        self._sending: dict[str, tuple[str, float]] = {}
         # Ended at the call, reported with the next results: request id -> reason.
         self._failed_at_once: dict[str, str] = {}
         self._sent_at_once: set[str] = set()
@@ -176,7 +177,7 @@ class WorkerSide(Generic[S]):
                 log.error("request %s: cannot receive %s: %s", rcv.request_id, rcv.transfer_id, exc)
                 self._failed_at_once[rcv.request_id] = f"{type(exc).__name__}: {exc}"
                 continue
-            self._receiving[rcv.transfer_id] = (rcv.request_id, now, len(rcv.blocks))
+            self._receiving[rcv.transfer_id] = (rcv.request_id, now)
         for ref in plan.refusals:
             try:
                 runtime.reject(
@@ -195,7 +196,7 @@ class WorkerSide(Generic[S]):
                 log.error("request %s: cannot send %s: %s", snd.request_id, snd.transfer_id, exc)
                 self._sent_at_once.add(snd.request_id)
                 continue
-            self._sending[snd.transfer_id] = (snd.request_id, now, len(snd.blocks))
+            self._sending[snd.transfer_id] = (snd.request_id, now)
             if not snd.cancel:
                 self._stats.opened("whole")
         for tid in plan.aborts:
@@ -224,7 +225,7 @@ class WorkerSide(Generic[S]):
                 log.error("request %s: cannot send %s: %s", snd.request_id, snd.transfer_id, exc)
                 self._sent_at_once.add(snd.request_id)
                 continue
-            self._sending[snd.transfer_id] = (snd.request_id, now, len(snd.blocks))
+            self._sending[snd.transfer_id] = (snd.request_id, now)
             self._announcing[snd.transfer_id] = set(self._all_layers)
             self._stats.opened("layerwise")
 
@@ -310,8 +311,8 @@ class WorkerSide(Generic[S]):
         entry = book.pop(result.transfer_id, None)
         if entry is None:
             return
-        rid, started, blocks = entry
-        self._stats.ended(result, time.monotonic() - started, blocks * self._bytes_per_block)
+        rid, started = entry
+        self._stats.ended(result, time.monotonic() - started, self._bytes_per_block)
         if result.side == "sender":
             out.finished_sending.add(rid)
             if not result.ok and result.reason is not FailureReason.CANCELLED:
