@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from kvpush.doctor.checks import DoctorOptions, Target, run_doctor
 from kvpush.doctor.http import HttpFailed, base_url, get_health
-from kvpush.doctor.report import Finding, Report, Verdict
+from kvpush.doctor.report import Finding, Report, Verdict, worst
 from kvpush.errors import AddressError
 
 
@@ -26,14 +26,11 @@ class ProxyReport:
     def verdict(self) -> Verdict:
         if any(f.verdict is Verdict.FAIL for f in self.backends) or not self.pairs:
             return Verdict.FAIL
-        verdicts = [r.verdict for r in self.pairs]
-        for v in (Verdict.FAIL, Verdict.WARN):
-            if v in verdicts:
-                return v
-        return Verdict.OK
+        return worst([r.verdict for r in self.pairs])
 
     @property
     def exit_code(self) -> int:
+        """0 when nothing failed (warnings included), 1 when anything failed."""
         return 1 if self.verdict is Verdict.FAIL else 0
 
     def as_json(self) -> dict[str, object]:
