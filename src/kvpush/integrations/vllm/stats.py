@@ -6,7 +6,8 @@ counters and histograms on vLLM's `/metrics`:
 
 - `vllm:kvpush_transfers_total{side, outcome, reason}`: transfers ended, by side
   (sender/receiver), outcome (finished/failed) and failure reason.
-- `vllm:kvpush_transfer_bytes_total{side}`: bytes of finished transfers.
+- `vllm:kvpush_transfer_bytes_total{side}`: bytes that finished transfers moved (after a
+  prefix hit at the decode, only the blocks it lacked).
 - `vllm:kvpush_transfer_seconds{side}`: from the step that started a transfer to the
   step that saw it end.
 - `vllm:kvpush_sends_total{push}`: prefill transfers opened, `layerwise` (each layer
