@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         print(result.report(), flush=True)
         total_states += result.states
         total_s += result.seconds
-        failed = failed or result.violation is not None
+        failed = failed or not result.ok
     print(f"total: {total_states} distinct states in {total_s:.1f} s")
     return 1 if failed else 0
 
