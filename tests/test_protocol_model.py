@@ -19,7 +19,7 @@ import os
 
 import pytest
 
-from protocol_model import loader, scopes
+from protocol_model import loader, scopes, table
 from protocol_model.checker import check
 from protocol_model.model import Model
 from protocol_model.mutations import MUTATIONS
@@ -33,13 +33,24 @@ SCOPES = scopes.group(os.environ.get("KVPUSH_MODEL_SCOPE", "ci"))
 CI = {s.name: s for s in scopes.CI}
 
 
+DOC_TABLE = table.read("ci")
+
+
 @pytest.mark.parametrize("scope", SCOPES, ids=[s.name for s in SCOPES])
 def test_scope(scope: scopes.Scope) -> None:
-    """No violation, the cut states completed cleanly, and every goal reached."""
+    """No violation, the cut states completed cleanly, and every goal reached; and the
+    figures docs/protocol-checking.md shows for the scope are the ones it explores."""
     result = check(Model(scope, STATE))
     assert result.violation is None, result.report()
     assert scope.goals and not result.missed, result.report()
     assert result.complete or result.completed > 0, result.report()
+    if scope.name in CI and SCOPES is scopes.CI:
+        shown = DOC_TABLE.get(scope.name)
+        ours = table.parse(table.row(result, scope.max_depth))
+        assert ours is not None and shown == ours[1:], (
+            f"docs/protocol-checking.md shows {scope.name} as {shown}, it explores "
+            f"{ours}: run `python -m tests.protocol_model --scope ci --write-doc`"
+        )
 
 
 def test_incompatible_peers_never_transfer() -> None:

@@ -1105,8 +1105,15 @@ def _reducers(
 
 
 def _reduce_slots(cls: type, get: Any, one: bool, obj: Any) -> tuple[Any, ...]:
-    values = get(obj)
-    return (_rebuild, (cls, (values,) if one else values))
+    values = (get(obj),) if one else get(obj)
+    if any(isinstance(v, (set, frozenset)) for v in values):
+        # A set's iteration order depends on its insertion history and, for strings, on
+        # the process's hash seed: rebuilt in sorted order, equal sets pickle alike, and
+        # a scope explores the same states in every process.
+        values = tuple(
+            type(v)(sorted(v, key=repr)) if isinstance(v, (set, frozenset)) else v for v in values
+        )
+    return (_rebuild, (cls, values))
 
 
 class Keyer:

@@ -226,9 +226,17 @@ LARGE = (
         sender_blocks=2,
         receiver_blocks=1,
         max_depth=12,
+        goals=("T1 lands layer-wise",),
     ),
     STUCK_RECEIVER,
-    _ci("forger-2", (T("T1", "S1", 1),), Budget(forgeries=2), max_depth=9),
+    _ci(
+        "forger-2",
+        (T("T1", "S1", 1),),
+        Budget(forgeries=2),
+        script=("expect T1",),
+        max_depth=9,
+        goals=_ok("T1", " after a forgery"),
+    ),
 )
 
 GROUPS: dict[str, tuple[Scope, ...]] = {
