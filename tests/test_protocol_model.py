@@ -15,6 +15,7 @@ or directly: `python -m tests.protocol_model --scope large`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -116,3 +117,14 @@ def test_stuck_receiver_runtime_thread() -> None:
     that fix alone reverted: see NOT_REACHED)."""
     result = check(Model(scopes.STUCK_RECEIVER, STATE))
     assert result.violation is None and not result.missed, result.report()
+
+
+def test_engine_calls_made_during_catch_up_wait_behind_the_queued_ones() -> None:
+    """A model fault, fixed: a sender stalled before its layer-wise submit, then running
+    again with the submit still queued, was offered its first layer at once, and the
+    protocol rightly refused a layer for a transfer not submitted yet (a false
+    [refused-call] in 4 steps). Its calls now run in the order the engine made them."""
+    scope = dataclasses.replace(CI["layerwise-stall"], script=(), max_depth=6, goals=())
+    result = check(Model(scope, STATE))
+    assert result.violation is None, result.report()
+    assert result.completed > 0, result.report()
