@@ -192,6 +192,28 @@ CI = (
         max_depth=8,
         goals=("T1 lands layer-wise after a stall", *_ok("T1", " after a stall")),
     ),
+    # Two features at once: a layer-wise transfer whose write (or handshake) may fail
+    # between its layers; a prefix hit over a network that may drop one message.
+    _ci(
+        "layerwise-failure",
+        (T("T1", "S1", 1, layerwise=True),),
+        Budget(failures=1),
+        script=_T1_HANDSHAKES,
+        max_depth=11,
+        goals=(
+            "T1 lands layer-wise",
+            "T1 write_error on the sender after a failure",
+            "T1 write_error on the receiver after a failure",
+        ),
+    ),
+    _ci(
+        "prefix-lossy",
+        (T("T1", "S1", 2, offset=1),),
+        Budget(drops=1),
+        script=("expect T1",),
+        max_depth=11,
+        goals=_ok("T1", " after a drop"),
+    ),
     # A foreign agent sends any message kind, claiming the real engines, for T1 (issue
     # 11): a transfer it ended so would be a [forged-effect] violation.
     _ci(
