@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
-from . import loader, scopes
+from . import loader, scopes, table
 from .checker import check
 from .model import Model
 
@@ -22,10 +23,17 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated violation kinds to look for; steps breaking others are not taken",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="progress per depth")
+    parser.add_argument(
+        "--write-doc",
+        action="store_true",
+        help="write the scope table into docs/protocol-checking.md (the ci group)",
+    )
     args = parser.parse_args(argv)
+    cpu_start = time.process_time()
     state = loader.load(args.rev)
     failed = False
     total_states, total_s = 0, 0.0
+    rows: list[str] = []
     for scope in scopes.group(args.scope):
         model = Model(scope, state, args.mutation)
 
@@ -35,10 +43,16 @@ def main(argv: list[str] | None = None) -> int:
         find = frozenset(args.find.split(",")) if args.find else None
         result = check(model, args.max_states, progress if args.verbose else None, find)
         print(result.report(), flush=True)
+        rows.append(table.row(result, scope.max_depth))
         total_states += result.states
         total_s += result.seconds
-        failed = failed or result.violation is not None
+        failed = failed or not result.ok
     print(f"total: {total_states} distinct states in {total_s:.1f} s")
+    if args.write_doc:
+        cpu = time.process_time() - cpu_start
+        total = f"| total | | {total_states:,} | | | | {total_s:.1f} ({cpu:.0f} s CPU) |"
+        table.write(args.scope, table.render(rows, total))
+        print(f"wrote the {args.scope} table into {table.DOC}")
     return 1 if failed else 0
 
 

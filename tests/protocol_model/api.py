@@ -124,6 +124,7 @@ class ApiV2(ApiBase):
         from . import mutations
 
         self.push_class, self.policy = mutations.apply(state, mutation)
+        self._infos: dict[str, Any] = {}
 
     def compat(self, engine: str) -> dict[str, object]:
         fields: dict[str, object] = {
@@ -173,7 +174,9 @@ class ApiV2(ApiBase):
         agent = w.current[target]
         e = w.ends[agent]
         inc = agent.split("#")[1]
-        info = self.state.PeerInfo(agent, target, inc, self.compat(target))
+        info = self._infos.get(agent)
+        if info is None:  # one object per agent (the checker pickles it by identity)
+            info = self._infos[agent] = self.state.PeerInfo(agent, target, inc, self.compat(target))
         del e
         return list(end.proto.handshake_done(now, self.address(target), info))
 

@@ -28,6 +28,18 @@ class Result:
     violation: str | None = None
     pruned: int = 0  # steps not taken because they broke a promise not looked for
     trace: list[str] = field(default_factory=list)
+    goals: dict[str, bool] = field(default_factory=dict)  # the scope's goals: reached?
+    completed: int = 0  # cut states whose bounded completion came to rest cleanly
+    quiescent: int = 0  # states explored with nothing left to do
+    completion_s: float = 0.0  # of `seconds`, the completions of cut states
+
+    @property
+    def missed(self) -> list[str]:
+        return [g for g, ok in self.goals.items() if not ok]
+
+    @property
+    def ok(self) -> bool:
+        return self.violation is None and not self.missed
 
     def report(self) -> str:
         lines = [
@@ -38,6 +50,15 @@ class Result:
         ]
         if self.pruned:
             lines.append(f"({self.pruned} steps not taken: they broke another promise)")
+        lines.append(
+            f"{self.quiescent} states at rest checked; {self.completed} cut states "
+            "completed (every timer fired, every message delivered, no new fault) and checked"
+            f" in {self.completion_s:.1f} s"
+        )
+        if self.goals:
+            reached = len(self.goals) - len(self.missed)
+            lines.append(f"goals reached: {reached}/{len(self.goals)}")
+            lines += [f"  MISSED goal: {g}" for g in self.missed]
         if self.violation is None:
             lines.append("no violation")
         else:
@@ -64,14 +85,80 @@ def _action_text(w: World, action: tuple[Any, ...], model: Model) -> str:
             return " ".join(str(a) for a in action)
 
 
-def _trace(parents: dict[bytes, tuple[bytes, str] | None], d: bytes) -> list[str]:
+def run_script(model: Model, w: World) -> list[str]:
+    """Take the scope's scripted steps (`Scope.script`) in `w`; their trace lines."""
+    lines: list[str] = []
+    for want in model.scope.script:
+        for action in model.actions(w):
+            if _action_text(w, action, model).startswith(want):
+                lines.append(model.step(w, action))
+                break
+        else:
+            offered = [_action_text(w, a, model) for a in model.actions(w)]
+            raise ValueError(f"scope {model.scope.name}: no step {want!r} after {lines}: {offered}")
+    return lines
+
+
+def _trace(
+    parents: dict[bytes, tuple[bytes, str] | None], d: bytes, script: list[str] = ()
+) -> list[str]:
     out: list[str] = []
     link = parents[d]
     while link is not None:
         d, line = link
         out.append(line)
         link = parents[d]
-    return out[::-1]
+    return [*script, *out[::-1]]
+
+
+# A completion that has not come to rest after this many steps is a transfer that never
+# ends (the CI scopes' completions take under 40).
+COMPLETION_STEPS = 400
+
+
+class Incomplete(Exception):
+    def __init__(self, violation: Violation, lines: list[str]) -> None:
+        super().__init__(str(violation))
+        self.violation = violation
+        self.lines = lines
+
+
+def complete(model: Model, w: World, memo: set[bytes]) -> int:
+    """From a state where the search was cut, let every timer fire and every message
+    arrive with no new fault (`Model.completion_action`), checking every invariant on
+    the way, until nothing can happen; then every transfer must have ended and nothing
+    be held (`check_quiescent`). `memo` holds the states already known to come to rest
+    so; a completion that reaches one stops there. Returns the steps taken; raises
+    `Incomplete` with the steps that led to a violation."""
+    lines: list[str] = []
+    seen: list[bytes] = []
+    model.completing, model.recording = True, False
+    try:
+        for _ in range(COMPLETION_STEPS):
+            action = model.completion_action(w)
+            if action is None:
+                model.check_quiescent(w)
+                break
+            try:
+                lines.append(f"(completion) {model.step(w, action)}")
+            except Violation as v:
+                last = f"(completion) t={w.now:g} {_action_text(w, action, model)}"
+                raise Incomplete(v, [*lines, f"{last}  <-- {v}"]) from None
+            d = _digest(model.key_of(w))
+            if d in memo:
+                break
+            seen.append(d)
+        else:
+            v = Violation(
+                "never-ended", f"not at rest {COMPLETION_STEPS} steps into a fault-free completion"
+            )
+            raise Incomplete(v, lines[-20:])
+    except Violation as v:
+        raise Incomplete(v, [*lines, f"t={w.now:g} (at rest)  <-- {v}"]) from None
+    finally:
+        model.completing, model.recording = False, True
+    memo.update(seen)
+    return len(lines)
 
 
 def check(
@@ -79,26 +166,56 @@ def check(
     max_states: int | None = None,
     progress: Any = None,
     find: frozenset[str] | None = None,
+    completion: bool = True,
 ) -> Result:
     """Explore `model`'s scope; stop at the first violation (of a kind in `find`, if
-    given: a step breaking another kind is not taken, and the search goes on)."""
+    given: a step breaking another kind is not taken, and the search goes on). Every
+    state where the search is cut (the depth bound, or `max_states`) is completed
+    (`complete`) and checked; the scope's goals are what the search reached."""
     result = Result(model.scope.name)
+    model.reached.clear()
+    start = time.monotonic()
+    try:
+        _search(model, max_states, progress, find, result, completion)
+    finally:
+        result.goals = {g: g in model.reached for g in model.scope.goals}
+        result.seconds = time.monotonic() - start
+    return result
+
+
+def _search(
+    model: Model,
+    max_states: int | None,
+    progress: Any,
+    find: frozenset[str] | None,
+    result: Result,
+    completion: bool,
+) -> None:
     start = time.monotonic()
     key_of = model.key_of
-    first = key_of(model.initial())
+    w0 = model.initial()
+    try:
+        script = run_script(model, w0)
+    except Violation as v:
+        result.violation = f"[{v.kind}] {v} (in the scope's script)"
+        return
+    first = key_of(w0)
     root = _digest(first)
     parents: dict[bytes, tuple[bytes, str] | None] = {root: None}
     frontier: list[tuple[bytes, bytes]] = [(root, first)]
     depth = 0
+    cut: list[tuple[bytes, bytes]] = []
     try:
         while frontier:
             if depth >= model.scope.max_depth:
+                cut = frontier
                 break
             nxt: list[tuple[bytes, bytes]] = []
-            for d, key in frontier:
+            for j, (d, key) in enumerate(frontier):
                 w = pickle.loads(key)
                 actions = model.actions(w)
                 if not actions:
+                    result.quiescent += 1
                     try:
                         model.check_quiescent(w)
                     except Violation as v:
@@ -106,8 +223,11 @@ def check(
                             result.pruned += 1
                             continue
                         result.violation = f"[{v.kind}] {v}"
-                        result.trace = [*_trace(parents, d), f"t={w.now:g} (nothing left to do)"]
-                        return result
+                        result.trace = [
+                            *_trace(parents, d, script),
+                            f"t={w.now:g} (nothing left to do)",
+                        ]
+                        return
                 for i, action in enumerate(actions):
                     # `actions` changed nothing, so the first step can use `w` itself.
                     w2 = w if i == 0 else pickle.loads(key)
@@ -120,8 +240,8 @@ def check(
                             continue
                         result.violation = f"[{v.kind}] {v}"
                         last = f"t={w2.now:g} {_action_text(w2, action, model)}"
-                        result.trace = [*_trace(parents, d), f"{last}  <-- {v}"]
-                        return result
+                        result.trace = [*_trace(parents, d, script), f"{last}  <-- {v}"]
+                        return
                     key2 = key_of(w2)
                     d2 = _digest(key2)
                     if d2 in parents:
@@ -129,14 +249,31 @@ def check(
                     parents[d2] = (d, line)
                     nxt.append((d2, key2))
                 if max_states is not None and len(parents) >= max_states:
-                    return result
-            frontier = nxt
-            depth += 1
-            if progress is not None:
-                progress(depth, len(parents), len(frontier), time.monotonic() - start)
+                    cut = frontier[j + 1 :] + nxt
+                    break
+            else:
+                frontier = nxt
+                depth += 1
+                if progress is not None:
+                    progress(depth, len(parents), len(frontier), time.monotonic() - start)
+                continue
+            break
         result.complete = not frontier
+        memo: set[bytes] = set()
+        started = time.monotonic()
+        for d, key in cut if completion else ():
+            try:
+                complete(model, pickle.loads(key), memo)
+            except Incomplete as inc:
+                v = inc.violation
+                if find is not None and v.kind not in find:
+                    result.pruned += 1
+                    continue
+                result.violation = f"[{v.kind}] {v} (in the completion of a cut state)"
+                result.trace = [*_trace(parents, d, script), *inc.lines]
+                return
+            result.completed += 1
+        result.completion_s = time.monotonic() - started
     finally:
         result.states = len(parents)
         result.depth = depth
-        result.seconds = time.monotonic() - start
-    return result

@@ -27,6 +27,7 @@ order, and only then ticks.
 
 from __future__ import annotations
 
+import collections
 import copyreg
 import dataclasses
 import enum
@@ -139,6 +140,14 @@ class Scope:
             heartbeat_interval_s=1.0, liveness_timeout_s=2.0, lease_s=2.0, transfer_deadline_s=4.0
         )
     )
+    # What the search must reach for the scope to mean anything (`Model.reached` names
+    # the events): "T1 ok on the receiver", "T2 lands", "T1 ok on the sender after a
+    # stall", "T1 incompatible_peer on the sender"; `check` fails a scope that misses one.
+    goals: tuple[str, ...] = ()
+    # Steps taken before the search starts, each named by how its trace line begins
+    # ("expect T1", "deliver Register T1", "land write 1"): the search explores every
+    # interleaving from where they lead, so a scope can start where its scenario does.
+    script: tuple[str, ...] = ()
 
 
 # ------------------------------------------------------------------------ world state
@@ -200,6 +209,17 @@ class World:
     noticed: list[tuple[str, str]] = field(default_factory=list)  # (observer, dead agent)
 
 
+_SINGULAR = {
+    "drops": "drop",
+    "dups": "dup",
+    "aborts": "abort",
+    "restarts": "restart",
+    "stalls": "stall",
+    "failures": "failure",
+    "forgeries": "forgery",
+}
+
+
 def _fmt_blocks(blocks: tuple[int, ...]) -> str:
     return "(" + ",".join(map(str, blocks)) + ")"
 
@@ -219,7 +239,15 @@ class Model:
         # seam, several since), whose classes the keyer pickles quickly.
         parts = [sys.modules.get(f"{package}.{n}") for n in ("_common", "sender", "receiver")]
         modules = (state_module, *(m for m in parts if m is not None), self.api.messages)
-        self.key_of = Keyer((*modules, kvpush.config, kvpush.errors))
+        from . import mutations
+
+        sides = tuple(getattr(state_module, n) for n in ("SenderProtocol", "ReceiverProtocol"))
+        self.key_of = Keyer((*modules, mutations, kvpush.config, kvpush.errors), sides)
+        # Events the search saw (what goals name); not recorded during a completion.
+        self.reached: set[str] = set()
+        self.recording = True
+        # A bounded completion (`checker.complete`): no new faults, no message cap.
+        self.completing = False
 
     # ----- the first state
 
@@ -257,7 +285,19 @@ class Model:
         return w.now + w.ends[agent].offset
 
     def spent(self, w: World, kind: str) -> bool:
+        if self.completing:
+            return True  # no new faults while completing
         return w.used.get(kind, 0) >= getattr(self.scope.budget, kind)
+
+    def note(self, w: World, event: str) -> None:
+        """`event` happened; so did "`event` after a KIND" for each fault on this path
+        (the budget spent is part of the state, so it is the path's own)."""
+        if not self.recording:
+            return
+        self.reached.add(event)
+        for kind, n in w.used.items():
+            if n:
+                self.reached.add(f"{event} after a {_SINGULAR[kind]}")
 
     def spend(self, w: World, kind: str) -> None:
         w.used[kind] = w.used.get(kind, 0) + 1
@@ -398,8 +438,14 @@ class Model:
                 if self.scope.long_stalls:
                     out.append(("sleep", agent))
             elif e.phase == "catchup":
-                for i in range(len(e.inbox)):
-                    out.append(("inbox", agent, i))
+                # Messages in any order; the engine's calls in the order it made them.
+                first_call = True
+                for i, item in enumerate(e.inbox):
+                    if item[0] == "message":
+                        out.append(("inbox", agent, i))
+                    elif first_call:
+                        first_call = False
+                        out.append(("inbox", agent, i))
         # Time.
         if not catching_up:
             for agent, e in w.ends.items():
@@ -419,9 +465,39 @@ class Model:
                 and any(not wr.landed and target > wr.issued_at + bound for wr in w.writes)
             ):
                 target = None
-            if target is not None and len(w.net) <= self.scope.max_messages:
+            capped = len(w.net) > self.scope.max_messages and not self.completing
+            if target is not None and not capped:
                 out.append(("clock", target))
         return out
+
+    # What a completion does first: end stalls, then work through what is queued and
+    # on its way, and let time pass only when nothing else is left. No faults (the
+    # budgets count as spent), no new transfers; the engine still makes its layers.
+    _COMPLETION_ORDER = {
+        "resume": 0,
+        "inbox": 1,
+        "deliver": 2,
+        "land": 3,
+        "complete": 4,
+        "fail": 5,  # only a write to a process that is gone (no failures left)
+        "handshake_ok": 6,
+        "handshake_fail": 7,  # only a handshake that cannot succeed
+        "layer": 8,
+        "tick": 9,
+        "clock": 10,
+        "lost": 11,
+    }
+
+    def completion_action(self, w: World) -> tuple[Any, ...] | None:
+        """The next step of a bounded completion (`checker.complete`), or None when it
+        has come to rest."""
+        order = self._COMPLETION_ORDER
+        best: tuple[Any, ...] | None = None
+        for a in self.actions(w):
+            rank = order.get(a[0])
+            if rank is not None and (best is None or rank < order[best[0]]):
+                best = a
+        return best
 
     def _started(self, w: World, i: int, side: str) -> bool:
         tx = w.tx[self.scope.transfers[i].tid]
@@ -494,10 +570,16 @@ class Model:
         assert blocks is not None
         tx = w.tx[tid]
         tx.s_agent, tx.s_blocks = agent, blocks
-        tx.submitted = tuple(
-            w.memory[agent][(b, layer)] for b in blocks for layer in range(self.scope.num_layers)
-        )
-        tx.layers_left = list(range(self.scope.num_layers)) if t.layerwise else []
+        nl = self.scope.num_layers
+        if t.layerwise:
+            # Not computed yet: a block holds its final content only once its layer is
+            # ready (`_do_layer`), so a write issued earlier copies what is there now.
+            tx.submitted = tuple(
+                f"{agent}:b{b}:L{layer}:{tid}" for b in blocks for layer in range(nl)
+            )
+        else:
+            tx.submitted = tuple(w.memory[agent][(b, layer)] for b in blocks for layer in range(nl))
+        tx.layers_left = list(range(nl)) if t.layerwise else []
         for b in blocks:
             w.held[agent][b] = tid
         what = "no layer ready yet" if t.layerwise else "all layers ready"
@@ -508,6 +590,9 @@ class Model:
         tx = w.tx[tid]
         assert tx.s_agent is not None
         layer = tx.layers_left.pop(0)
+        nl = self.scope.num_layers
+        for i, b in enumerate(tx.s_blocks):
+            w.memory[tx.s_agent][(b, layer)] = tx.submitted[i * nl + layer]
         line = f"sender {tx.s_agent}: layer {layer} of {tid} ready"
         return line + self._engine_call(w, tx.s_agent, ("layer", tid, layer))
 
@@ -529,6 +614,11 @@ class Model:
         if e.phase == "stalled":
             e.queued.append(call)
             return " (queued: the sender is stalled)"
+        if e.phase == "catchup" and any(item[0] != "message" for item in e.inbox):
+            # Behind the calls that queued while it was stalled (a layer before its
+            # submit would be a call the engine never makes).
+            e.inbox.append(call)
+            return " (queued behind the engine's earlier calls)"
         return self._apply(w, agent, self._call(w, agent, lambda now: self._run_call(e, now, call)))
 
     def _run_call(self, e: End, now: float, call: tuple[Any, ...]) -> list[Any]:
@@ -604,6 +694,9 @@ class Model:
         for layer in layers:
             for ours, theirs in zip(wr.ours, wr.theirs, strict=True):
                 w.memory[wr.dst][(theirs, layer)] = w.memory[wr.src][(ours, layer)]
+        self.note(w, f"{wr.tid} lands")
+        if wr.layers is not None:
+            self.note(w, f"{wr.tid} lands layer-wise")
         line = (
             f"write {wr.wid} of {wr.tid} lands: {wr.src} blocks {_fmt_blocks(wr.ours)} -> "
             f"{wr.dst} blocks {_fmt_blocks(wr.theirs)}, layers "
@@ -820,6 +913,7 @@ class Model:
                 "twice", f"{agent} reports {tid} a second time ({ended[0]}, now {outcome})"
             )
         ended.append(outcome)
+        self.note(w, f"{tid} {'ok' if eff.reason is None else eff.reason.value} on the {side}")
         if self.scope.budget.forgeries and (
             eff.reason in self._forgery_reasons() or "forged" in eff.detail
         ):
@@ -906,10 +1000,7 @@ class Model:
             held = self.api.held(e.proto)
             if held:
                 raise Violation("held-at-rest", f"{agent} still holds blocks at rest: {held}")
-            if w.held[agent]:
-                raise Violation(
-                    "held-at-rest", f"{agent}'s engine never got back blocks {w.held[agent]}"
-                )
+        # The protocol holds nothing: a transfer not reported forgot its engine.
         for tid, tx in w.tx.items():
             for agent, ended, side in (
                 (tx.s_agent, tx.s_ended, "sender"),
@@ -917,6 +1008,11 @@ class Model:
             ):
                 if agent is not None and w.ends[agent].alive and len(ended) != 1:
                     raise Violation("never-ended", f"{tid} never ended on the {side} {agent}")
+        for agent, e in w.ends.items():
+            if e.alive and w.held[agent]:
+                raise Violation(
+                    "held-at-rest", f"{agent}'s engine never got back blocks {w.held[agent]}"
+                )
 
 
 def _rebuild(cls: type, values: tuple[Any, ...]) -> Any:
@@ -928,15 +1024,78 @@ def _rebuild(cls: type, values: tuple[Any, ...]) -> Any:
     return obj
 
 
-def _reducers(modules: tuple[ModuleType, ...]) -> dict[type, Any]:
+# Counters a protocol side keeps for its metrics and never reads back: not part of a
+# state (two states that differ only in how many messages were ignored are one), and
+# zero in the copies the search makes.
+_STATS = {"ignored_messages": 0, "stale_registers": 0, "forged": None}
+
+
+def _rebuild_side(cls: type, values: dict[str, Any]) -> Any:
+    obj = cls.__new__(cls)
+    obj.__dict__.update(values)
+    for name, zero in _STATS.items():
+        obj.__dict__[name] = collections.Counter() if zero is None else zero
+    return obj
+
+
+def _reduce_side(cls: type, obj: Any) -> tuple[Any, ...]:
+    values = {k: v for k, v in obj.__dict__.items() if k not in _STATS}
+    return (_rebuild_side, (cls, values))
+
+
+_CONSTANTS: list[Any] = []  # every Keyer's, for `_constant` (kept alive: ids stay unique)
+
+
+def _constant(i: int) -> Any:
+    return _CONSTANTS[i]
+
+
+class _Constants:
+    """Objects that never change once built (a process's identity, its timing and
+    compatibility, a peer's address and info): pickled as an index into a table, so
+    that a state's pickle holds what changes. Equal objects (by their own `==`: by
+    identity for those without one) get the same index, and a copy gets the object
+    itself back (shared: none of them is mutated)."""
+
+    def __init__(self) -> None:
+        self.index: dict[Any, int] = {}
+
+    def reduce(self, obj: Any) -> tuple[Any, ...]:
+        i = self.index.get(obj)
+        if i is None:
+            i = self.index[obj] = len(_CONSTANTS)
+            _CONSTANTS.append(obj)
+        return (_constant, (i,))
+
+
+# What `_Constants` holds, by class name (in the protocol's modules and kvpush.config).
+# Not PeerAddress: the protocol builds a new one per message, and a copy that shared
+# one object where its original had two equal ones would pickle differently.
+_CONSTANT = {
+    "LocalIdentity",
+    "PeerInfo",
+    "_Compatibility",
+    "TimingConfig",
+    "CompatibilityPolicy",
+}
+
+
+def _reducers(
+    modules: tuple[ModuleType, ...], sides: tuple[type, ...] = (), constants: Any = None
+) -> dict[type, Any]:
     """Faster pickling of the protocol's slotted dataclasses and enums (the stock path
-    runs `dataclasses.fields()` per object, and an enum's lookup by value, per state)."""
+    runs `dataclasses.fields()` per object, and an enum's lookup by value, per state),
+    and the protocol's two sides without their metric counters (`_STATS`)."""
     table: dict[type, Any] = dict(copyreg.dispatch_table)
     for module in modules:
         for obj in vars(module).values():
             if not isinstance(obj, type) or obj.__module__ != module.__name__:
                 continue
-            if issubclass(obj, enum.Enum):
+            if constants is not None and obj.__name__ in _CONSTANT:
+                table[obj] = constants.reduce
+            elif sides and issubclass(obj, sides):
+                table[obj] = functools.partial(_reduce_side, obj)
+            elif issubclass(obj, enum.Enum):
                 table[obj] = lambda e: (getattr, (type(e), e.name))
             elif dataclasses.is_dataclass(obj) and "__slots__" in obj.__dict__:
                 get = operator.attrgetter(*obj.__slots__)
@@ -946,15 +1105,23 @@ def _reducers(modules: tuple[ModuleType, ...]) -> dict[type, Any]:
 
 
 def _reduce_slots(cls: type, get: Any, one: bool, obj: Any) -> tuple[Any, ...]:
-    values = get(obj)
-    return (_rebuild, (cls, (values,) if one else values))
+    values = (get(obj),) if one else get(obj)
+    if any(isinstance(v, (set, frozenset)) for v in values):
+        # A set's iteration order depends on its insertion history and, for strings, on
+        # the process's hash seed: rebuilt in sorted order, equal sets pickle alike, and
+        # a scope explores the same states in every process.
+        values = tuple(
+            type(v)(sorted(v, key=repr)) if isinstance(v, (set, frozenset)) else v for v in values
+        )
+    return (_rebuild, (cls, values))
 
 
 class Keyer:
     """A world's pickle: its identity for the search, and the way to copy it."""
 
-    def __init__(self, modules: tuple[ModuleType, ...]) -> None:
-        self._table = _reducers(modules)
+    def __init__(self, modules: tuple[ModuleType, ...], sides: tuple[type, ...] = ()) -> None:
+        self._constants = _Constants()
+        self._table = _reducers(modules, sides, self._constants)
 
     def __call__(self, w: World) -> bytes:
         buf = io.BytesIO()

@@ -1,7 +1,10 @@
-"""Issue 9's three bugs, put back into the current protocol by the model alone.
+"""Bugs put into the current protocol by the model alone, one per promise the checker
+keeps, so that it shows it finds each.
 
 Each mutation subclasses the real classes (the protocol's files are never edited) and
-restores one old behaviour, so the checker can show that it finds the bug:
+changes one behaviour; `MUTATIONS` maps it to the violation `--scope ci` must report.
+
+Issue 9's three bugs, as they were:
 
 * `bug1`: compatibility is not enforced: every field but the protocol version may
   differ (as when the check was opt-in and callers skipped it).
@@ -10,42 +13,104 @@ restores one old behaviour, so the checker can show that it finds the bug:
 * `bug3`: a sender writes for any Register it holds, however old: the lease is never
   found expired where a write is issued, a stale Register is never refused, and one
   kept unread while its sender was being looked up is read however long that took.
+
+Issue 21's, one for each other promise and the two bugs the checker once missed:
+
+* `twice`: the receiver reports a transfer ok but keeps its record (so a duplicate
+  Done, or its deadline, ends it again).
+* `never-ended`: the receiver forgets a transfer that failed without telling its engine.
+* `phantom`: the sender hands back the receiver's block ids, not its own.
+* `write-after-end`: the first Register for a sender transfer that ended before any
+  came starts it again (it is answered from the tombstone in the real code).
+* `wrong-bytes`: the sender writes from its first blocks, forgetting the prefix offset.
+* `held-at-rest`: the sender has no timer for a transfer still waiting for its Register.
+* `forged-effect`: the receiver takes a Failed or CancelAck from any agent as its
+  transfer's sender's.
+* `lease-first-write`: the lease is checked only before a transfer's first write, so
+  later layer-wise writes skip it.
+* `empty-layers`: `_check_layers` treats `[]` (no layer ready yet) as all layers ready.
+* `resend-past-deadline`: the fix at `_resend_registers` reverted (`now < rec.deadline`
+  dropped): a receiver re-sends its Register past its transfer's deadline.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
 from typing import Any
+
+import msgspec
 
 from kvpush.config import COMPAT_FIELDS, CompatibilityPolicy
 from kvpush.errors import FailureReason
 
-MUTATIONS = ("bug1", "bug2", "bug3")
+# Each mutation, and the violation kind that `--scope ci` reports for it.
+MUTATIONS: dict[str, str] = {
+    "bug1": "incompatible-ok",
+    "bug2": "source-reused",
+    "bug3": "late-write",
+    "twice": "twice",
+    "never-ended": "never-ended",
+    "phantom": "phantom",
+    "write-after-end": "write-after-end",
+    "wrong-bytes": "wrong-bytes",
+    "held-at-rest": "held-at-rest",
+    "forged-effect": "forged-effect",
+    "lease-first-write": "late-write",
+    "empty-layers": "wrong-bytes",
+    "resend-past-deadline": "late-write",
+}
 
 
 def apply(state: ModuleType, mutation: str | None) -> tuple[type, Any]:
     """The PushProtocol class and the compatibility policy to build endpoints with."""
+    strict = state.STRICT_COMPATIBILITY
     if mutation is None:
-        return state.PushProtocol, state.STRICT_COMPATIBILITY
+        return state.PushProtocol, strict
     if mutation == "bug1":
         anything = frozenset(COMPAT_FIELDS) - {"protocol_version"}
         policy = CompatibilityPolicy(anything, reason="mutation bug1: the check callers skip")
         return state.PushProtocol, policy
-    if mutation == "bug2":
-        return _with_sender(state, _bug2_sender(state)), state.STRICT_COMPATIBILITY
-    if mutation == "bug3":
-        return _with_sender(state, _bug3_sender(state)), state.STRICT_COMPATIBILITY
-    raise ValueError(f"unknown mutation {mutation!r}: expected one of {MUTATIONS}")
+    senders = {
+        "bug2": _bug2_sender,
+        "bug3": _bug3_sender,
+        "phantom": _phantom_sender,
+        "write-after-end": _write_after_end_sender,
+        "wrong-bytes": _wrong_bytes_sender,
+        "held-at-rest": _held_at_rest_sender,
+        "lease-first-write": _lease_first_write_sender,
+        "empty-layers": _empty_layers_sender,
+    }
+    receivers = {
+        "twice": _twice_receiver,
+        "never-ended": _never_ended_receiver,
+        "forged-effect": _forged_effect_receiver,
+        "resend-past-deadline": _resend_past_deadline_receiver,
+    }
+    if mutation in senders:
+        return _with_sides(state, sender_class=senders[mutation](state)), strict
+    if mutation in receivers:
+        return _with_sides(state, receiver_class=receivers[mutation](state)), strict
+    raise ValueError(f"unknown mutation {mutation!r}: expected one of {sorted(MUTATIONS)}")
 
 
-def _with_sender(state: ModuleType, sender_class: type) -> type:
+def _with_sides(
+    state: ModuleType, sender_class: type | None = None, receiver_class: type | None = None
+) -> type:
     class MutantPushProtocol(state.PushProtocol):  # type: ignore[name-defined,misc]
         def __init__(self, identity: Any, timing: Any, num_layers: int, compat: Any, **kw: Any):
             super().__init__(identity, timing, num_layers, compat, **kw)
             policy = kw.get("compatibility", state.STRICT_COMPATIBILITY)
-            self.sender = sender_class(identity, timing, num_layers, compat, compatibility=policy)
+            if sender_class is not None:
+                self.sender = sender_class(
+                    identity, timing, num_layers, compat, compatibility=policy
+                )
+            if receiver_class is not None:
+                self.receiver = receiver_class(identity, timing, compat, compatibility=policy)
 
-    MutantPushProtocol.__name__ = f"MutantPushProtocol_{sender_class.__name__}"
+    mutant = sender_class or receiver_class
+    assert mutant is not None
+    MutantPushProtocol.__name__ = f"MutantPushProtocol_{mutant.__name__}"
     _register(MutantPushProtocol)
     return MutantPushProtocol
 
@@ -85,6 +150,177 @@ def _bug3_sender(state: ModuleType) -> type:
 
     _register(Bug3Sender)
     return Bug3Sender
+
+
+def _twice_receiver(state: ModuleType) -> type:
+    class TwiceReceiver(state.ReceiverProtocol):  # type: ignore[name-defined,misc]
+        def _end(self, now: float, rec: Any, reason: Any, detail: str) -> list[Any]:
+            out = list(super()._end(now, rec, reason, detail))
+            if reason is None:
+                self._transfers[rec.transfer_id] = rec  # the record stays
+            return out
+
+    _register(TwiceReceiver)
+    return TwiceReceiver
+
+
+def _never_ended_receiver(state: ModuleType) -> type:
+    class NeverEndedReceiver(state.ReceiverProtocol):  # type: ignore[name-defined,misc]
+        def _end(self, now: float, rec: Any, reason: Any, detail: str) -> list[Any]:
+            out = list(super()._end(now, rec, reason, detail))
+            return out if reason is None else []  # a failure forgotten, not reported
+
+    _register(NeverEndedReceiver)
+    return NeverEndedReceiver
+
+
+def _forged_effect_receiver(state: ModuleType) -> type:
+    class ForgedEffectReceiver(state.ReceiverProtocol):  # type: ignore[name-defined,misc]
+        def handle(self, now: float, peer: str, message: Any) -> list[Any]:
+            rec = self._transfers.get(getattr(message, "transfer_id", None))
+            final = type(message).__name__ in ("Failed", "CancelAck")
+            if final and rec is not None and rec.peer is not None and peer != rec.peer:
+                peer = rec.peer  # whoever sent it, taken as the transfer's sender
+            return list(super().handle(now, peer, message))
+
+    _register(ForgedEffectReceiver)
+    return ForgedEffectReceiver
+
+
+def _resend_past_deadline_receiver(state: ModuleType) -> type:
+    waiting = state.ReceiverState.WAITING
+    send = state.SendMessage
+
+    class ResendPastDeadlineReceiver(state.ReceiverProtocol):  # type: ignore[name-defined,misc]
+        def _resend_registers(self, now: float, peer: str) -> list[Any]:
+            # `_resend_registers` as it was before `now < rec.deadline` was added.
+            p = self._peers.get(peer)
+            if p is None:
+                return []
+            known = p.known_by_them or frozenset()
+            out: list[Any] = []
+            for rec in self._transfers.values():
+                if (
+                    rec.peer == peer
+                    and rec.register is not None
+                    and rec.state is waiting
+                    and rec.transfer_id not in known
+                    and now >= rec.register_sent_at + self._timing.heartbeat_interval_s
+                ):
+                    rec.register_sent_at = now
+                    rec.register = msgspec.structs.replace(rec.register, sent_at=now)
+                    out.append(send(peer, rec.register))
+            return out
+
+    _register(ResendPastDeadlineReceiver)
+    return ResendPastDeadlineReceiver
+
+
+def _phantom_sender(state: ModuleType) -> type:
+    class PhantomSender(state.SenderProtocol):  # type: ignore[name-defined,misc]
+        def _end_transfer(self, now: float, rec: Any, *args: Any, **kw: Any) -> list[Any]:
+            out = list(super()._end_transfer(now, rec, *args, **kw))
+            if rec.register is None:
+                return out
+            theirs = tuple(rec.register.block_ids)
+            return [
+                dataclasses.replace(e, blocks=theirs) if isinstance(e, state.TransferEnded) else e
+                for e in out
+            ]
+
+    _register(PhantomSender)
+    return PhantomSender
+
+
+def _write_after_end_sender(state: ModuleType) -> type:
+    awaiting = state.SenderState.AWAITING_REGISTER
+
+    class WriteAfterEndSender(state.SenderProtocol):  # type: ignore[name-defined,misc]
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            self.unregistered_ends: dict[str, Any] = {}
+
+        def _end_transfer(self, now: float, rec: Any, *args: Any, **kw: Any) -> list[Any]:
+            if rec.register is None and rec.blocks is not None:
+                self.unregistered_ends[rec.transfer_id] = rec
+            return list(super()._end_transfer(now, rec, *args, **kw))
+
+        def _on_register(self, now: float, peer: str, msg: Any) -> list[Any]:
+            tid = msg.transfer_id
+            tomb = self._tombstones.get(tid)
+            rec = self.unregistered_ends.pop(tid, None)
+            if tomb is not None and tomb.peer is None and rec is not None:
+                # The first Register for a transfer that ended before any came starts
+                # it again, instead of being answered from its tombstone.
+                del self._tombstones[tid]
+                rec.state = awaiting
+                rec.deadline = now + self._timing.transfer_deadline_s
+                self._transfers[tid] = rec
+            return list(super()._on_register(now, peer, msg))
+
+    _register(WriteAfterEndSender)
+    return WriteAfterEndSender
+
+
+def _wrong_bytes_sender(state: ModuleType) -> type:
+    class WrongBytesSender(state.SenderProtocol):  # type: ignore[name-defined,misc]
+        def _issue_writes(self, now: float, rec: Any) -> list[Any]:
+            out = list(super()._issue_writes(now, rec))
+            return [
+                dataclasses.replace(e, our_blocks=rec.blocks[: len(e.their_blocks)])
+                if isinstance(e, state.WriteBlocks)
+                else e
+                for e in out
+            ]
+
+    _register(WrongBytesSender)
+    return WrongBytesSender
+
+
+def _held_at_rest_sender(state: ModuleType) -> type:
+    awaiting = state.SenderState.AWAITING_REGISTER
+
+    class HeldAtRestSender(state.SenderProtocol):  # type: ignore[name-defined,misc]
+        def next_deadline(self) -> float | None:
+            if all(r.state is awaiting for r in self._transfers.values()):
+                return None  # a transfer waiting for its Register has no timer
+            return super().next_deadline()  # type: ignore[no-any-return]
+
+    _register(HeldAtRestSender)
+    return HeldAtRestSender
+
+
+def _lease_first_write_sender(state: ModuleType) -> type:
+    class LeaseFirstWriteSender(state.SenderProtocol):  # type: ignore[name-defined,misc]
+        def _issue_writes(self, now: float, rec: Any) -> list[Any]:
+            if not rec.issued_layers:
+                return list(super()._issue_writes(now, rec))
+            # A later layer-wise write: as if the lease held.
+            kept = rec.lease_until_theirs
+            rec.lease_until_theirs = float("inf")
+            try:
+                return list(super()._issue_writes(now, rec))
+            finally:
+                rec.lease_until_theirs = kept
+
+        def _lease_expired(self, now: float, rec: Any) -> bool:
+            return not rec.issued_layers and super()._lease_expired(now, rec)
+
+    _register(LeaseFirstWriteSender)
+    return LeaseFirstWriteSender
+
+
+def _empty_layers_sender(state: ModuleType) -> type:
+    class EmptyLayersSender(state.SenderProtocol):  # type: ignore[name-defined,misc]
+        def _check_layers(self, tid: str, layers: Any) -> set[int]:
+            if layers is not None:
+                layers = list(layers)
+                if not layers:
+                    layers = None  # [] taken as "all ready"
+            return super()._check_layers(tid, layers)  # type: ignore[no-any-return]
+
+    _register(EmptyLayersSender)
+    return EmptyLayersSender
 
 
 def _register(cls: type) -> None:

@@ -58,6 +58,27 @@ BUG1 = Scope(
 )
 
 
+def _ok(tid: str, after: str = "") -> tuple[str, str]:
+    """The goals "`tid` ends ok on both sides" (on a path with `after`'s fault)."""
+    return (f"{tid} ok on the sender{after}", f"{tid} ok on the receiver{after}")
+
+
+# T1's shortest way to its first write: both handshakes, the heartbeat round trip
+# whose echo bounds the receiver's clock (a layer-wise T1 then waits for its layers).
+_T1_HANDSHAKES = (
+    "expect T1",
+    "submit T1",
+    "handshake_ok R#1 S1",
+    "deliver Register T1",
+    "handshake_ok S1#1 R",
+    "deliver Heartbeat from the receiver",
+    "deliver Heartbeat from the sender",
+    "deliver Heartbeat from the receiver",
+)
+# ... and its bytes landing (its Done on its way, the write not reported yet).
+_T1_TO_LANDING = (*_T1_HANDSHAKES, "land write 1 of S1#1")
+
+
 def _ci(name: str, transfers: tuple[TransferSpec, ...], budget: Budget, **kw: object) -> Scope:
     opts: dict[str, object] = {"prompt": True, "max_depth": 80}
     opts.update(kw)
@@ -66,27 +87,77 @@ def _ci(name: str, transfers: tuple[TransferSpec, ...], budget: Budget, **kw: ob
 
 # The CI scopes: each every interleaving up to its depth (or all, where it completes).
 CI = (
-    _ci("one", (T("T1", "S1", 1),), Budget(), max_depth=16),
-    _ci("layerwise-prefix", (T("T1", "S1", 2, offset=1, layerwise=True),), Budget(), max_depth=14),
+    _ci("one", (T("T1", "S1", 1),), Budget(), max_depth=16, goals=_ok("T1")),
+    _ci(
+        "layerwise-prefix",
+        (T("T1", "S1", 2, offset=1, layerwise=True),),
+        Budget(),
+        max_depth=14,
+        goals=("T1 lands layer-wise", *_ok("T1")),
+    ),
     _ci(
         "full-hit-then-reuse",
         (T("T1", "S1", 1, offset=1), T("T2", "S1", 1)),
         Budget(),
         sender_blocks=1,
         receiver_blocks=1,
-        max_depth=8,
+        # From both sides' first step: T2 lands only 11 steps in, past the depth that
+        # fits in CI from the very start.
+        script=("expect T1", "submit T1"),
+        max_depth=10,
+        goals=(*_ok("T1"), "T2 lands", "T2 ok on the receiver"),
     ),
-    _ci("lossy", (T("T1", "S1", 1),), Budget(drops=1, dups=1), max_depth=9),
-    _ci("failures", (T("T1", "S1", 1),), Budget(failures=1), max_depth=14),
-    _ci("aborts", (T("T1", "S1", 1),), Budget(aborts=1), max_depth=11),
-    _ci("restart", (T("T1", "S1", 1),), Budget(restarts=1), max_depth=7),
-    _ci("sender-stall", (T("T1", "S1", 1),), Budget(stalls=1), max_depth=9),
+    _ci(
+        "lossy",
+        (T("T1", "S1", 1),),
+        Budget(drops=1, dups=1),
+        max_depth=10,
+        goals=("T1 ok on the receiver after a drop", "T1 ok on the receiver after a dup"),
+    ),
+    _ci(
+        "failures",
+        (T("T1", "S1", 1),),
+        Budget(failures=1),
+        max_depth=14,
+        goals=(
+            "T1 write_error on the sender",
+            "T1 write_error on the receiver",
+            "T1 handshake_failed on the receiver",
+        ),
+    ),
+    _ci(
+        "aborts",
+        (T("T1", "S1", 1),),
+        Budget(aborts=1),
+        max_depth=11,
+        goals=("T1 cancelled on the sender", "T1 cancelled on the receiver"),
+    ),
+    _ci(
+        "restart",
+        (T("T1", "S1", 1),),
+        Budget(restarts=1),
+        max_depth=8,
+        goals=(
+            "T1 lands",
+            "T1 peer_gone on the sender after a restart",
+            "T1 peer_gone on the receiver after a restart",
+        ),
+    ),
+    _ci(
+        "sender-stall",
+        (T("T1", "S1", 1),),
+        Budget(stalls=1),
+        script=("expect T1", "submit T1"),
+        max_depth=9,
+        goals=_ok("T1", " after a stall"),
+    ),
     _ci(
         "receiver-stall",
         (T("T1", "S1", 1),),
         Budget(stalls=1),
         stallable=("receiver",),
         max_depth=11,
+        goals=_ok("T1", " after a stall"),
     ),
     _ci(
         "two-senders",
@@ -94,12 +165,65 @@ CI = (
         Budget(),
         senders=("S1", "S2"),
         receiver_blocks=1,
-        max_depth=8,
+        # T1 as far as its write landing (its Done on the way, the write not reported):
+        # the search goes on from there, T1's end interleaved with all of T2 from S2
+        # into the block T1 hands back.
+        script=_T1_TO_LANDING,
+        max_depth=10,
+        goals=(*_ok("T1"), "T2 lands", "T2 ok on the receiver"),
     ),
-    _ci("incompatible", (T("T1", "S1", 1),), Budget(), geometry=(("R", (("layout", "HND"),)),)),
+    _ci(
+        "incompatible",
+        (T("T1", "S1", 1),),
+        Budget(),
+        geometry=(("R", (("layout", "HND"),)),),
+        goals=("T1 incompatible_peer on the sender", "T1 incompatible_peer on the receiver"),
+    ),
+    # Two features at once: a layer-wise transfer whose sender stalls between its
+    # layers, past the receiver's liveness timeout and fence. The messages that pile up
+    # for the stalled sender (heartbeats, Cancels, the Register again) exceed the default
+    # cap of 6 before the fence ends, so the cap here is 16.
+    _ci(
+        "layerwise-stall",
+        (T("T1", "S1", 1, layerwise=True),),
+        Budget(stalls=1),
+        script=_T1_HANDSHAKES,
+        max_messages=16,
+        max_depth=8,
+        goals=("T1 lands layer-wise after a stall", *_ok("T1", " after a stall")),
+    ),
+    # Two features at once: a layer-wise transfer whose write (or handshake) may fail
+    # between its layers; a prefix hit over a network that may drop one message.
+    _ci(
+        "layerwise-failure",
+        (T("T1", "S1", 1, layerwise=True),),
+        Budget(failures=1),
+        script=_T1_HANDSHAKES,
+        max_depth=11,
+        goals=(
+            "T1 lands layer-wise",
+            "T1 write_error on the sender after a failure",
+            "T1 write_error on the receiver after a failure",
+        ),
+    ),
+    _ci(
+        "prefix-lossy",
+        (T("T1", "S1", 2, offset=1),),
+        Budget(drops=1),
+        script=("expect T1",),
+        max_depth=11,
+        goals=_ok("T1", " after a drop"),
+    ),
     # A foreign agent sends any message kind, claiming the real engines, for T1 (issue
     # 11): a transfer it ended so would be a [forged-effect] violation.
-    _ci("forger", (T("T1", "S1", 1),), Budget(forgeries=1), max_depth=9),
+    _ci(
+        "forger",
+        (T("T1", "S1", 1),),
+        Budget(forgeries=1),
+        script=("expect T1",),
+        max_depth=9,
+        goals=_ok("T1", " after a forgery"),
+    ),
 )
 
 # A receiver whose runtime thread is stuck while its side channel still answers: finds
@@ -111,6 +235,7 @@ STUCK_RECEIVER = _ci(
     stallable=("receiver",),
     stalled_side_channel_answers=True,
     max_depth=16,
+    goals=_ok("T1", " after a stall"),
 )
 
 # The larger scope: deeper, and the scopes that do not fit in CI.
@@ -123,9 +248,17 @@ LARGE = (
         sender_blocks=2,
         receiver_blocks=1,
         max_depth=12,
+        goals=("T1 lands layer-wise",),
     ),
     STUCK_RECEIVER,
-    _ci("forger-2", (T("T1", "S1", 1),), Budget(forgeries=2), max_depth=9),
+    _ci(
+        "forger-2",
+        (T("T1", "S1", 1),),
+        Budget(forgeries=2),
+        script=("expect T1",),
+        max_depth=9,
+        goals=_ok("T1", " after a forgery"),
+    ),
 )
 
 GROUPS: dict[str, tuple[Scope, ...]] = {
