@@ -220,3 +220,14 @@ def test_a_url_that_can_never_answer_is_refused_at_once(url: str) -> None:
     assert f"--http {url!r}" in result.stderr
     assert "expected http://HOST:PORT/PATH" in result.stderr
     assert time.monotonic() - started < 60
+
+
+def test_free_ports_are_never_repeated_and_stay_below_the_ephemeral_range() -> None:
+    # Sockets bound to port 0 (a vLLM server's own, say) and outgoing connections take
+    # ports from the ephemeral range: a port picked there could be gone before the
+    # server it was picked for binds it (seen in CI: "Address already in use").
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports = [free_port(host) for host in ("127.0.0.1", "::1") for _ in range(25)]
+    assert len(set(ports)) == len(ports)
+    assert all(port < low for port in ports), (low, ports)

@@ -11,6 +11,7 @@ rounds without waiting.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import time
@@ -190,10 +191,45 @@ def _try_side_channel(
         ) from exc
 
 
+# The lowest port `free_port` hands out; it picks below the OS's ephemeral range.
+_LOWEST_PICKED_PORT = 20000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int] | None:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        return None
+    return low, high
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on `host` (another process may take it before you do)."""
+    """A TCP port free right now on `host`, for a server started next to bind.
+
+    Where the OS says which ports it hands out itself (Linux), the port is picked at
+    random below that ephemeral range: every socket bound to port 0 (a server's own
+    internal sockets, vLLM's and ZeroMQ's included) and the source port of every
+    outgoing connection come from that range, so none of them can take the port before
+    the server binds it. A port is never handed out twice by one process; another
+    process calling this may still pick the same one, rarely."""
     bare = unbracket_host(host)
     family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    ephemeral = _ephemeral_range()
+    if ephemeral is not None and ephemeral[0] > _LOWEST_PICKED_PORT + 1000:
+        rng = random.SystemRandom()
+        for _ in range(200):
+            port = rng.randrange(_LOWEST_PICKED_PORT, ephemeral[0])
+            if port in _handed_out:
+                continue
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((bare, port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((bare, 0))
         return int(s.getsockname()[1])
