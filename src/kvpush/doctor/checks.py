@@ -187,19 +187,24 @@ def _report_tcp(side: SideAddress, step: StepResult) -> None:
         )
 
 
+def _http_failed(step: StepResult, role: str, exc: HttpFailed, otherwise: str) -> None:
+    """An HTTP request to `role`'s server failed: a timeout means a stopped or hung server;
+    anything else gets `otherwise` as its next action."""
+    next_action = _stopped_action(role, "HTTP port") if exc.timed_out else otherwise
+    step.add(Verdict.FAIL, str(exc), side=role, next_action=next_action)
+
+
 def _read_health(
     role: str, base: str, options: DoctorOptions, seen: _Observed, step: StepResult
 ) -> None:
     try:
         status, body = get_health(base, options.timeout_s)
     except HttpFailed as exc:
-        step.add(
-            Verdict.FAIL,
-            str(exc),
-            side=role,
-            next_action=_stopped_action(role, "HTTP port")
-            if exc.timed_out
-            else f"start the {role} server, or give --{role}-http its HTTP base URL "
+        _http_failed(
+            step,
+            role,
+            exc,
+            f"start the {role} server, or give --{role}-http its HTTP base URL "
             "(http://HOST:PORT, the port of /v1/completions)",
         )
         return
@@ -683,14 +688,7 @@ def _one_health(role: str, options: DoctorOptions, seen: _Observed, step: StepRe
     try:
         samples = get_metrics(base, options.timeout_s)
     except HttpFailed as exc:
-        step.add(
-            Verdict.FAIL,
-            str(exc),
-            side=role,
-            next_action=_stopped_action(role, "HTTP port")
-            if exc.timed_out
-            else f"check that --{role}-http is a kvpush server",
-        )
+        _http_failed(step, role, exc, f"check that --{role}-http is a kvpush server")
         step.figures[role] = figures
         return
     if not any(s.name.startswith("kvpush_") for s in samples):
