@@ -9,6 +9,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,29 +37,50 @@ def run_kvpush(
 
 @dataclass
 class Endpoint:
-    """A `kvpush endpoint` process, started and read until its ready line."""
+    """A `kvpush endpoint` process, started and read until its ready line; from then on
+    a thread keeps reading what it prints (so that a chatty endpoint never blocks on a
+    full pipe), and `stop()` hands it over."""
 
     process: subprocess.Popen[str]
     host: str
     port: int
     ready_line: str
     output: list[str] = field(default_factory=list)
+    _rest: list[str] = field(default_factory=list)
+    _reader: threading.Thread | None = None
+
+    def __post_init__(self) -> None:
+        self._reader = threading.Thread(target=self._read, name=f"endpoint-{self.port}-output")
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self._rest.append(line)
 
     @property
     def address(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def printed(self) -> str:
+        """Everything it printed so far (for a failure's message)."""
+        return "".join([*self.output, *self._rest])
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
         """Signal it, wait for it, keep what it printed; returns its exit status."""
         if self.process.poll() is None:
             self.process.send_signal(sig)
         try:
-            out, _ = self.process.communicate(timeout=timeout)
+            self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            self.process.communicate()
+            self.process.wait()
             raise
-        self.output.append(out)
+        finally:
+            assert self._reader is not None and self.process.stdout is not None
+            self._reader.join(timeout)
+            self.process.stdout.close()
+        self.output.append("".join(self._rest))
         return self.process.returncode
 
 

@@ -26,14 +26,26 @@ MODES = ("memcpy", "nixl-raw", "kvpush", "mooncake")
 def _kvpush(
     *args: str, timeout: float = 90.0, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvpush", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        env=env,
-    )
+    """`kvpush ARGS`; one that runs past `timeout` dumps every thread's stack (Python's
+    faulthandler, on SIGABRT) into the failure's message, so that a stall says where."""
+    full_env = {**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"}
+    argv = [sys.executable, "-m", "kvpush", *args]
+    with subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            try:
+                out, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            raise AssertionError(
+                f"{' '.join(argv)} ran past {timeout}s; it printed:\n{out[-2000:]}\n{err[-8000:]}"
+            ) from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +219,7 @@ def _zeros_crc(nbytes: int) -> int:
 
 
 @pytest.mark.nixl
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize(("host", "sig"), [("127.0.0.1", signal.SIGTERM), ("::1", signal.SIGINT)])
 def test_remote_bench_pushes_kvpush_transfers_into_a_live_endpoint(
     tmp_path: Path, host: str, sig: int
@@ -223,11 +235,14 @@ def test_remote_bench_pushes_kvpush_transfers_into_a_live_endpoint(
     )  # fmt: skip
     try:
         report_path = tmp_path / "remote.json"
-        proc = _kvpush(
-            "bench", "--target", ep.address, "--token-file", str(token), "--quick",
-            "--no-progress", "--json", str(report_path),
-            timeout=40,
-        )  # fmt: skip
+        try:
+            proc = _kvpush(
+                "bench", "--target", ep.address, "--token-file", str(token), "--quick",
+                "--no-progress", "--json", str(report_path),
+                timeout=60,
+            )  # fmt: skip
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nthe endpoint printed:\n{ep.printed()[-4000:]}") from None
         assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
         report = json.loads(report_path.read_text())
     finally:
