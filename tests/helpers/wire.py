@@ -20,6 +20,7 @@ from kvpush.protocol import (
     Handshake,
     Heartbeat,
     LocalIdentity,
+    Message,
     PeerAddress,
     PeerInfo,
     PushProtocol,
@@ -30,6 +31,7 @@ from kvpush.protocol import (
     decode,
     encode,
 )
+from kvpush.protocol.auth import TRAILER_BYTES, MessageAuth
 
 TIMING = TimingConfig(
     heartbeat_interval_s=0.5, liveness_timeout_s=3.0, lease_s=5.0, transfer_deadline_s=60.0
@@ -58,7 +60,12 @@ class InFlightWrite:
 class Wire:
     """Endpoints plus the network between them, driven step by step by a test."""
 
-    def __init__(self, timing: TimingConfig = TIMING, num_layers: int = NUM_LAYERS) -> None:
+    def __init__(
+        self, timing: TimingConfig = TIMING, num_layers: int = NUM_LAYERS, token: str = ""
+    ) -> None:
+        # With a token every endpoint authenticates its messages (`PushProtocol(auth=)`),
+        # and what travels is what `PushProtocol.wire` makes.
+        self.token = token
         self.timing = timing
         self.num_layers = num_layers
         self.now = 0.0
@@ -103,7 +110,10 @@ class Wire:
         ident = LocalIdentity(engine_id, incarnation, address.host, address.port, 0)
         compat = COMPAT if compat is None else compat
         policy = compatibility or CompatibilityPolicy()
-        proto = PushProtocol(ident, self.timing, self.num_layers, compat, compatibility=policy)
+        auth = MessageAuth(self.token, agent, incarnation) if self.token else None
+        proto = PushProtocol(
+            ident, self.timing, self.num_layers, compat, compatibility=policy, auth=auth
+        )
         self.ends[agent] = proto
         self.engine_of[agent] = engine_id
         self.address_of[agent] = address
@@ -130,7 +140,7 @@ class Wire:
         for eff in effects:
             match eff:
                 case SendMessage(peer=peer, message=msg):
-                    self.queue.append((src, peer, encode(msg)))
+                    self.queue.append((src, peer, self.bytes_of(src, peer, msg)))
                 case WriteBlocks():
                     ended = [r for r in self.results[src] if r.side == "sender"]
                     assert eff.transfer_id not in {r.transfer_id for r in ended}, (
@@ -200,7 +210,7 @@ class Wire:
         src, dst, payload = self.queue.pop(index)
         if dst in self.dead:
             return
-        match decode(payload):  # what renews a sender's lease, for the lease invariant
+        match self.message_of(payload):  # what renews a sender's lease, for the lease invariant
             case Register(transfer_id=tid):
                 self.renewed[(dst, tid)] = self.now
             case Heartbeat(role="receiver", transfer_ids=ids):
@@ -213,9 +223,12 @@ class Wire:
     def deliver_register(self) -> None:
         """Deliver the first queued Register, then the heartbeat round trip a first
         contact takes before any write (the echo that bounds the receiver's clock)."""
-        [i, *_] = [i for i, m in enumerate(self.queue) if isinstance(decode(m[2]), Register)]
+        queued = self.queue
+        [i, *_] = [i for i, m in enumerate(queued) if isinstance(self.message_of(m[2]), Register)]
         self.deliver(i)
-        while hb := [i for i, m in enumerate(self.queue) if isinstance(decode(m[2]), Heartbeat)]:
+        while hb := [
+            i for i, m in enumerate(queued) if isinstance(self.message_of(m[2]), Heartbeat)
+        ]:
             self.deliver(hb[0])
 
     def complete_write(self, index: int = 0, ok: bool = True) -> None:
@@ -236,7 +249,7 @@ class Wire:
                     self.memory[wb.peer][layer][theirs] = self.memory[w.src][layer][ours]
             self.write_log.append((w.src, wb.peer, wb.transfer_id, wb.their_blocks))
             if wb.notification is not None:  # after the data, as the data plane does
-                self.queue.append((w.src, wb.peer, encode(wb.notification)))
+                self.queue.append((w.src, wb.peer, self.bytes_of(w.src, wb.peer, wb.notification)))
             self.apply(w.src, self.ends[w.src].sender.write_done(self.now, wb.write_id))
         else:
             effects = self.ends[w.src].sender.write_failed(
@@ -292,7 +305,24 @@ class Wire:
         return r
 
     def sent(self, src: str, kind: type) -> list[object]:
-        return [decode(m[2]) for m in self.queue if m[0] == src and isinstance(decode(m[2]), kind)]
+        return [
+            msg
+            for m in self.queue
+            if m[0] == src and isinstance(msg := self.message_of(m[2]), kind)
+        ]
+
+    # ----- the bytes on the wire
+
+    def bytes_of(self, src: str, dst: str, message: Message) -> bytes:
+        """What `src` puts on the wire for `dst`: the encoded message, sealed for `dst`
+        when the endpoints authenticate."""
+        if not self.token:
+            return encode(message)
+        return self.ends[src].wire(dst, message)
+
+    def message_of(self, payload: bytes) -> Message:
+        """The message in `payload` (its MAC trailer, if any, left unchecked)."""
+        return decode(payload[:-TRAILER_BYTES] if self.token else payload)
 
 
 def assert_block_copied(w: Wire, p: str, our: int, d: str, their: int) -> None:

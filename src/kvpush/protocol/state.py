@@ -135,22 +135,31 @@ channel (token-authenticated, when a token is configured) has named it:
 
 The data plane does not authenticate agent names: any process holding our NIXL metadata
 can connect and send notifications under any name, a real peer's included (how that was
-shown: docs/benchmarks.md, "Design notes moved from docstrings"). So the runtime also
-gives every incarnation a random 16-byte message key, publishes it in its side-channel
-metadata, and has `PushProtocol(message_key=...)` drop every message that does not
-begin with it ("bad_key", `identity.strip_message_key`): with a token configured, only a
-peer the side channel admitted can put a message in front of us at all, under any name.
-Checking the key costs less than decoding the message, and a MAC of every message
-several times more (figures: docs/benchmarks.md, same section). The key travels in clear
-in the metadata (the token does not: each side proves it holds it, see
-`kvpush.sidechannel.wire`), so a MAC would add protection only against someone who can
-read the network and also send on it; the KV itself crosses the same network in clear,
-so that someone is outside what kvpush protects. Hence the key, not a MAC. Such a
-reader still cannot take a transfer: a Register naming its own side channel is looked
-up there, and with a token configured an answer that does not prove the token is
-refused ("unverified"). Without a token the side channel serves the key to anyone who
-asks, and identity rests on the rules above, which hold against any agent that does not
-borrow a real peer's name. What an agent admitted by the side channel (it holds the
+shown: docs/benchmarks.md, "Design notes moved from docstrings"). Two checks come before
+a message is read:
+
+* The message key: every incarnation has a random 16-byte key, published in its
+  side-channel metadata, and `PushProtocol(message_key=...)` drops every message that
+  does not begin with it ("bad_key", `identity.strip_message_key`). It costs less than
+  decoding and keeps strays (another deployment, a stale peer) out; but it travels in
+  clear, in metadata answers and in front of every message, so it proves nothing to
+  someone who can read the network.
+* With a token configured, a MAC (`kvpush.protocol.auth`, `PushProtocol(auth=...)`):
+  every message carries a tag under a key for its (sending rank, receiving rank, both
+  incarnations), derived from the token and the incarnations the side channel gave and
+  never sent, and a sequence number per pair. A message no token holder made for this
+  pair, or one changed on the way, is dropped ("bad_mac"); one that came before, by
+  anyone, is dropped too ("replayed"). Neither ends a transfer. So what a reader of the
+  network sees (agent names, message keys, metadata, earlier messages) grants nothing:
+  with a token, only token holders can make a message that counts, under any name.
+
+Without a token neither the side channel nor the data plane authenticates anyone: the
+side channel serves the message key to anyone who asks, and identity rests on the rules
+above, which hold against any agent that does not borrow a real peer's name (a process
+that can reach the data plane and borrows one can end, or disturb, that peer's
+transfers; nothing it sends makes a wrong byte land).
+
+What an agent admitted by the side channel (it holds the
 token, or none is set) can still do, under its own name and with a side channel of its
 own: register a transfer id that no receiver has registered yet, as any engine the
 sender has not heard from (even a real one's id), and so take that transfer (the
@@ -252,6 +261,7 @@ from kvpush.protocol._common import (
     _Compatibility,
     ended_unreported,
 )
+from kvpush.protocol.auth import MessageAuth
 from kvpush.protocol.identity import strip_message_key
 from kvpush.protocol.messages import (
     Cancel,
@@ -277,10 +287,12 @@ class PushProtocol:
 
     `message_key`: when set, every message we accept must begin with it, and anything
     else is dropped unread and counted ("bad_key"). We publish it on our side channel
-    (`PeerInfo.message_key` on the other side), so only a peer that the side channel let
-    read our metadata (with the token, when one is configured) can write to us at all,
-    whatever agent name it uses on the data plane. `wire()` puts each peer's own key in
-    front of what we send it. Why a key carried in clear and not a MAC: see "Who sent it".
+    (`PeerInfo.message_key` on the other side); `wire()` puts each peer's own key in front
+    of what we send it. It keeps strays out; it travels in clear.
+
+    `auth` (with a token configured): every message we send is sealed for its peer and
+    every message we accept must open, else it is dropped unread and counted ("bad_mac",
+    "replayed"); see "Who sent it" and `kvpush.protocol.auth`.
     """
 
     def __init__(
@@ -293,9 +305,11 @@ class PushProtocol:
         compatibility: CompatibilityPolicy = STRICT_COMPATIBILITY,
         revalidate_after_s: float = REVALIDATE_AFTER_S,
         message_key: bytes = b"",
+        auth: MessageAuth | None = None,
     ) -> None:
         self.identity = identity
         self._key = bytes(message_key)
+        self._auth = auth
         self._peer_keys: dict[str, bytes] = {}  # agent -> the key it wants from us
         self._forged: collections.Counter[str] = collections.Counter()
         self.sender = SenderProtocol(
@@ -319,6 +333,12 @@ class PushProtocol:
         if unkeyed is None:
             self._forged["bad_key"] += 1
             return []
+        if self._auth is not None:
+            opened = self._auth.open(peer, unkeyed)
+            if isinstance(opened, str):
+                self._forged[opened] += 1
+                return []
+            unkeyed = opened
         try:
             message = decode(unkeyed)
         except RemoteProtocolError:
@@ -333,12 +353,17 @@ class PushProtocol:
 
     def wire(self, peer: str, message: Message) -> bytes:
         """`message` as bytes for agent `peer`: its message key (from its handshake), then
-        the encoded message."""
-        return self._peer_keys.get(peer, b"") + encode(message)
+        the encoded message, sealed for that peer when we authenticate messages."""
+        body = encode(message)
+        if self._auth is not None:
+            body = self._auth.seal(peer, body)
+        return self._peer_keys.get(peer, b"") + body
 
     def forged_messages(self) -> dict[str, int]:
         """Messages dropped unread because of who sent them, by reason: "bad_key" (not
-        our message key), "unknown_agent" (an agent no side channel vouched for, naming
+        our message key), "bad_mac" (no token holder made it for this pair of ranks, or
+        it was changed), "replayed" (a message that came before, sent again),
+        "unknown_agent" (an agent no side channel vouched for, naming
         none to ask), "impostor" (the side channel it named serves another agent, or the
         engine it claims still runs elsewhere), "unverified" (the side channel it named
         did not answer), "wrong_engine" (its agent was vouched for as another engine),
@@ -351,6 +376,8 @@ class PushProtocol:
         """A `Handshake` of `address` found `info`: both machines learn it."""
         if info.message_key:
             self._peer_keys[info.agent] = bytes(info.message_key)
+        if self._auth is not None:
+            self._auth.learn(info.agent, info.incarnation)
         return self.receiver.handshake_done(now, address, info) + self.sender.handshake_done(
             now, address, info
         )
@@ -369,9 +396,11 @@ class PushProtocol:
         return self._compat.problem(compat)
 
     def peer_misbehaved(self, now: float, peer: str, detail: str) -> list[Effect]:
-        """`peer` sent garbage: everything with it fails (MALFORMED_MESSAGE), safely."""
+        """`peer` sent garbage: everything with it fails (MALFORMED_MESSAGE), safely,
+        the detail naming it."""
         out: list[Effect] = []
         reason = FailureReason.MALFORMED_MESSAGE
+        detail = f"agent {peer} sent garbage: {detail}"
         for tid in list(self.sender.states()):
             out += self.sender.abort_with_peer(now, tid, peer, reason, detail)
         for tid in list(self.receiver.states()):
