@@ -480,12 +480,12 @@ class ReceiverProtocol(_Side["_Incoming"]):
             case Done(num_blocks=n) if n == len(rec.blocks):
                 return self._end(now, rec, None, "")
             case Done(num_blocks=n):
-                detail = f"sender wrote {n} blocks, we registered {len(rec.blocks)}"
+                detail = f"sender {rec.peer} wrote {n} blocks, we registered {len(rec.blocks)}"
                 return self._end(now, rec, FailureReason.BLOCK_MISMATCH, detail)
             case Failed(reason=reason, detail=detail):
-                return self._end(now, rec, reason, f"sender failed: {detail}")
+                return self._end(now, rec, reason, f"sender {rec.peer} failed: {detail}")
             case _:
-                detail = "sender acknowledged a cancel we never sent"
+                detail = f"sender {rec.peer} acknowledged a cancel we never sent"
                 return self._end(now, rec, FailureReason.MALFORMED_MESSAGE, detail)
 
     def tick(self, now: float) -> list[Effect]:

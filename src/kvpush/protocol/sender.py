@@ -392,7 +392,7 @@ class SenderProtocol(SenderGate, SenderLeases):
         self, now: float, peer: str, tid: str, reason: FailureReason, detail: str
     ) -> list[Effect]:
         rec = self._transfers.get(tid)
-        why = f"receiver cancelled ({reason.value}): {detail}"
+        why = f"receiver {peer} cancelled ({reason.value}): {detail}"
         if rec is not None and rec.peer == peer:
             if rec.blocks is None:  # registered, never submitted: nothing to drain
                 return self._end_transfer(now, rec, FailureReason.CANCELLED, why, CancelAck(tid))
@@ -422,7 +422,7 @@ class SenderProtocol(SenderGate, SenderLeases):
             why = f"receiver {peer} refused our KV cache: {detail}"
         else:
             failure = FailureReason.REJECTED
-            why = f"receiver rejected the request: {detail}"
+            why = f"receiver {peer} rejected the request: {detail}"
         if rec is None:
             if tid not in self._tombstones:
                 self._bury(now, tid, peer, None, (failure, why))
