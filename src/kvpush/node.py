@@ -181,6 +181,7 @@ class Rank:
             idle_poll_s=settings.idle_poll_s,
             revalidate_after_s=settings.revalidate_after_s,
             drive_in_step=settings.drive_in_step,
+            token=settings.token,
         )
         self._runtime.start()
 

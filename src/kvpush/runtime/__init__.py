@@ -75,7 +75,11 @@ engine's side channel (the directory's lookup, with the token when one is config
 named it; see `kvpush.protocol.state`, "Who sent it". Each runtime incarnation has a
 random message key, published in `local_metadata()` (`PeerMetadata.message_key`) and
 required in front of every message it accepts: NIXL does not authenticate agent names.
-What is dropped is counted in `statistics().forged_messages` by reason: "bad_key",
+With `token=` (the deployment's side-channel token; `kvpush.node` passes it) every
+message is also sealed with a MAC under a key for its pair of ranks and incarnations,
+derived from the token and never sent, with a sequence number (`kvpush.protocol.auth`):
+what a reader of the network sees grants nothing. What is dropped is counted in
+`statistics().forged_messages` by reason: "bad_key", "bad_mac", "replayed",
 "unknown_agent", "impostor", "unverified", "wrong_engine", "not_counterpart",
 "unread_overflow" (`PushProtocol.forged_messages`). A peer restarted at a new address is
 believed once its old address no longer serves the old agent (it is looked up again).

@@ -32,6 +32,7 @@ from kvpush.protocol import (
     TransferEnded,
     ended_unreported,
 )
+from kvpush.protocol.auth import MessageAuth
 from kvpush.runtime.directory import PeerDirectory
 from kvpush.runtime.driver import (
     Abort,
@@ -76,6 +77,7 @@ class PushRuntime:
         kvpush_version: str = __version__,
         compatibility: CompatibilityPolicy = STRICT_COMPATIBILITY,
         drive_in_step: bool = True,
+        token: str | None = None,
     ) -> None:
         if identity.role not in ROLES:
             raise ConfigError(f"role {identity.role!r} is not one of {', '.join(ROLES)}")
@@ -115,6 +117,10 @@ class PushRuntime:
             compatibility=compatibility,
             revalidate_after_s=revalidate_after_s,
             message_key=self._message_key,
+            # With a token, messages are authenticated per pair of ranks (never opt-in).
+            auth=(
+                MessageAuth(token, transport.agent_name, identity.incarnation) if token else None
+            ),
         )
         self._driver = Driver(
             transport,
