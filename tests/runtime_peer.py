@@ -2,8 +2,11 @@
 
 Driven by JSON lines on stdin; replies `@reply {...}` and, whenever a transfer ends,
 `@result {...}` (from a thread that waits on the runtime). Tests kill it with SIGKILL.
+With KVPUSH_TAP, what a reader of the network sees of it (its side channel's metadata
+answer, every message it sends) is written to that file (`helpers.tap`).
 
-    [KVPUSH_TOKEN=...] python tests/runtime_peer.py ENGINE_ID ROLE PORT SEED [LIVENESS_S LEASE_S]
+    [KVPUSH_TOKEN=...] [KVPUSH_TAP=FILE] [KVPUSH_HOST=::1] \
+        python tests/runtime_peer.py ENGINE_ID ROLE PORT SEED [LIVENESS_S LEASE_S]
         -> first line: @reply {"port", "agent_name", "incarnation"}
     {"op": "send", "transfer_id", "blocks", "ready_layers": null | [..]}
     {"op": "receive", "transfer_id", "sender_port", "blocks"}
@@ -29,12 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import numpy as np
 
+from helpers.tap import TappedTransport, record_metadata
 from kvpush.config import TimingConfig
 from kvpush.geometry import CacheGeometry, Region
-from kvpush.node import Node, NodeIdentity, RankSettings
+from kvpush.node import Node, NodeIdentity, RankSettings, nixl_transport
 from kvpush.runtime import PeerAddress, PushRuntime
+from kvpush.transports.base import Transport
 
-HOST = "127.0.0.1"
+# Where its side channel listens, and where it looks its senders up (KVPUSH_HOST).
+HOST = os.environ.get("KVPUSH_HOST", "127.0.0.1")
 NUM_BLOCKS = 32
 NUM_LAYERS = 2
 BLOCK_BYTES = 2048  # one layer's K (or V) of a 16-token block: 2 heads x 32 dims x bf16
@@ -80,10 +86,17 @@ def main(argv: list[str]) -> int:
         ),
     )
 
+    tap = os.environ.get("KVPUSH_TAP")
+
+    def transport(name: str) -> Transport:
+        inner = nixl_transport(name)
+        return inner if tap is None else TappedTransport(inner, Path(tap))
+
     node = Node(
         [geometry],
         NodeIdentity(engine_id, role, HOST),
         port=port,
+        transport_factory=transport,
         settings=RankSettings(
             token=os.environ.get("KVPUSH_TOKEN"),
             timing=timing,
@@ -93,6 +106,8 @@ def main(argv: list[str]) -> int:
     )
     node.start()
     runtime = node.runtime
+    if tap is not None:
+        record_metadata(Path(tap), runtime.local_metadata())
     stop = threading.Event()
 
     def report() -> None:

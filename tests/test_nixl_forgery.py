@@ -29,6 +29,7 @@ from test_nixl_multiprocess import RankProcess
 pytestmark = pytest.mark.nixl
 
 FORGER = Path(__file__).with_name("forger.py")
+EAVESDROPPER = Path(__file__).with_name("eavesdropper.py")
 SQUATTER = Path(__file__).with_name("squatter.py")
 TRANSFERS = 8
 BLOCKS_PER_TRANSFER = 2
@@ -191,5 +192,70 @@ def test_a_squatter_without_the_token_gets_no_transfer_and_never_sees_the_token(
     finally:
         if squatter is not None:
             squatter.close()
+        sender.close()
+        receiver.close()
+
+
+class Eavesdropper(Driven):
+    def __init__(self, sender: RankProcess, receiver: RankProcess, taps: list[Path]) -> None:
+        super().__init__(EAVESDROPPER, *map(str, taps), str(sender.port), str(receiver.port))
+
+    def burst(self, transfer_ids: list[str]) -> dict[str, int]:
+        reply = self.call(op="burst", transfer_ids=transfer_ids, num_blocks=BLOCKS_PER_TRANSFER)
+        sent: dict[str, int] = reply["sent"]
+        return sent
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_what_a_network_reader_saw_makes_no_message_that_counts(tmp_path: Path, host: str) -> None:
+    """Issue 22: with a token set, an attacker holds everything a reader of the network
+    saw (both side channels' metadata answers, message keys, every message so far) and
+    sends under the real ranks' agent names: every message kind for live and predicted
+    ids, in clear or with a copied MAC trailer, and replays of real messages, changed and
+    not. Zero real transfers lost or changed, and every message it sent is counted
+    ("bad_mac" or "replayed"), none as a malformed message of a real peer."""
+    token = "the-shared-token-0123"
+    taps = [tmp_path / "sender.tap", tmp_path / "receiver.tap"]
+    sender = RankProcess("engine-p", "sender", seed=5, token=token, tap=taps[0], host=host)
+    receiver = RankProcess("engine-d", "receiver", seed=6, token=token, tap=taps[1], host=host)
+    attacker: Eavesdropper | None = None
+    try:
+        sender.ready()
+        receiver.ready()
+        attacker = Eavesdropper(sender, receiver, taps)
+        first = [f"req-{i}" for i in range(TRANSFERS)]
+        second = [f"req-{i}" for i in range(TRANSFERS, 2 * TRANSFERS)]
+        sent = {"sender": 0, "receiver": 0}
+
+        def burst(tids: list[str]) -> None:
+            for side, n in attacker.burst(tids).items():  # type: ignore[union-attr]
+                sent[side] += n
+
+        half = TRANSFERS * BLOCKS_PER_TRANSFER
+        burst(first)  # predicted ids, before any real message to replay
+        _run(sender, receiver, first, 0, half)
+        burst(first + second)  # live ones, the next ones, and replays of what went by
+        _check(sender, receiver, first, 0, half)
+        _run(sender, receiver, second, half, 0)
+        burst(second)
+        _check(sender, receiver, second, half, 0)
+        burst(first + second)  # replays of everything, after the fact
+
+        for side, rank in (("sender", sender), ("receiver", receiver)):
+            end = time.monotonic() + COUNTED_WITHIN_S
+            while True:
+                stats = rank.call(op="stats")
+                forged = stats["forged_messages"]
+                if sum(forged.values()) == sent[side]:
+                    break
+                assert time.monotonic() < end, (side, sent[side], forged, stats)
+                time.sleep(0.1)
+            assert set(forged) == {"bad_mac", "replayed"}, forged
+            assert stats["malformed_messages"] == 0, stats
+            assert stats["failed"] == 0 and stats["finished"] == 2 * TRANSFERS, stats
+            assert stats["blocks_held_sending"] == stats["blocks_held_receiving"] == 0, stats
+    finally:
+        if attacker is not None:
+            attacker.close()
         sender.close()
         receiver.close()

@@ -67,7 +67,14 @@ class RankProcess(ScriptProcess):
     """One `runtime_peer.py` process: commands in, replies and transfer results out."""
 
     def __init__(
-        self, engine_id: str, role: str, port: int = 0, seed: int = 0, token: str | None = None
+        self,
+        engine_id: str,
+        role: str,
+        port: int = 0,
+        seed: int = 0,
+        token: str | None = None,
+        tap: Path | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.engine_id = engine_id
         self.results: list[dict[str, Any]] = []
@@ -77,6 +84,9 @@ class RankProcess(ScriptProcess):
         env = {k: v for k, v in os.environ.items() if k != "KVPUSH_TOKEN"}
         if token is not None:
             env["KVPUSH_TOKEN"] = token
+        if tap is not None:  # what a reader of the network sees of it (helpers.tap)
+            env["KVPUSH_TAP"] = str(tap)
+        env["KVPUSH_HOST"] = host
         args = (engine_id, role, str(port), str(seed), str(LIVENESS_S), str(LEASE_S))
         super().__init__(RANK_PEER, *args, env=env)
 
