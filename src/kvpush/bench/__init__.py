@@ -6,4 +6,8 @@ endpoint's half of `--target`), `report` (table and plot). This module stays fre
 heavy imports: the CLI reads it to build its parser.
 """
 
-ALL_MODES = ("memcpy", "nixl-raw", "kvpush", "mooncake")
+# What `--modes` runs unless told otherwise.
+DEFAULT_MODES = ("memcpy", "nixl-raw", "kvpush", "mooncake")
+# kvpush-token: kvpush with a side-channel token, so every data-plane message carries a
+# MAC (`kvpush.protocol.auth`): its cost beside kvpush's, in one run.
+ALL_MODES = (*DEFAULT_MODES, "kvpush-token")

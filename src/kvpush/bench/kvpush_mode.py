@@ -123,6 +123,9 @@ class BenchRuntime:
 
 
 class _KvpushSide:
+    # The side-channel token both ends hold (kvpush-token: every message carries a MAC).
+    token: str | None = None
+
     def __init__(self, workload: Workload) -> None:
         self.workload = workload
         self.buffers = CacheBuffers(workload)
@@ -154,7 +157,9 @@ class _KvpushSide:
         want = [(b, w.block_bytes, w.block_bytes) for b in self.buffers.bases()]
         if got != want:
             raise BenchFailed("register_kv_cache derived regions that are not the bench's")
-        return self.end.start(geometry, host=HOST, role=role, engine_id=f"bench-{role}")
+        return self.end.start(
+            geometry, host=HOST, role=role, engine_id=f"bench-{role}", token=self.token
+        )
 
     def close(self) -> None:
         self.end.close()
@@ -212,3 +217,15 @@ class KvpushSender(_KvpushSide):
         # Finished is the receiver's `wait()`; our own results only free in-flight slots.
         submitted, _ = self.end.push(transfers, inflight, deadline)
         return submitted
+
+
+# Both ends of the bench's own loopback pair; nothing else ever holds it.
+_BENCH_TOKEN = "kvpush-bench-token"
+
+
+class KvpushTokenReceiver(KvpushReceiver):
+    token = _BENCH_TOKEN
+
+
+class KvpushTokenSender(KvpushSender):
+    token = _BENCH_TOKEN

@@ -454,4 +454,8 @@ def factories(mode: str) -> tuple[ReceiverFactory, SenderFactory]:
         from kvpush.bench import kvpush_mode as kvpush_mode_
 
         return kvpush_mode_.KvpushReceiver, kvpush_mode_.KvpushSender
+    if mode == "kvpush-token":
+        from kvpush.bench import kvpush_mode as kvpush_mode_
+
+        return kvpush_mode_.KvpushTokenReceiver, kvpush_mode_.KvpushTokenSender
     raise BenchFailed(f"no two-process implementation for mode {mode!r}")

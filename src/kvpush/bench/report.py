@@ -58,31 +58,31 @@ def format_table(report: dict[str, Any]) -> str:
         "",
     ]
     head = (
-        f"{'mode':<9} {'size':>10} {'descs':>7} {'xfers':>6} {'GB/s':>8} "
+        f"{'mode':<12} {'size':>10} {'descs':>7} {'xfers':>6} {'GB/s':>8} "
         f"{'p50 us':>9} {'p99 us':>9} {'tx cpu s/GB':>11} {'rx cpu s/GB':>11} {'bytes':>6}"
     )
     lines += [head, "-" * len(head)]
     for m in report["modes"]:
         if m["status"] != "ok" and not m["sizes"]:
-            lines.append(f"{m['mode']:<9} {m['status'].upper()}: {m['reason']}")
+            lines.append(f"{m['mode']:<12} {m['status'].upper()}: {m['reason']}")
             continue
         for s in m["sizes"]:
             lines.append(
-                f"{m['mode']:<9} {human_bytes(s['bytes']):>10} {s['descriptors']:>7} "
+                f"{m['mode']:<12} {human_bytes(s['bytes']):>10} {s['descriptors']:>7} "
                 f"{s['transfers']:>6} {s['gbps']:>8.2f} {s['p50_us']:>9.0f} "
                 f"{s['p99_us']:>9.0f} {_num(s['sender_cpu_s_per_gb'], '11.3f'):>11} "
                 f"{_num(s['receiver_cpu_s_per_gb'], '11.3f'):>11} "
                 f"{'ok' if s['checksums']['match'] else 'BAD':>6}"
             )
         if m["status"] != "ok":
-            lines.append(f"{m['mode']:<9} {m['status'].upper()}: {m['reason']}")
+            lines.append(f"{m['mode']:<12} {m['status'].upper()}: {m['reason']}")
     lines += [
         "",
         "1-block transfers: latency with one in flight; rate with "
         f"{w.get('rate_inflight', w['inflight'])} in flight, its CPU per transfer; idle endpoint:",
     ]
     head2 = (
-        f"{'mode':<9} {'1x p50 us':>9} {'1x p99 us':>9} {'xfers/s':>8} {'p50 us':>8} "
+        f"{'mode':<12} {'1x p50 us':>9} {'1x p99 us':>9} {'xfers/s':>8} {'p50 us':>8} "
         f"{'p99 us':>8} {'tx cpu us':>9} {'rx cpu us':>9} {'idle CPU %core':>15}"
     )
     lines += [head2, "-" * len(head2)]
@@ -90,12 +90,12 @@ def format_table(report: dict[str, Any]) -> str:
         r, lat = m.get("rate"), m.get("latency")
         if r is None and lat is None:
             why = m["reason"] or "no rate measured"
-            lines.append(f"{m['mode']:<9} {'-':>9}  ({why})")
+            lines.append(f"{m['mode']:<12} {'-':>9}  ({why})")
             continue
         r = r or {}
         lat = lat or {}
         lines.append(
-            f"{m['mode']:<9} {_num(lat.get('p50_us'), '9.0f'):>9} "
+            f"{m['mode']:<12} {_num(lat.get('p50_us'), '9.0f'):>9} "
             f"{_num(lat.get('p99_us'), '9.0f'):>9} {_num(r.get('transfers_per_s'), '8.0f'):>8} "
             f"{_num(r.get('p50_us'), '8.0f'):>8} {_num(r.get('p99_us'), '8.0f'):>8} "
             f"{_num(r.get('sender_cpu_us_per_transfer'), '9.0f'):>9} "
@@ -105,6 +105,12 @@ def format_table(report: dict[str, Any]) -> str:
     lat_ratio = _latency_ratio(report)
     if lat_ratio:
         lines.append(f"1-block latency p50 (one in flight), kvpush / nixl-raw: {lat_ratio:.2f}")
+    mac_ratio = _latency_ratio(report, "kvpush-token", "kvpush")
+    if mac_ratio:
+        lines.append(
+            f"1-block latency p50 (one in flight), kvpush-token / kvpush: {mac_ratio:.2f} "
+            "(the cost of the data-plane MAC)"
+        )
     ratios = report.get("ratios") or {}
     if ratios:
         lines += ["", "GB/s ratios, size by size:"]
@@ -120,9 +126,11 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _latency_ratio(report: dict[str, Any]) -> float | None:
+def _latency_ratio(
+    report: dict[str, Any], mode: str = "kvpush", base_mode: str = "nixl-raw"
+) -> float | None:
     by_mode = {m["mode"]: m.get("latency") for m in report["modes"]}
-    ours, base = by_mode.get("kvpush"), by_mode.get("nixl-raw")
+    ours, base = by_mode.get(mode), by_mode.get(base_mode)
     if not ours or not base or not base.get("p50_us"):
         return None
     return float(ours["p50_us"]) / float(base["p50_us"])

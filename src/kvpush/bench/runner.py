@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvpush.bench import ALL_MODES
+from kvpush.bench import DEFAULT_MODES
 from kvpush.bench.common import BenchFailed, ModeUnavailable
 from kvpush.bench.modes import MemcpyPair, factories, load_nixl
 from kvpush.bench.workload import Plan, Workload, plans
@@ -426,7 +426,7 @@ def finish_report(report: dict[str, Any]) -> dict[str, Any]:
 
 def run_bench(
     workload: Workload,
-    modes: tuple[str, ...] = ALL_MODES,
+    modes: tuple[str, ...] = DEFAULT_MODES,
     on_progress: ProgressFn | None = None,
     skip: dict[str, str] | None = None,
 ) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any
 
 # Only light imports here: every `kvpush` command builds this parser. numpy and the
 # bench's machinery are imported by `run`.
-from kvpush.bench import ALL_MODES
+from kvpush.bench import ALL_MODES, DEFAULT_MODES
 from kvpush.bench.presets import PRESETS
 from kvpush.errors import ConfigError
 
@@ -32,7 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--inflight", type=int, default=4, help="transfers in flight (default 4)")
     p.add_argument(
         "--modes",
-        default=",".join(ALL_MODES),
+        default=",".join(DEFAULT_MODES),
         help=f"comma-separated subset of {','.join(ALL_MODES)}",
     )
     p.add_argument("--quick", action="store_true", help="a small run, under a minute")
