@@ -150,10 +150,11 @@ def test_forged_messages_from_foreign_agents_lose_no_real_transfer_and_are_all_c
 def test_a_squatter_without_the_token_gets_no_transfer_and_never_sees_the_token(
     squatter_host: str,
 ) -> None:
-    """Issue 11: the sender's metadata, message key included, was seen on the network by
-    a process without the side channel's token. It registers the predicted transfer ids
-    first, naming a side channel of its own that answers as a compatible receiver. The
-    sender asks that side channel to prove it holds the token (it cannot), so it writes
+    """Issues 11 and 22: the sender's metadata, message key included, was seen on the
+    network by a process without the side channel's token. It registers the predicted
+    transfer ids first, naming a side channel of its own that answers as a compatible
+    receiver. It cannot seal a message for any pair of ranks, so each `Register` is
+    dropped unread ("bad_mac"): the sender never asks its side channel anything, writes
     nothing there and never sends the token; the real transfers all finish."""
     token = "the-shared-token-0123"
     sender = RankProcess("engine-p", "sender", seed=3, token=token)
@@ -174,19 +175,22 @@ def test_a_squatter_without_the_token_gets_no_transfer_and_never_sees_the_token(
         )
         assert squatted["sent"] == TRANSFERS
         end = time.monotonic() + COUNTED_WITHIN_S
-        while (report := squatter.call(op="report", token=token))["requests"] == 0:
-            assert time.monotonic() < end, "the sender never looked the squatter up"
+        while (stats := sender.call(op="stats"))["forged_messages"] != {"bad_mac": TRANSFERS}:
+            assert time.monotonic() < end, f"the squatter's registers were not all counted: {stats}"
             time.sleep(0.05)
         half = TRANSFERS * BLOCKS_PER_TRANSFER
         _run(sender, receiver, tids, 0, half)
         for rank in (sender, receiver):
             rank.wait_results(lambda rs: {*tids} <= {r["transfer_id"] for r in rs}, 60)
         report = squatter.call(op="report", token=token)
+        # Counted before the real transfers ran: had a register reached the identity
+        # gate, the side channel it names would have been asked by now.
+        assert report["requests"] == 0, f"the sender asked the squatter's side channel: {report}"
         assert not report["token_seen"], "the token travelled to the squatter"
         assert report["bytes_written"] == 0, f"KV written into the squatter's memory: {report}"
         _check(sender, receiver, tids, 0, half)
         stats = sender.call(op="stats")
-        assert stats["forged_messages"] == {"unverified": TRANSFERS}, stats
+        assert stats["forged_messages"] == {"bad_mac": TRANSFERS}, stats
         assert stats["failed"] == 0 and stats["finished"] == TRANSFERS, stats
         assert stats["blocks_held_sending"] == 0, stats
     finally:
