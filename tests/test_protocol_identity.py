@@ -247,3 +247,85 @@ def test_too_many_unread_messages_from_one_agent_are_dropped(wire: Wire) -> None
     after = wire.ends["p-1"].forged_messages()
     assert counted["unread_overflow"] + after["impostor"] == 101
     assert counted["unread_overflow"] > 0 and after["unread_overflow"] == counted["unread_overflow"]
+
+
+# ----- the decode server a transfer is for (issue 22: an insider holds the token)
+
+
+def with_insider(wire: Wire) -> Wire:
+    """`wire` plus x-1: an agent of engine-x, admitted by a side channel of its own (it
+    holds the token), that predicted transfer id t1 and expects it too."""
+    wire.add("x-1", "engine-x")
+    return wire
+
+
+def test_a_transfer_named_for_a_decode_server_goes_there_though_an_insider_registered_first(
+    wire: Wire,
+) -> None:
+    """The insider registers t1 before the real receiver and before submit; submit names
+    the decode server by its side channel (any rank: the rank is not compared). The
+    insider is refused with a reason that names both, counted, and never written to;
+    the real receiver's Register, held until submit, takes the transfer."""
+    w = with_insider(wire)
+    w.expect("x-1", "t1", "p-1", [5])
+    w.settle()
+    w.expect("d-1", "t1", "p-1", [3])
+    w.settle()
+    assert w.results["d-1"] == []  # held, unanswered, until submit says which one
+    d = w.address_of["d-1"]
+    w.submit("p-1", "t1", [1], receiver=PeerAddress(d.host, d.port, 7))
+    w.settle()
+    assert w.ended("p-1", "t1").ok and w.ended("d-1", "t1").ok
+    assert_block_copied(w, "p-1", 1, "d-1", 3)
+    refused = w.ended("x-1", "t1")
+    assert refused.reason is FailureReason.MALFORMED_MESSAGE
+    assert f"{d.host}:{d.port}" in refused.detail and "not receiver x-1" in refused.detail
+    assert [wr[1] for wr in w.write_log] == ["d-1"]
+    assert w.ends["p-1"].sender.wrong_receivers == 1
+
+
+def test_a_register_from_another_decode_server_after_submit_is_refused(wire: Wire) -> None:
+    w = with_insider(wire)
+    w.submit("p-1", "t1", [1, 2], receiver=w.address_of["d-1"])
+    w.expect("x-1", "t1", "p-1", [5, 6])
+    w.settle()
+    assert w.ended("x-1", "t1").reason is FailureReason.MALFORMED_MESSAGE
+    assert w.results["p-1"] == []  # the transfer still waits for the one it is for
+    w.expect("d-1", "t1", "p-1", [3, 4])
+    w.settle()
+    assert w.ended("p-1", "t1").ok and w.ended("d-1", "t1").ok
+    assert_block_copied(w, "p-1", 2, "d-1", 4)
+    assert w.ends["p-1"].sender.wrong_receivers == 1
+
+
+def test_without_a_named_decode_server_the_first_to_register_takes_the_transfer(
+    wire: Wire,
+) -> None:
+    """What `submit(receiver=None)` promises, and no more: the real receiver that came
+    second is told the id is taken; nothing is written to it."""
+    w = with_insider(wire)
+    w.expect("x-1", "t1", "p-1", [5])
+    w.settle()
+    w.expect("d-1", "t1", "p-1", [3])
+    w.settle()
+    w.submit("p-1", "t1", [1])
+    w.settle()
+    assert w.ended("p-1", "t1").ok and w.ended("x-1", "t1").ok
+    assert not w.ended("d-1", "t1").ok
+    assert [wr[1] for wr in w.write_log] == ["x-1"]
+    assert w.ends["p-1"].sender.wrong_receivers == 0
+
+
+def test_a_held_register_that_is_cancelled_is_acknowledged_and_forgotten(wire: Wire) -> None:
+    w = with_insider(wire)
+    w.expect("x-1", "t1", "p-1", [5])
+    w.settle()
+    w.expect("d-1", "t1", "p-1", [3])
+    w.settle()
+    w.apply("d-1", w.ends["d-1"].receiver.abort(w.now, "t1"))
+    w.settle()
+    assert w.ended("d-1", "t1").reason is FailureReason.CANCELLED
+    w.submit("p-1", "t1", [1], receiver=w.address_of["d-1"])
+    w.settle()
+    assert w.ended("x-1", "t1").reason is FailureReason.MALFORMED_MESSAGE
+    assert w.results["p-1"] == [] and w.write_log == []  # still waiting, for d-1 only

@@ -196,13 +196,19 @@ class Wire:
         self.apply(d, effects)
 
     def submit(
-        self, p: str, tid: str, blocks: Sequence[int], layers: Sequence[int] | None = None
+        self,
+        p: str,
+        tid: str,
+        blocks: Sequence[int],
+        layers: Sequence[int] | None = None,
+        receiver: PeerAddress | None = None,
     ) -> None:
         self.submitted[(p, tid)] = tuple(blocks)
         for layer, memory in enumerate(self.memory[p]):  # the engine computed them anew
             for b in blocks:
                 memory[b] = f"{p}:L{layer}:B{b}".encode()
-        self.apply(p, self.ends[p].sender.submit(self.now, tid, blocks, layers))
+        effects = self.ends[p].sender.submit(self.now, tid, blocks, layers, receiver=receiver)
+        self.apply(p, effects)
 
     # ----- the network
 

@@ -94,6 +94,11 @@ class _Outgoing:
     # The lease looked over on a bound of the receiver's clock measured before it did:
     # (our clock when we asked for a fresh bound, why it looked over, a Register's?).
     recheck: tuple[float, str, bool] | None = None
+    # The decode server named at submit, (host, port) of its side channel (None: any),
+    # and Registers from other receivers that came before submit: held, unanswered,
+    # until submit says which receiver the transfer is for.
+    receiver: tuple[str, int] | None = None
+    held: list[tuple[str, Register]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -25,6 +25,7 @@ from kvpush.geometry import PROTOCOL_VERSION
 from kvpush.protocol._common import (
     Effect,
     LocalIdentity,
+    PeerAddress,
     SenderState,
     SendMessage,
     TransferEnded,
@@ -53,6 +54,8 @@ __all__ = ["SenderProtocol", "SenderState"]
 
 # How many early Cancels are remembered at once.
 _MAX_EARLY_CANCELS = 65536
+# Registers from other receivers held per transfer until its submit (see `_Outgoing.held`).
+_MAX_HELD_REGISTERS = 4
 
 
 class SenderProtocol(SenderGate, SenderLeases):
@@ -81,6 +84,8 @@ class SenderProtocol(SenderGate, SenderLeases):
         self._next_write_id = 1
         self.ignored_messages = 0
         self.stale_registers = 0  # Registers refused because their lease had run out
+        # Registers refused because the transfer is for another receiver (`submit`).
+        self.wrong_receivers = 0
         # Ids whose `recheck` waits for a fresh echo, in order (a dict: deterministic).
         self._rechecking: dict[str, None] = {}
         self.forged = collections.Counter()
@@ -124,8 +129,16 @@ class SenderProtocol(SenderGate, SenderLeases):
         transfer_id: str,
         blocks: Sequence[int],
         ready_layers: Iterable[int] | None = None,
+        *,
+        receiver: PeerAddress | None = None,
     ) -> list[Effect]:
-        """Our blocks for `transfer_id`; `ready_layers=None`: all computed already."""
+        """Our blocks for `transfer_id`; `ready_layers=None`: all computed already.
+
+        `receiver`: the decode server the transfer is for, by its side channel's host and
+        port (its rank is not compared). A Register from a receiver that side channel did
+        not vouch for is refused as the id being taken, and counted (`wrong_receivers`);
+        the transfer waits for the named one. None: the first receiver to register takes
+        it. Registers that came before submit are held until it says which is the one."""
         now = self._clock.advance(now)
         ours = _check_blocks(blocks, "submit", transfer_id)
         layers = self._check_layers(transfer_id, ready_layers)
@@ -153,10 +166,53 @@ class SenderProtocol(SenderGate, SenderLeases):
             self._transfers[transfer_id] = rec
         rec.blocks = ours
         rec.ready_layers = layers
-        if rec.register is None:
-            return []
+        if receiver is not None:
+            rec.receiver = _server(receiver)
+        out, started = self._choose_receiver(now, rec)
+        if started or rec.register is None:
+            return out
         rec.state = SenderState.WRITING
-        return self._start(now, rec)
+        return out + self._start(now, rec)
+
+    def _is_for(self, rec: _Outgoing, peer: str) -> bool:
+        """Whether `peer` is a receiver `rec` may go to (the one named at submit)."""
+        if rec.receiver is None:
+            return True
+        p = self._peers.get(peer)
+        return p is not None and p.address is not None and _server(p.address) == rec.receiver
+
+    def _refuse_receiver(self, peer: str, rec: _Outgoing) -> list[Effect]:
+        self.wrong_receivers += 1
+        assert rec.receiver is not None
+        host, port = rec.receiver
+        detail = (
+            f"transfer {rec.transfer_id!r} is for the decode server whose side channel is "
+            f"{PeerAddress(host, port)} (named by its sender), not receiver {peer}"
+        )
+        return self._send(peer, Failed(rec.transfer_id, FailureReason.MALFORMED_MESSAGE, detail))
+
+    def _choose_receiver(self, now: float, rec: _Outgoing) -> tuple[list[Effect], bool]:
+        """At submit: the receiver bound before it stays only if it is the one named;
+        of the Registers held, the first from the named one takes the transfer (and
+        starts it: True), the others are told the id is taken."""
+        out: list[Effect] = []
+        if rec.register is not None and rec.peer is not None and not self._is_for(rec, rec.peer):
+            out += self._refuse_receiver(rec.peer, rec)
+            rec.register, rec.peer, rec.recheck = None, None, None
+            rec.lease_until_theirs = float("-inf")
+            rec.state = SenderState.AWAITING_REGISTER
+            self._rechecking.pop(rec.transfer_id, None)
+        held, rec.held = rec.held, []
+        started = False
+        for peer, msg in held:
+            if rec.register is None and self._is_for(rec, peer):
+                out += self._on_register(now, peer, msg)
+                started = rec.register is not None
+            elif rec.receiver is not None and not self._is_for(rec, peer):
+                out += self._refuse_receiver(peer, rec)
+            else:
+                out += self._send(peer, self._id_taken(rec.transfer_id))
+        return out, started
 
     def layers_ready(self, now: float, transfer_id: str, layers: Iterable[int]) -> list[Effect]:
         now = self._clock.advance(now)
@@ -343,7 +399,14 @@ class SenderProtocol(SenderGate, SenderLeases):
             if rec.peer == peer:
                 rec.lease_until_theirs = max(rec.lease_until_theirs, granted)
                 return out  # a duplicate
+            if rec.blocks is None and len(rec.held) < _MAX_HELD_REGISTERS:
+                # Not submitted yet: which receiver the transfer is for is not known.
+                if all(p != peer for p, _ in rec.held):
+                    rec.held.append((peer, msg))
+                return out
             return out + self._send(peer, self._id_taken(tid))
+        if rec is not None and rec.blocks is not None and not self._is_for(rec, peer):
+            return out + self._refuse_receiver(peer, rec)
         stale = self._stale_register(now, peer, granted)
         if rec is None:
             rec = _Outgoing(
@@ -402,6 +465,11 @@ class SenderProtocol(SenderGate, SenderLeases):
             return self._fail(now, rec, FailureReason.CANCELLED, why, CancelAck(tid))
         tomb = self._tombstones.get(tid)
         if tomb is not None and tomb.peer == peer:
+            return self._send(peer, CancelAck(tid))
+        if rec is not None and any(p == peer for p, _ in rec.held):
+            # A held Register withdrawn; a copy of it still on the way must not be held.
+            rec.held = [(p, m) for p, m in rec.held if p != peer]
+            self._remember_cancel(now, peer, tid)
             return self._send(peer, CancelAck(tid))
         if rec is None or rec.register is None:
             # The Cancel overtook its Register (or the Register was lost): it ends that
@@ -628,6 +696,12 @@ class SenderProtocol(SenderGate, SenderLeases):
     def _id_taken(tid: str) -> Failed:
         detail = f"transfer id {tid!r} is already in use by another receiver"
         return Failed(tid, FailureReason.MALFORMED_MESSAGE, detail)
+
+
+def _server(address: PeerAddress) -> tuple[str, int]:
+    """A decode server as a transfer names it: its side channel's host (as spelt,
+    without brackets, in lower case) and port; the rank is not part of it."""
+    return address.host.strip("[]").lower(), address.port
 
 
 def _ended(

@@ -159,12 +159,14 @@ above, which hold against any agent that does not borrow a real peer's name (a p
 that can reach the data plane and borrows one can end, or disturb, that peer's
 transfers; nothing it sends makes a wrong byte land).
 
-What an agent admitted by the side channel (it holds the
-token, or none is set) can still do, under its own name and with a side channel of its
-own: register a transfer id that no receiver has registered yet, as any engine the
-sender has not heard from (even a real one's id), and so take that transfer (the
-sender's engine does not say which receiver a transfer is for; an optional receiver
-address on `submit` would let the sender refuse every other, and is not built yet).
+What an agent admitted by the side channel (it holds the token, or none is set) can do,
+under its own name and with a side channel of its own: register a transfer id it
+predicted before the real receiver does. Where the engine names the receiver
+(`SenderProtocol.submit(receiver=...)`, the decode server's side-channel address), that
+Register is refused and counted (`wrong_receivers`): a receiver is the one named only if
+the side channel at that address vouched for its agent, which an insider cannot make it
+do. Registers that come before submit are held, unanswered, until submit names the one.
+Where the engine names none, the first receiver to register takes the transfer.
 
 Leases measured on the receiver's clock
 ---------------------------------------
