@@ -8,7 +8,8 @@ answer, every message it sends) is written to that file (`helpers.tap`).
     [KVPUSH_TOKEN=...] [KVPUSH_TAP=FILE] [KVPUSH_HOST=::1] \
         python tests/runtime_peer.py ENGINE_ID ROLE PORT SEED [LIVENESS_S LEASE_S]
         -> first line: @reply {"port", "agent_name", "incarnation"}
-    {"op": "send", "transfer_id", "blocks", "ready_layers": null | [..]}
+    {"op": "send", "transfer_id", "blocks", "ready_layers": null | [..],
+     "receiver_port": null | the decode's side-channel port (on HOST)}
     {"op": "receive", "transfer_id", "sender_port", "blocks"}
     {"op": "checksums", "blocks"}   -> {"sums": [[per region] per block]}
     {"op": "stats"}                  -> a few RuntimeStatistics fields (forged_messages too)
@@ -156,7 +157,14 @@ def _serve(runtime: PushRuntime, geometry: CacheGeometry, buffers: list[Any]) ->
 def handle(cmd: dict[str, Any], runtime: PushRuntime, geometry: Any) -> dict[str, Any]:
     op = cmd["op"]
     if op == "send":
-        runtime.send(cmd["transfer_id"], cmd["blocks"], ready_layers=cmd.get("ready_layers"))
+        port = cmd.get("receiver_port")
+        receiver = None if port is None else PeerAddress(HOST, port, 0)
+        runtime.send(
+            cmd["transfer_id"],
+            cmd["blocks"],
+            ready_layers=cmd.get("ready_layers"),
+            receiver=receiver,
+        )
         return {"ok": True}
     if op == "layers_ready":
         runtime.layers_ready(cmd["transfer_id"], cmd["layers"])
@@ -190,6 +198,7 @@ def handle(cmd: dict[str, Any], runtime: PushRuntime, geometry: Any) -> dict[str
             "peers": s.peers,
             "writes_in_flight": s.writes_in_flight,
             "stale_registers": s.stale_registers,
+            "wrong_receivers": getattr(s, "wrong_receivers", 0),
             "malformed_messages": s.malformed_messages,
             # getattr: so that this script also drives an older kvpush (the check that
             # tests/test_nixl_forgery.py fails there).

@@ -95,6 +95,7 @@ class Send:
     transfer_id: str
     blocks: tuple[int, ...]
     ready_layers: tuple[int, ...] | None
+    receiver: PeerAddress | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -501,8 +502,8 @@ class Driver:
         now = self._clock()
         receiver, sender = self._protocol.receiver, self._protocol.sender
         match cmd:
-            case Send(transfer_id=tid, blocks=blocks, ready_layers=layers):
-                self._apply(sender.submit(now, tid, blocks, layers))
+            case Send(transfer_id=tid, blocks=blocks, ready_layers=layers, receiver=to):
+                self._apply(sender.submit(now, tid, blocks, layers, receiver=to))
             case LayersReady(transfer_id=tid, layers=layers):
                 try:
                     self._apply(sender.layers_ready(now, tid, layers))
@@ -670,6 +671,7 @@ class Driver:
             register_retries=self._register_retries,
             writes_in_flight=sender.writes_in_flight(),
             stale_registers=sender.stale_registers,
+            wrong_receivers=sender.wrong_receivers,
             forged_messages=self._protocol.forged_messages(),
             sending_transfers=sending_ids,
             receiving_transfers=receiving_ids,

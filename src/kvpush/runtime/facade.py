@@ -215,12 +215,21 @@ class PushRuntime:
         blocks: Sequence[int],
         *,
         ready_layers: Iterable[int] | None = None,
+        receiver: PeerAddress | None = None,
     ) -> None:
         """Offer our `blocks` for `transfer_id`. `ready_layers=None`: all computed; else
-        only those layers are, and `layers_ready` announces the rest."""
+        only those layers are, and `layers_ready` announces the rest.
+
+        `receiver`: the decode server the transfer is for, by its side channel's host and
+        port (its rank is not compared: any rank that side channel serves). A Register
+        for the id from any other receiver is refused, and the transfer waits for the
+        named one. None: the first receiver the side channel admits that registers the
+        id takes it (see `kvpush.protocol.state`, "Who sent it")."""
         ours = self._check_blocks(transfer_id, blocks)
         layers = None if ready_layers is None else self._check_layers(transfer_id, ready_layers)
-        self._submit(("sender", transfer_id), Send(transfer_id, ours, layers))
+        if receiver is not None:
+            self._check_address(receiver, "receiver")
+        self._submit(("sender", transfer_id), Send(transfer_id, ours, layers, receiver))
 
     def layers_ready(self, transfer_id: str, layers: Iterable[int]) -> None:
         """Announce more computed `layers` of a transfer handed to `send`.
@@ -395,10 +404,10 @@ class PushRuntime:
                 f"transfer id is {len(transfer_id)} characters long: expected at most 512"
             )
 
-    def _check_address(self, sender: PeerAddress) -> None:
-        if not isinstance(sender, PeerAddress):
+    def _check_address(self, address: PeerAddress, what: str = "sender") -> None:
+        if not isinstance(address, PeerAddress):
             raise LocalProtocolError(
-                f"sender must be a kvpush.runtime.PeerAddress(host, port, rank), got {sender!r}"
+                f"{what} must be a kvpush.runtime.PeerAddress(host, port, rank), got {address!r}"
             )
 
     def _check_blocks(self, transfer_id: str, blocks: Sequence[int]) -> tuple[int, ...]:

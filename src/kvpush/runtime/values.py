@@ -56,6 +56,7 @@ class RuntimeStatistics:
     register_retries: int = 0
     writes_in_flight: int = 0  # writes whose outcome the data plane has not reported
     stale_registers: int = 0  # Registers refused because their lease had already run out
+    wrong_receivers: int = 0  # Registers refused: the transfer is for another decode (send)
     # The in-flight transfers themselves: transfer id -> state (the values counted above).
     sending_transfers: dict[str, str] = field(default_factory=dict)
     receiving_transfers: dict[str, str] = field(default_factory=dict)
