@@ -19,7 +19,9 @@ import pytest
 
 from helpers.fakes import HeldWritesTransport
 from helpers.waiting import wait_until
+from kvpush.errors import FailureReason
 from kvpush.node import TransportFactory
+from kvpush.protocol import Cancel, encode
 from kvpush.runtime import PushRuntime
 from kvpush.serving.checkpoint import LoadedModel, load_model
 from kvpush.serving.disagg import KVBridge, build_role, runtime_transfer_id
@@ -27,6 +29,7 @@ from kvpush.serving.engine import Engine, SamplingParams
 from kvpush.serving.metrics import Registry, serving_registry
 from kvpush.serving.options import ServeOptions
 from kvpush.serving.worker import Accepted, Done, EngineWorker, Event, Job, Rejected, Tokens
+from kvpush.sidechannel import fetch_metadata
 from kvpush.transports.base import Transport
 from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
 
@@ -80,6 +83,7 @@ def start_role(tiny: LoadedModel, model_dir: Path, fabric: LoopbackFabric) -> It
         *,
         num_blocks: int = 64,
         transport: type[LoopbackTransport] = LoopbackTransport,
+        token: str | None = None,
         **options: object,
     ) -> Role:
         engine = Engine(tiny.model, num_blocks=num_blocks, block_size=8)
@@ -92,7 +96,7 @@ def start_role(tiny: LoadedModel, model_dir: Path, fabric: LoopbackFabric) -> It
 
         factory: TransportFactory = make
         registry = serving_registry()
-        worker, bridge, _, _ = build_role(opts, engine, registry, None, transport_factory=factory)
+        worker, bridge, _, _ = build_role(opts, engine, registry, token, transport_factory=factory)
         r = Role(worker, bridge, engine, registry)
         started.append(r)
         worker.start()
@@ -104,14 +108,14 @@ def start_role(tiny: LoadedModel, model_dir: Path, fabric: LoopbackFabric) -> It
         r.bridge.close()
 
 
-def prefill_job(rid: str, tid: str, prompt: list[int], events: list[Event]) -> Job:
-    return Job(
-        rid,
-        prompt,
-        SamplingParams(max_tokens=MAX_TOKENS),
-        events.append,
-        kv_transfer_params={"do_remote_decode": True, "transfer_id": tid},
-    )
+def prefill_job(
+    rid: str, tid: str, prompt: list[int], events: list[Event], decode: Role | None = None
+) -> Job:
+    """A prefill leg; with `decode`, it names that decode server, as the proxy does."""
+    kvp: dict[str, object] = {"do_remote_decode": True, "transfer_id": tid}
+    if decode is not None:
+        kvp |= {"decode_host": HOST, "decode_port": decode.side_channel_port}
+    return Job(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS), events.append, kvp)
 
 
 def decode_job(rid: str, tid: str, prompt: list[int], prefill: Role, events: list[Event]) -> Job:
@@ -348,3 +352,64 @@ def test_a_prefix_hit_at_the_decode_is_counted_as_the_bytes_that_moved_on_both_s
     assert sent == received == prefill.runtime.statistics().bytes_written
     # The first moved every block; the second, a full hit at the decode, moved none.
     assert sent == prefill.engine.transfer_block_count(len(prompt)) * bytes_per_block
+
+
+def test_a_prefill_leg_that_names_its_decode_server_goes_to_that_one_only(
+    start_role: StartRole, tiny: LoadedModel
+) -> None:
+    # Another decode server registers the id first (an insider that predicted it); the
+    # prefill leg names the real one, which gets the KV and decodes as one instance
+    # would; the other is refused.
+    prefill = start_role("prefill")
+    real = start_role("decode", num_blocks=256)
+    other = start_role("decode", num_blocks=256)
+    prompt = list(range(7, 60))
+    other_events: list[Event] = []
+    other.worker.submit(decode_job("o1", "t1", prompt, prefill, other_events))
+    wait_until(
+        lambda: prefill.runtime.statistics().sending.get("registered", 0) == 1,
+        what="the other decode's Register at the prefill",
+    )
+    real_events: list[Event] = []
+    real.worker.submit(decode_job("d1", "t1", prompt, prefill, real_events))
+    prefill.worker.submit(prefill_job("p1", "t1", prompt, [], decode=real))
+    wait_until(lambda: done(real_events) is not None, what="the real decode leg's end")
+    end = done(real_events)
+    assert end is not None and end.error is None, end
+    assert tokens(real_events) == single_instance_tokens(tiny, prompt)
+    wait_until(lambda: done(other_events) is not None, what="the other decode leg's end")
+    refused = done(other_events)
+    assert refused is not None and refused.error is not None, refused
+    assert other.runtime.statistics().failed == 1
+
+
+def test_forged_data_plane_messages_are_counted_by_reason_in_metrics(
+    start_role: StartRole, fabric: LoopbackFabric
+) -> None:
+    # A reader of the network with no token: it has the prefill's metadata answer (the
+    # agent name and message key in it), not the token.
+    token = "metrics-test-token"
+    prefill = start_role("prefill", token=token)
+    seen = fetch_metadata(HOST, prefill.side_channel_port, token=token)
+    reader = LoopbackTransport(fabric, "reader")
+    reader.start()
+    try:
+        reader.register_memory(seen.geometry)
+        reader.add_peer(seen.agent_name, seen.agent_metadata, seen.geometry, messages_only=True)
+        cancel = encode(Cancel("t1", FailureReason.CANCELLED, "forged"))
+        reader.send_message(seen.agent_name, cancel)  # no key
+        reader.send_message(seen.agent_name, seen.message_key + cancel)  # the key, no MAC
+        reader.send_message(seen.agent_name, seen.message_key + cancel + bytes(40))  # a bad tag
+        wait_until(
+            lambda: sum(prefill.runtime.statistics().forged_messages.values()) == 3,
+            what="the three forgeries counted",
+        )
+        prefill.bridge.update_metrics(prefill.registry)
+        forged = {
+            reason: prefill.registry.value("kvpush_forged_messages_total", {"reason": reason})
+            for reason in ("bad_key", "bad_mac")
+        }
+        assert forged == {"bad_key": 1, "bad_mac": 2}
+        assert 'kvpush_forged_messages_total{reason="bad_mac"} 2' in prefill.registry.render()
+    finally:
+        reader.close()

@@ -116,6 +116,25 @@ def test_a_prefill_requests_transfer_id_is_optional_unless_required() -> None:
     }
 
 
+def test_a_prefill_request_may_name_its_decode_servers_side_channel() -> None:
+    named = {"transfer_id": "t", "decode_host": "[::1]", "decode_port": "5601"}
+    assert parse_remote_decode(named) == RemoteDecode(
+        transfer_id="t", decode_host="::1", decode_port=5601
+    )
+    assert RemoteDecode(transfer_id="t", decode_host="h", decode_port=1).to_params() == {
+        "do_remote_decode": True,
+        "transfer_id": "t",
+        "decode_host": "h",
+        "decode_port": 1,
+    }
+    with pytest.raises(BadTransferParams, match=r"decode_port must be a port number .*missing"):
+        parse_remote_decode({"transfer_id": "t", "decode_host": "h"})
+    with pytest.raises(BadTransferParams, match=r"decode_host .*given with decode_port.*missing"):
+        parse_remote_decode({"transfer_id": "t", "decode_port": 5601})
+    with pytest.raises(BadTransferParams, match=r"decode_port must be a port number .*70000"):
+        parse_remote_decode({"transfer_id": "t", "decode_host": "h", "decode_port": 70000})
+
+
 def test_a_serving_prefill_answer_carries_the_flag_and_its_fields() -> None:
     answer = PrefillComputed(transfer_id="t", num_blocks=3, prompt_fingerprint="ab")
     assert answer.to_params() == {

@@ -6,7 +6,8 @@ connectors' (a proxy written for `NixlConnector` sends the same), plus `transfer
 which pairs the prefill's and the decode's halves of one transfer end to end.
 
 - `RemotePrefill`: a decode request's (`do_remote_prefill`): where its KV comes from.
-- `RemoteDecode`: a prefill request's (`do_remote_decode`): the transfer's id, if given.
+- `RemoteDecode`: a prefill request's (`do_remote_decode`): the transfer's id, if given, and
+  the decode server's side channel, which alone may take it, if the proxy knows it.
 - `PrefillAnswer`: what a vLLM prefill server answers (every NIXL connector field).
 - `PrefillComputed`: what a kvpush serving prefill server answers.
 
@@ -55,9 +56,15 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
 
 class RemoteDecode(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A prefill request's params: its KV goes to a decode server, as `transfer_id`
-    (None: not given; a vLLM prefill server then names the transfer in its answer)."""
+    (None: not given; a vLLM prefill server then names the transfer in its answer).
+
+    `decode_host`:`decode_port`: that decode server's side channel, when the proxy knows
+    it: only a receiver that side channel serves may take the transfer (None: the first
+    one the prefill's side channel admits; see the README's trust model)."""
 
     transfer_id: str | None = None
+    decode_host: str | None = None
+    decode_port: int | None = None
 
     def to_params(self) -> dict[str, Any]:
         return {REMOTE_DECODE: True, **msgspec.to_builtins(self)}
@@ -140,9 +147,16 @@ def parse_remote_decode(
 ) -> RemoteDecode:
     """A prefill request's params, checked; raises `BadTransferParams` naming the field.
     Without `require_transfer_id`, a missing `transfer_id` is None."""
-    if params.get("transfer_id") is None and not require_transfer_id:
-        return RemoteDecode()
-    return RemoteDecode(transfer_id=_text(params, "transfer_id", "the proxy sets it"))
+    tid = None
+    if params.get("transfer_id") is not None or require_transfer_id:
+        tid = _text(params, "transfer_id", "the proxy sets it")
+    if params.get("decode_host") is None and params.get("decode_port") is None:
+        return RemoteDecode(transfer_id=tid)
+    hint = "the decode server's side-channel host, given with decode_port"
+    host = _text(params, "decode_host", hint)
+    return RemoteDecode(
+        transfer_id=tid, decode_host=unbracket_host(host), decode_port=_port(params, "decode_port")
+    )
 
 
 def _is_int(value: object) -> bool:

@@ -27,6 +27,16 @@ def add_parser(subparsers: Any) -> None:
         ),
     )
     p.add_argument(
+        "--decode-side-channel",
+        nargs="+",
+        metavar="HOST:PORT",
+        help=(
+            "the side channel of each --decode server, in the same order, for servers "
+            "whose /health does not tell it (vLLM with KvpushConnector): each transfer "
+            "then goes only to the decode it is for"
+        ),
+    )
+    p.add_argument(
         "--token-file",
         default=None,
         help=(
@@ -48,19 +58,24 @@ def run(args: argparse.Namespace) -> int:
     for url in [*args.prefill, *args.decode]:
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"bad server URL {url!r}: expected http://HOST:PORT")
-    side_channels = None
-    if args.prefill_side_channel is not None:
-        if len(args.prefill_side_channel) != len(args.prefill):
+
+    def side_channels(role: str) -> list[tuple[str, int]] | None:
+        given, servers = getattr(args, f"{role}_side_channel"), getattr(args, role)
+        if given is None:
+            return None
+        if len(given) != len(servers):
             raise ConfigError(
-                f"{len(args.prefill_side_channel)} --prefill-side-channel for "
-                f"{len(args.prefill)} --prefill servers: expected one per server"
+                f"{len(given)} --{role}-side-channel for {len(servers)} --{role} servers: "
+                "expected one per server"
             )
-        side_channels = [parse_host_port(text) for text in args.prefill_side_channel]
+        return [parse_host_port(text) for text in given]
+
     return run_proxy(
         args.prefill,
         args.decode,
         args.host,
         check_port(args.port),
-        prefill_side_channels=side_channels,
+        prefill_side_channels=side_channels("prefill"),
+        decode_side_channels=side_channels("decode"),
         token=load_token(args.token_file),
     )

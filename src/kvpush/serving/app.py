@@ -68,6 +68,7 @@ def serve(options: ServeOptions) -> int:
         max_body_bytes=options.max_body_bytes,
         chat_template=loaded.chat_template,
         internal_token=token,
+        metrics_extra=None if bridge is None else lambda: bridge.update_metrics(registry),
     )
     config = uvicorn.Config(
         app,

@@ -51,6 +51,7 @@ from kvpush.transfer_params import (
     REMOTE_PREFILL,
     BadTransferParams,
     PrefillComputed,
+    RemoteDecode,
     parse_remote_decode,
     parse_remote_prefill,
     wants_remote_decode,
@@ -102,6 +103,7 @@ class _Outgoing:
     sent_at: float = 0.0
     ended: bool = False
     request_done: bool = False
+    receiver: PeerAddress | None = None  # the decode server named in the params, if any
 
 
 @dataclass(slots=True)
@@ -209,7 +211,8 @@ class PrefillWorker(_TransferWorker):
         if not wants_remote_decode(kvp):
             super()._accept(job)
             return
-        client_tid = parse_remote_decode(kvp, require_transfer_id=True).transfer_id
+        params = parse_remote_decode(kvp, require_transfer_id=True)
+        client_tid = params.transfer_id
         assert client_tid is not None  # checked by the HTTP layer's prepare
         if client_tid in self._by_client_id:
             job.sink(Rejected(409, f"transfer_id {client_tid!r} is already in flight here"))
@@ -235,6 +238,7 @@ class PrefillWorker(_TransferWorker):
             self.engine.transfer_block_count(len(job.prompt_token_ids)),
             self._clock(),
             need=self.engine.blocks_for(len(job.prompt_token_ids) + 1),
+            receiver=_decode_of(params),
         )
         self._outgoing[job.request_id] = out
         self._by_client_id[client_tid] = out
@@ -338,7 +342,9 @@ class PrefillWorker(_TransferWorker):
                 continue
             if not out.sent:
                 blocks = self.engine.blocks_of(rid)[: out.num_blocks]
-                self.runtime.send(out.transfer_id, blocks, ready_layers=[layer])
+                self.runtime.send(
+                    out.transfer_id, blocks, ready_layers=[layer], receiver=out.receiver
+                )
                 out.sent, out.sent_at = True, self._clock()
             else:
                 self.runtime.layers_ready(out.transfer_id, [layer])
@@ -352,7 +358,7 @@ class PrefillWorker(_TransferWorker):
         log.debug("transfer %s: prompt computed", out.transfer_id)
         if not out.sent:
             blocks = self.engine.held_blocks(job.request_id)[: out.num_blocks]
-            self.runtime.send(out.transfer_id, blocks)
+            self.runtime.send(out.transfer_id, blocks, receiver=out.receiver)
             out.sent, out.sent_at = True, self._clock()
         out.request_done = True
         self._jobs.pop(job.request_id, None)
@@ -484,6 +490,15 @@ _LOOK_INTERVAL_S = 0.02
 # How long a computed prompt waits for its registration before we look for one that
 # carries its transfer id with another prompt's fingerprint (and how often after that).
 _PAIRING_LOOK_S = 0.1
+
+
+def _decode_of(params: RemoteDecode) -> PeerAddress | None:
+    """The decode server a prefill request's params name (its side channel), if any."""
+    from kvpush.runtime import PeerAddress
+
+    if params.decode_host is None or params.decode_port is None:
+        return None
+    return PeerAddress(params.decode_host, params.decode_port)
 
 
 def _sender_of(kvp: dict[str, object]) -> tuple[str, PeerAddress] | None:
@@ -767,6 +782,17 @@ class KVBridge:
         if self.node is not None:
             out["side_channel_requests"] = dataclasses.asdict(self.node.health().side_channel)
         return out
+
+    def update_metrics(self, registry: Registry) -> None:
+        """The runtime's counts of dropped data-plane messages, into `registry` (at each
+        /metrics scrape; it asks the runtime's thread for a snapshot)."""
+        runtime = self.runtime
+        if runtime is None or runtime.failure is not None:
+            return
+        s = runtime.statistics()
+        for reason, n in s.forged_messages.items():
+            registry.set("kvpush_forged_messages_total", n, labels={"reason": reason})
+        registry.set("kvpush_malformed_messages_total", s.malformed_messages)
 
 
 def _prepare_for(role: str) -> Prepare:

@@ -138,6 +138,15 @@ def serving_registry() -> Registry:
         "Transfers refused before allocating (the sender was told), by HTTP status.",
     )
     r.histogram("kvpush_transfer_latency_seconds", "KV transfer latency.", LATENCY_BUCKETS)
+    r.counter(
+        "kvpush_forged_messages_total",
+        "Data-plane messages dropped unread because of who sent them, by reason "
+        "(bad_mac, replayed, bad_key, unknown_agent, ...); none ends a transfer.",
+    )
+    r.counter(
+        "kvpush_malformed_messages_total",
+        "Data-plane messages from a known peer that could not be decoded.",
+    )
     return r
 
 

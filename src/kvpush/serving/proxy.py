@@ -18,6 +18,13 @@ when first needed and again after a failure (a restarted server may have a new e
 Servers whose `/health` says nothing of it (vLLM's, running `KvpushConnector`) have their
 side channels given to the proxy, one per prefill server (`prefill_side_channels`); their
 prefill leg asks for one token, as vLLM's own proxy does.
+
+The prefill leg names the decode server's side channel too (`decode_host`, `decode_port`),
+learnt the same way (`decode_side_channels` for vLLM decode servers): the prefill sends
+the transfer only to a receiver that side channel serves, so a peer that registers the
+id first takes nothing. A decode server whose side channel the proxy cannot learn (a
+vLLM one given none) gets its transfers unnamed: the first receiver the prefill's side
+channel admits takes each (the README's trust model says what that trusts).
 """
 
 from __future__ import annotations
@@ -123,21 +130,13 @@ def create_proxy_app(
     timeout_s: float = 300.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     prefill_side_channels: Sequence[tuple[str, int]] | None = None,
+    decode_side_channels: Sequence[tuple[str, int]] | None = None,
     token: str | None = None,
 ) -> FastAPI:
     if not prefill_urls or not decode_urls:
         raise ValueError("a proxy needs at least one prefill and one decode server")
-    if prefill_side_channels is not None and len(prefill_side_channels) != len(prefill_urls):
-        raise ValueError(
-            f"{len(prefill_side_channels)} prefill side channels for {len(prefill_urls)} "
-            "prefill servers: give one per server, in the same order"
-        )
-    prefill = _Pool("prefill", [_Instance(u.rstrip("/")) for u in prefill_urls])
-    for inst, (sc_host, sc_port) in zip(
-        prefill.instances, prefill_side_channels or (), strict=False
-    ):
-        inst.fixed_info = {"side_channel_host": sc_host, "side_channel_port": sc_port}
-    decode = _Pool("decode", [_Instance(u.rstrip("/")) for u in decode_urls])
+    prefill = _pool("prefill", prefill_urls, prefill_side_channels)
+    decode = _pool("decode", decode_urls, decode_side_channels)
     routes = ProxyRoutes(
         prefill, decode, timeout_s=timeout_s, max_body_bytes=max_body_bytes, token=token
     )
@@ -145,6 +144,18 @@ def create_proxy_app(
     install_error_handlers(app)
     app.include_router(routes.router())
     return app
+
+
+def _pool(role: str, urls: Sequence[str], side_channels: Sequence[tuple[str, int]] | None) -> _Pool:
+    if side_channels is not None and len(side_channels) != len(urls):
+        raise ValueError(
+            f"{len(side_channels)} {role} side channels for {len(urls)} {role} servers: "
+            "give one per server, in the same order"
+        )
+    pool = _Pool(role, [_Instance(u.rstrip("/")) for u in urls])
+    for inst, (sc_host, sc_port) in zip(pool.instances, side_channels or (), strict=False):
+        inst.fixed_info = {"side_channel_host": sc_host, "side_channel_port": sc_port}
+    return pool
 
 
 class ProxyRoutes:
@@ -255,6 +266,22 @@ class ProxyRoutes:
             inst.info = body
         return inst.info
 
+    async def _decode_side_channel(self, inst: _Instance) -> tuple[str, int] | None:
+        """The decode server's side channel: given, or from its /health (kvpush serve's
+        tells it; None for one whose /health does not, such as vLLM's)."""
+        if inst.fixed_info is None and inst.info is None:
+            resp = await self.client.get(f"{inst.url}/health", timeout=5.0)
+            body = resp.json() if resp.content else {}
+            if not isinstance(body, dict):
+                body = {}
+            if body.get("role") not in (None, "decode"):
+                raise RuntimeError(f"{inst.url} is not a decode server (health: {body})")
+            inst.info = body
+        info = inst.fixed_info or inst.info or {}
+        if "side_channel_port" not in info:
+            return None
+        return info["side_channel_host"], info["side_channel_port"]
+
     async def _read_body(self, request: Request) -> dict[str, Any] | Response:
         """The client's body, or the answer that refuses it."""
         try:
@@ -284,6 +311,11 @@ class ProxyRoutes:
             p_inst.info = None
             self.done("prefill_failed")
             return error_response(502, f"prefill server {p_inst.url} is unavailable: {exc!s}")
+        try:
+            to_decode = await self._decode_side_channel(d_inst)
+        except (httpx.HTTPError, ValueError, RuntimeError) as exc:
+            self.done("decode_failed")
+            return error_response(502, f"decode server {d_inst.url} is unavailable: {exc!s}")
         tid = f"xfer-{uuid.uuid4().hex}"
         remote = RemotePrefill(
             transfer_id=tid,
@@ -297,7 +329,9 @@ class ProxyRoutes:
         p_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         if p_inst.fixed_info is not None:
             p_body["max_tokens"] = 1  # a vLLM prefill server computes what it is asked
-        p_body["kv_transfer_params"] = RemoteDecode(transfer_id=tid).to_params()
+        decode_host, decode_port = to_decode or (None, None)
+        named = RemoteDecode(transfer_id=tid, decode_host=decode_host, decode_port=decode_port)
+        p_body["kv_transfer_params"] = named.to_params()
         lease = _Lease(p_inst, d_inst)
         legs = _Legs(self, request, path, tid, body.get("stream") is True, lease)
         try:
@@ -376,6 +410,7 @@ class _Legs:
         except httpx.HTTPError as exc:
             self.gone.cancel()
             self._abort_prefill()
+            d_inst.info = None  # a restarted server may have moved its side channel
             self._end("decode_failed")
             return error_response(502, f"decode server {d_inst.url} failed: {exc}")
         if d_resp.status_code != 200:
@@ -596,6 +631,7 @@ def run_proxy(
     port: int,
     *,
     prefill_side_channels: Sequence[tuple[str, int]] | None = None,
+    decode_side_channels: Sequence[tuple[str, int]] | None = None,
     token: str | None = None,
 ) -> int:
     import uvicorn
@@ -603,7 +639,11 @@ def run_proxy(
     from kvpush.net import unbracket_host
 
     app = create_proxy_app(
-        prefill_urls, decode_urls, prefill_side_channels=prefill_side_channels, token=token
+        prefill_urls,
+        decode_urls,
+        prefill_side_channels=prefill_side_channels,
+        decode_side_channels=decode_side_channels,
+        token=token,
     )
     server = uvicorn.Server(
         uvicorn.Config(app, host=unbracket_host(host), port=port, log_config=None, access_log=False)

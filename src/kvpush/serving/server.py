@@ -374,6 +374,8 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     chat_template: str | None = None
     internal_token: str | None = None
+    # What the role adds to /metrics at each scrape (run off the event loop).
+    metrics_extra: Callable[[], None] | None = None
 
 
 def create_app(
@@ -390,6 +392,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     chat_template: str | None = None,
     internal_token: str | None = None,
+    metrics_extra: Callable[[], None] | None = None,
 ) -> FastAPI:
     settings = ServerSettings(
         model_name=model_name,
@@ -401,6 +404,7 @@ def create_app(
         max_body_bytes=max_body_bytes,
         chat_template=chat_template,
         internal_token=internal_token,
+        metrics_extra=metrics_extra,
     )
     app = FastAPI(title=f"kvpush {role} server", docs_url=None, redoc_url=None)
     install_error_handlers(app)
@@ -448,6 +452,8 @@ class ServerRoutes:
     async def metrics(self) -> Response:
         # Refresh from the latest snapshot, so every gauge is there from the first scrape.
         update_engine_metrics(self.registry, self.worker.statistics())
+        if self.settings.metrics_extra is not None:
+            await asyncio.to_thread(self.settings.metrics_extra)
         return PlainTextResponse(self.registry.render(), media_type="text/plain; version=0.0.4")
 
     async def models(self) -> Response:
