@@ -165,6 +165,8 @@ def _start_proxy(
             decode.url,
             "--prefill-side-channel",
             f"{sc}:{prefill.spec.side_channel_port}",
+            "--decode-side-channel",  # the prefill sends each transfer to that decode only
+            f"{sc}:{decode.spec.side_channel_port}",
             "--host",
             host,
             "--port",

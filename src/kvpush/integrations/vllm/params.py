@@ -18,7 +18,12 @@ from typing import Any
 
 from kvpush.config import TimingConfig, load_token
 from kvpush.errors import ConfigError
-from kvpush.transfer_params import BadTransferParams, PrefillAnswer, parse_remote_decode
+from kvpush.transfer_params import (
+    BadTransferParams,
+    PrefillAnswer,
+    RemoteDecode,
+    parse_remote_decode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -167,15 +172,21 @@ class ConnectorConfig:
         return self.role in ("receiver", "both")
 
 
-def prefill_transfer_id(params: Mapping[str, Any], engine_id: str) -> str:
-    """The transfer id of a prefill request: the proxy's, or a fresh one we answer with
-    (also where the proxy's is unusable: vLLM cannot refuse a request at this point)."""
+def prefill_transfer(
+    params: Mapping[str, Any], engine_id: str
+) -> tuple[str, tuple[str, int] | None]:
+    """A prefill request's transfer id (the proxy's, or a fresh one we answer with) and
+    the decode server's side channel the proxy named, if it did. Params that cannot be
+    read (vLLM cannot refuse a request at this point) give a fresh id and no decode."""
     try:
-        tid = parse_remote_decode(params).transfer_id
+        params_read = parse_remote_decode(params)
     except BadTransferParams as exc:
         log.warning("%s: the transfer gets a fresh id", exc)
-        tid = None
-    return tid if tid is not None else f"{engine_id}-{uuid.uuid4().hex}"
+        params_read = RemoteDecode()
+    tid = params_read.transfer_id or f"{engine_id}-{uuid.uuid4().hex}"
+    if params_read.decode_host is None or params_read.decode_port is None:
+        return tid, None
+    return tid, (params_read.decode_host, params_read.decode_port)
 
 
 def prefill_answer(
@@ -204,4 +215,4 @@ def prefill_answer(
     ).to_params()
 
 
-__all__ = ["ConnectorConfig", "prefill_answer", "prefill_transfer_id"]
+__all__ = ["ConnectorConfig", "prefill_answer", "prefill_transfer"]

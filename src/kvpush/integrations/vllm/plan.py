@@ -48,13 +48,16 @@ class Send:
     written, and the blocks come back through the runtime's result like any other.
     With `layerwise`, this step computes the prompt's last tokens: the transfer is
     opened with no layer ready before the first layer's KV is saved, and each layer is
-    announced once this step computed it (`save_kv_layer`; all by `wait_for_save`)."""
+    announced once this step computed it (`save_kv_layer`; all by `wait_for_save`).
+    `decode`: the decode server's side channel (host, port) that the proxy named, the
+    only one whose ranks may take the transfer; None: not named."""
 
     request_id: str
     transfer_id: str
     blocks: tuple[int, ...]
     cancel: bool = False
     layerwise: bool = False
+    decode: tuple[str, int] | None = None
 
 
 @dataclass

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvpush.integrations.vllm.metadata import Receive, Refuse, Send, StepPlan
-from kvpush.integrations.vllm.params import ConnectorConfig, prefill_answer, prefill_transfer_id
+from kvpush.integrations.vllm.params import ConnectorConfig, prefill_answer, prefill_transfer
 from kvpush.transfer_params import (
     BadTransferParams,
     RemotePrefill,
@@ -224,11 +224,11 @@ class SchedulerSide:
         early = self._opened_early.pop(rid, None)
         if early is not None:
             return self._finished_early(rid, early, num_tokens, computed)
-        tid = prefill_transfer_id(params, self._config.engine_id)
+        tid, decode = prefill_transfer(params, self._config.engine_id)
         ours = tuple(block_ids[: _cdiv(num_tokens, self._config.block_size_tokens)])
         if not ours:
             return False, None
-        self._plan.sends.append(Send(rid, tid, ours, cancel=not computed))
+        self._plan.sends.append(Send(rid, tid, ours, cancel=not computed, decode=decode))
         self._sending[rid] = tid
         if not computed:
             return True, None
@@ -288,8 +288,8 @@ class SchedulerSide:
             if not blocks:
                 continue  # offered whole when it finishes, as without layer-wise push
             assert request.kv_transfer_params is not None
-            tid = prefill_transfer_id(request.kv_transfer_params, self._config.engine_id)
-            plan.sends.append(Send(rid, tid, blocks, layerwise=True))
+            tid, decode = prefill_transfer(request.kv_transfer_params, self._config.engine_id)
+            plan.sends.append(Send(rid, tid, blocks, layerwise=True, decode=decode))
             self._sending[rid] = tid
             self._opened_early[rid] = blocks
 

@@ -40,17 +40,24 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from kvpush.errors import FailureReason, KVPushError
 from kvpush.integrations.vllm.kvcache import register_vllm_kv_caches
-from kvpush.integrations.vllm.plan import StepPlan, StepResults
+from kvpush.integrations.vllm.plan import Send, StepPlan, StepResults
 from kvpush.node import NodeIdentity, Rank, RankSettings, TransportFactory, nixl_transport
 
 if TYPE_CHECKING:
     import torch
 
     from kvpush.integrations.vllm.params import ConnectorConfig
-    from kvpush.runtime import PushRuntime, TransferResult
+    from kvpush.runtime import PeerAddress, PushRuntime, TransferResult
     from kvpush.sidechannel import PeerMetadata
 
 log = logging.getLogger(__name__)
+
+
+def _receiver(snd: Send) -> PeerAddress | None:
+    """The decode server a send is for (any of its ranks), when the proxy named it."""
+    from kvpush.runtime import PeerAddress
+
+    return None if snd.decode is None else PeerAddress(*snd.decode)
 
 
 class WorkerStats(Protocol):
@@ -189,7 +196,12 @@ class WorkerSide(Generic[S]):
             if snd.layerwise:
                 continue  # opened by _open_layerwise
             try:
-                runtime.send(snd.transfer_id, snd.blocks, ready_layers=[] if snd.cancel else None)
+                runtime.send(
+                    snd.transfer_id,
+                    snd.blocks,
+                    ready_layers=[] if snd.cancel else None,
+                    receiver=_receiver(snd),
+                )
                 if snd.cancel:
                     runtime.abort(snd.transfer_id)
             except KVPushError as exc:
@@ -220,7 +232,7 @@ class WorkerSide(Generic[S]):
             if not snd.layerwise:
                 continue
             try:
-                runtime.send(snd.transfer_id, snd.blocks, ready_layers=[])
+                runtime.send(snd.transfer_id, snd.blocks, ready_layers=[], receiver=_receiver(snd))
             except KVPushError as exc:
                 log.error("request %s: cannot send %s: %s", snd.request_id, snd.transfer_id, exc)
                 self._sent_at_once.add(snd.request_id)
