@@ -86,6 +86,7 @@ CAUGHT_IN = {
     "forged-effect": "forger",
     "lease-first-write": "layerwise-stall",
     "empty-layers": "layerwise-prefix",
+    "wrong-receiver": "insider",
 }
 # What no scope of the model reaches yet, and the unit test that pins it instead: the
 # receiver re-sending a Register past its deadline needs a sender heartbeat that omits

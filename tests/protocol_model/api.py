@@ -25,7 +25,7 @@ def Api(state: ModuleType, scope: Scope, mutation: str | None) -> ApiBase:
     return ApiV1(state, scope, mutation)
 
 
-PORTS = {"R": 5000, "S1": 5001, "S2": 5002}
+PORTS = {"R": 5000, "S1": 5001, "S2": 5002, "I": 5003}
 ENGINE_AT = {port: engine for engine, port in PORTS.items()}
 
 

@@ -49,6 +49,9 @@ from .api import PORTS
 # The foreign agent of scopes with a forgeries budget: no process of the model, no side
 # channel; it only puts messages on the network.
 FORGER = "X#1"
+# The insider engine of scopes with `insider=True`: a real receiver with a side channel
+# of its own (it holds the token), which expects the scope's transfers too, predicted.
+INSIDER = "I"
 
 
 class Violation(Exception):
@@ -73,6 +76,7 @@ KINDS = {
     "refused-call": "the protocol raised on a call the engine may make",
     "incompatible-ok": "a transfer ended ok between incompatible geometries",
     "forged-effect": "a forged message ended a transfer (a reason only the forger could cause)",
+    "wrong-receiver": "a sender wrote KV to a receiver other than the one its engine named",
 }
 
 
@@ -148,6 +152,10 @@ class Scope:
     # ("expect T1", "deliver Register T1", "land write 1"): the search explores every
     # interleaving from where they lead, so a scope can start where its scenario does.
     script: tuple[str, ...] = ()
+    # An insider (`INSIDER`) expects every transfer as well, at any time; the senders'
+    # engines name R's side channel at submit (issue 22), so a write to the insider is a
+    # [wrong-receiver] violation.
+    insider: bool = False
 
 
 # ------------------------------------------------------------------------ world state
@@ -190,6 +198,10 @@ class Tx:
     r_blocks: tuple[int, ...] = ()
     s_ended: list[str] = field(default_factory=list)
     r_ended: list[str] = field(default_factory=list)
+    # The insider's side of the same id (`Scope.insider`).
+    i_agent: str | None = None
+    i_blocks: tuple[int, ...] = ()
+    i_ended: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -256,6 +268,8 @@ class Model:
         for t in self.scope.transfers:
             w.tx[t.tid] = Tx()
         self._start_incarnation(w, "R", "receiver")
+        if self.scope.insider:
+            self._start_incarnation(w, INSIDER, "receiver")
         for s in self.scope.senders:
             self._start_incarnation(w, s, "sender")
         return w
@@ -266,6 +280,8 @@ class Model:
         agent = f"{engine}#{inc}"
         # Clocks of different processes have different origins.
         offset = (1000.0 if role == "receiver" else 0.0) + 500.0 * (inc - 1)
+        if engine == INSIDER:
+            offset += 2000.0
         proto = self.api.endpoint(engine, agent, inc, role)
         w.ends[agent] = End(agent, engine, role, offset, proto)
         w.current[engine] = agent
@@ -374,6 +390,12 @@ class Model:
                 and self.free_blocks(w, rv.agent, t.n - t.offset) is not None
             ):
                 out.append(("expect", t.tid))
+            if self.scope.insider and tx.i_agent is None:
+                insider = w.ends[w.current[INSIDER]]
+                if self.running(w, insider.agent) and self.free_blocks(
+                    w, insider.agent, t.n - t.offset
+                ):
+                    out.append(("insider_expect", t.tid))
             if (
                 tx.s_agent is None
                 and prev_submitted
@@ -563,6 +585,26 @@ class Model:
             f"{_fmt_blocks(blocks)}{hit}" + self._apply(w, rv.agent, effects)
         )
 
+    def _do_insider_expect(self, w: World, tid: str) -> str:
+        t = self.specs[tid]
+        insider = w.ends[w.current[INSIDER]]
+        blocks = self.free_blocks(w, insider.agent, t.n - t.offset)
+        assert blocks is not None
+        sender_agent = w.current[t.sender]
+        tx = w.tx[tid]
+        tx.i_agent, tx.i_blocks = insider.agent, blocks
+        for b in blocks:
+            w.held[insider.agent][b] = tid
+        effects = self._call(
+            w,
+            insider.agent,
+            lambda now: self.api.expect(insider.proto, now, tid, sender_agent, t, blocks),
+        )
+        return (
+            f"insider {insider.agent}: expect {tid} from {sender_agent} into blocks "
+            f"{_fmt_blocks(blocks)}" + self._apply(w, insider.agent, effects)
+        )
+
     def _do_submit(self, w: World, tid: str) -> str:
         t = self.specs[tid]
         agent = w.current[t.sender]
@@ -625,7 +667,10 @@ class Model:
         s = e.proto.sender
         match call:
             case ("submit", tid, blocks, layerwise):
-                return list(s.submit(now, tid, blocks, [] if layerwise else None))
+                layers = [] if layerwise else None
+                if self.scope.insider:  # the engine names the decode server, R
+                    return list(s.submit(now, tid, blocks, layers, receiver=self.api.address("R")))
+                return list(s.submit(now, tid, blocks, layers))
             case ("layer", tid, layer):
                 return list(s.layers_ready(now, tid, [layer]))
             case ("abort", tid):
@@ -866,6 +911,12 @@ class Model:
                 raise Violation(
                     "write-after-end", f"{agent} writes for {eff.transfer_id} after ending it"
                 )
+            if eff.peer in w.ends and w.ends[eff.peer].engine == INSIDER:
+                raise Violation(
+                    "wrong-receiver",
+                    f"{agent} writes {eff.transfer_id}'s KV to the insider {eff.peer}; its "
+                    "engine named R's side channel",
+                )
             note = a.encode(eff.notification) if eff.notification is not None else None
             w.writes.append(
                 Write(
@@ -902,6 +953,8 @@ class Model:
         tid, side = eff.transfer_id, eff.side
         tx = w.tx.get(tid)
         outcome = "ok" if eff.reason is None else f"failed ({eff.reason.value})"
+        if w.ends[agent].engine == INSIDER:
+            return self._insider_ended(w, agent, eff, outcome)
         where = tx.s_agent if (tx and side == "sender") else (tx.r_agent if tx else None)
         if tx is None or where != agent:
             raise Violation(
@@ -959,6 +1012,28 @@ class Model:
                 del w.held[agent][b]
         return f"reports {tid} {outcome}"
 
+    def _insider_ended(self, w: World, agent: str, eff: Any, outcome: str) -> str:
+        """The insider's own side of an id it expected: ended once, its blocks back."""
+        tid = eff.transfer_id
+        tx = w.tx.get(tid)
+        if tx is None or tx.i_agent != agent or eff.side != "receiver":
+            raise Violation(
+                "phantom", f"{agent} reports {tid} on the {eff.side} side, never handed to it"
+            )
+        if tx.i_ended:
+            raise Violation(
+                "twice", f"{agent} reports {tid} a second time ({tx.i_ended[0]}, now {outcome})"
+            )
+        if tuple(eff.blocks) != tx.i_blocks:
+            raise Violation(
+                "phantom", f"{agent} hands back {tid} blocks {eff.blocks}, it held {tx.i_blocks}"
+            )
+        tx.i_ended.append(outcome)
+        self.note(w, f"{tid} {'ok' if eff.reason is None else eff.reason.value} on the insider")
+        for b in tx.i_blocks:
+            del w.held[agent][b]
+        return f"reports {tid} {outcome}"
+
     def _forgery_reasons(self) -> frozenset[FailureReason]:
         """With a forger in the scope, the reasons that only it could cause there (what a
         forged Cancel, Reject or Failed causes says "forged" in its detail instead)."""
@@ -1005,6 +1080,7 @@ class Model:
             for agent, ended, side in (
                 (tx.s_agent, tx.s_ended, "sender"),
                 (tx.r_agent, tx.r_ended, "receiver"),
+                (tx.i_agent, tx.i_ended, "insider"),
             ):
                 if agent is not None and w.ends[agent].alive and len(ended) != 1:
                     raise Violation("never-ended", f"{tid} never ended on the {side} {agent}")
@@ -1027,7 +1103,7 @@ def _rebuild(cls: type, values: tuple[Any, ...]) -> Any:
 # Counters a protocol side keeps for its metrics and never reads back: not part of a
 # state (two states that differ only in how many messages were ignored are one), and
 # zero in the copies the search makes.
-_STATS = {"ignored_messages": 0, "stale_registers": 0, "forged": None}
+_STATS = {"ignored_messages": 0, "stale_registers": 0, "wrong_receivers": 0, "forged": None}
 
 
 def _rebuild_side(cls: type, values: dict[str, Any]) -> Any:

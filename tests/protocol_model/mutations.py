@@ -31,6 +31,11 @@ Issue 21's, one for each other promise and the two bugs the checker once missed:
 * `empty-layers`: `_check_layers` treats `[]` (no layer ready yet) as all layers ready.
 * `resend-past-deadline`: the fix at `_resend_registers` reverted (`now < rec.deadline`
   dropped): a receiver re-sends its Register past its transfer's deadline.
+
+Issue 22's:
+
+* `wrong-receiver`: the sender takes a Register from any receiver the side channel
+  admitted, not only from the decode server its engine named at submit.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ MUTATIONS: dict[str, str] = {
     "lease-first-write": "late-write",
     "empty-layers": "wrong-bytes",
     "resend-past-deadline": "late-write",
+    "wrong-receiver": "wrong-receiver",
 }
 
 
@@ -80,6 +86,7 @@ def apply(state: ModuleType, mutation: str | None) -> tuple[type, Any]:
         "held-at-rest": _held_at_rest_sender,
         "lease-first-write": _lease_first_write_sender,
         "empty-layers": _empty_layers_sender,
+        "wrong-receiver": _wrong_receiver_sender,
     }
     receivers = {
         "twice": _twice_receiver,
@@ -331,3 +338,12 @@ def _register(cls: type) -> None:
     cls.__module__ = __name__
     cls.__qualname__ = cls.__name__
     setattr(module, cls.__name__, cls)
+
+
+def _wrong_receiver_sender(state: ModuleType) -> type:
+    class WrongReceiverSender(state.SenderProtocol):  # type: ignore[name-defined,misc]
+        def _is_for(self, rec: Any, peer: str) -> bool:
+            return True  # any receiver the side channel admitted may take the transfer
+
+    _register(WrongReceiverSender)
+    return WrongReceiverSender

@@ -224,6 +224,19 @@ CI = (
         max_depth=9,
         goals=_ok("T1", " after a forgery"),
     ),
+    # An insider (it holds the token, its side channel vouches for it) expects T1 too,
+    # before or after the real receiver and the submit that names R (issue 22): a write
+    # to it would be a [wrong-receiver] violation; it is refused, and T1 still ends ok.
+    _ci(
+        "insider",
+        (T("T1", "S1", 1),),
+        Budget(),
+        insider=True,
+        # The insider first: its Register on its way before R expects T1 or S1 submits.
+        script=("insider_expect T1", "handshake_ok I#1 S1"),
+        max_depth=11,
+        goals=(*_ok("T1"), "T1 malformed_message on the insider"),
+    ),
 )
 
 # A receiver whose runtime thread is stuck while its side channel still answers: finds
