@@ -66,6 +66,7 @@ _PAIR_PERSON = b"kvpush-pair-v1"
 _INCARNATION_PERSON = b"kvpush-inc-v1"
 _FULL = (1 << WINDOW) - 1
 _SEQUENCE = struct.Struct(">Q")
+_UNKNOWN_INCARNATION = bytes(INCARNATION_ID_BYTES)
 
 Dropped = Literal["bad_mac", "replayed"]
 
@@ -165,22 +166,30 @@ class MessageAuth:
         an unknown incarnation, and the agent drops it: we send only to peers we looked
         up, so that is a peer that never was one."""
         counter = self._counters.get(agent)
-        inc = self._peer_incarnations.get(agent, bytes(INCARNATION_ID_BYTES))
-        if counter is None or counter.incarnation != inc:
-            key = self._key(self._agent, self._incarnation, agent.encode(), inc)
-            counter = self._counters[agent] = _Counter(inc, key, self._high + 1)
-            if len(self._counters) > MAX_PAIRS:
-                self._counters.popitem(last=False)
-        else:
-            self._counters.move_to_end(agent)
+        if counter is None or counter.incarnation != self._peer_incarnations.get(
+            agent, _UNKNOWN_INCARNATION
+        ):
+            counter = self._new_counter(agent)
         seq = counter.next
         counter.next = seq + 1
-        self._high = max(self._high, seq)
+        if seq > self._high:  # noqa: PLR1730 (a comparison costs less than max() here)
+            self._high = seq
         trailer = self._incarnation + _SEQUENCE.pack(seq)
         h = counter.tagger.copy()
         h.update(body)
         h.update(trailer)
-        return b"".join((body, trailer, h.digest()))
+        return body + trailer + h.digest()
+
+    def _new_counter(self, agent: str) -> _Counter:
+        """A counter for `agent`'s incarnation as we know it now, numbered above
+        everything we sent anyone. The table forgets the oldest made first (not the
+        least used: a counter made again costs a key derivation, and still rises)."""
+        inc = self._peer_incarnations.get(agent, _UNKNOWN_INCARNATION)
+        key = self._key(self._agent, self._incarnation, agent.encode(), inc)
+        counter = self._counters[agent] = _Counter(inc, key, self._high + 1)
+        if len(self._counters) > MAX_PAIRS:
+            self._counters.popitem(last=False)
+        return counter
 
     def open(self, agent: str, frame: bytes) -> bytes | Dropped:
         """The body of `frame`, from `agent` as the data plane names the sender; or why it
@@ -208,7 +217,8 @@ class MessageAuth:
                 self._windows.popitem(last=False)
         else:
             self._windows.move_to_end(pair)
-        (seq,) = _SEQUENCE.unpack_from(frame, len(frame) - TAG_BYTES - SEQUENCE_BYTES)
-        if not window.accept(seq):
+        if not window.accept(
+            int.from_bytes(frame[-TAG_BYTES - SEQUENCE_BYTES : -TAG_BYTES], "big")
+        ):
             return "replayed"
         return frame[:-TRAILER_BYTES]
