@@ -348,3 +348,31 @@ print(json.dumps({
 # interpreter exit (SIGSEGV, seen every time); the figures are out, so skip it.
 os._exit(0)
 """
+
+
+@pytest.mark.nixl
+def test_the_token_mode_moves_the_same_bytes_and_reports_the_macs_cost(tmp_path: Path) -> None:
+    """`--modes kvpush,kvpush-token`: both intact, side by side, and the ratio printed."""
+    report_path = tmp_path / "report.json"
+    proc = _kvpush(
+        "bench", "--quick", "--modes", "kvpush,kvpush-token", "--sizes", "1M",
+        "--no-progress", "--json", str(report_path), timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    modes = json.loads(report_path.read_text())["modes"]
+    assert [m["mode"] for m in modes] == ["kvpush", "kvpush-token"]
+    for m in modes:
+        assert m["status"] == "ok", m
+        for s in m["sizes"] + [x for x in (m["latency"], m["rate"]) if x]:
+            assert s["checksums"]["match"] is True, (m["mode"], s)
+    assert "kvpush-token / kvpush: " in proc.stdout, proc.stdout
+
+
+def test_the_mac_cost_is_measured_for_every_message_kind() -> None:
+    from kvpush.bench.auth_cost import measure
+
+    rows = measure(n=50, rounds=1)  # each opened frame is checked to be the body
+    assert [r["kind"] for r in rows][:2] == ["register (1 block)", "register (512 blocks)"]
+    for r in rows:
+        assert r["bytes"] > 0 and r["seal_us"] > 0 and r["open_us"] > 0, r
+        assert r["mac_us"] == r["seal_us"] + r["open_us"], r
