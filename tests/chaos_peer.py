@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import numpy as np
 
+from helpers.forwarding import Forwarding
 from kvpush.config import TimingConfig
 from kvpush.errors import FailureReason
 from kvpush.geometry import CacheGeometry, Region
@@ -168,7 +169,7 @@ class _Write:
     forgotten: bool = False  # removed with its peer before the data plane finished it
 
 
-class AuditedTransport(Transport):
+class AuditedTransport(Forwarding):
     """NIXL itself, plus a record of the writes the data plane has not finished.
 
     A write is finished when NIXL's own poll reports it done or failed, or when the data
@@ -179,40 +180,16 @@ class AuditedTransport(Transport):
     """
 
     def __init__(self, inner: NixlTransport) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._lock = threading.Lock()
         self._writes: dict[int, _Write] = {}
-
-    @property
-    def agent_name(self) -> str:
-        return self._inner.agent_name
-
-    def start(self) -> None:
-        self._inner.start()
-
-    def close(self) -> None:
-        self._inner.close()
-
-    def register_memory(self, geometry: CacheGeometry) -> None:
-        self._inner.register_memory(geometry)
-
-    def metadata(self) -> bytes:
-        return self._inner.metadata()
-
-    def add_peer(
-        self, peer: str, metadata: bytes, geometry: CacheGeometry, *, messages_only: bool = False
-    ) -> None:
-        self._inner.add_peer(peer, metadata, geometry, messages_only=messages_only)
 
     def remove_peer(self, peer: str) -> None:
         with self._lock:
             for w in self._writes.values():
                 if w.peer == peer:
                     w.forgotten = True
-        self._inner.remove_peer(peer)
-
-    def has_peer(self, peer: str) -> bool:
-        return self._inner.has_peer(peer)
+        super().remove_peer(peer)
 
     def write_blocks(
         self,
@@ -223,15 +200,12 @@ class AuditedTransport(Transport):
         notification: bytes | None,
         regions: Sequence[int] | None = None,
     ) -> None:
-        self._inner.write_blocks(peer, write_id, our_blocks, their_blocks, notification, regions)
+        super().write_blocks(peer, write_id, our_blocks, their_blocks, notification, regions)
         with self._lock:
             self._writes[write_id] = _Write(write_id, peer, frozenset(our_blocks))
 
-    def send_message(self, peer: str, payload: bytes) -> None:
-        self._inner.send_message(peer, payload)
-
     def poll(self) -> list[TransportEvent]:
-        events = self._inner.poll()
+        events = super().poll()
         with self._lock:
             for ev in events:
                 match ev:

@@ -18,16 +18,16 @@ from typing import Any
 
 import msgspec
 
-from kvpush.geometry import CacheGeometry
+from helpers.forwarding import Forwarding
 from kvpush.sidechannel import PeerMetadata
 from kvpush.transports.base import Transport, TransportEvent, WriteDone, WriteFailed
 
 
-class TappedTransport(Transport):
+class TappedTransport(Forwarding):
     """`inner`, with every payload it sends copied to `path` (`{"to", "hex"}` lines)."""
 
     def __init__(self, inner: Transport, path: Path) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._path = path
         self._lock = threading.Lock()
         self._riding: dict[int, tuple[str, bytes]] = {}  # write id -> its notification
@@ -35,33 +35,6 @@ class TappedTransport(Transport):
     def _record(self, peer: str, payload: bytes) -> None:
         with self._lock, self._path.open("a") as f:
             f.write(json.dumps({"to": peer, "hex": payload.hex()}) + "\n")
-
-    @property
-    def agent_name(self) -> str:
-        return self._inner.agent_name
-
-    def start(self) -> None:
-        self._inner.start()
-
-    def close(self) -> None:
-        self._inner.close()
-
-    def register_memory(self, geometry: CacheGeometry) -> None:
-        self._inner.register_memory(geometry)
-
-    def metadata(self) -> bytes:
-        return self._inner.metadata()
-
-    def add_peer(
-        self, peer: str, metadata: bytes, geometry: CacheGeometry, *, messages_only: bool = False
-    ) -> None:
-        self._inner.add_peer(peer, metadata, geometry, messages_only=messages_only)
-
-    def remove_peer(self, peer: str) -> None:
-        self._inner.remove_peer(peer)
-
-    def has_peer(self, peer: str) -> bool:
-        return self._inner.has_peer(peer)
 
     def write_blocks(
         self,
@@ -72,16 +45,16 @@ class TappedTransport(Transport):
         notification: bytes | None,
         regions: Sequence[int] | None = None,
     ) -> None:
-        self._inner.write_blocks(peer, write_id, our_blocks, their_blocks, notification, regions)
+        super().write_blocks(peer, write_id, our_blocks, their_blocks, notification, regions)
         if notification is not None:
             self._riding[write_id] = (peer, notification)
 
     def send_message(self, peer: str, payload: bytes) -> None:
-        self._inner.send_message(peer, payload)
+        super().send_message(peer, payload)
         self._record(peer, payload)
 
     def poll(self) -> list[TransportEvent]:
-        events = self._inner.poll()
+        events = super().poll()
         for ev in events:
             match ev:
                 case WriteDone(write_id=wid) if wid in self._riding:

@@ -567,13 +567,23 @@ class Model:
         return ("; " + "; ".join(said)) if said else ""
 
     def _do_expect(self, w: World, tid: str) -> str:
+        return self._expect(w, tid, self.receiver(w), "receiver")
+
+    def _do_insider_expect(self, w: World, tid: str) -> str:
+        return self._expect(w, tid, w.ends[w.current[INSIDER]], "insider")
+
+    def _expect(self, w: World, tid: str, rv: End, who: str) -> str:
+        """`rv`'s engine expects `tid` into its lowest free blocks (`who`: "receiver",
+        the real one, or "insider")."""
         t = self.specs[tid]
-        rv = self.receiver(w)
         blocks = self.free_blocks(w, rv.agent, t.n - t.offset)
         assert blocks is not None
         sender_agent = w.current[t.sender]
         tx = w.tx[tid]
-        tx.r_agent, tx.r_blocks = rv.agent, blocks
+        if who == "insider":
+            tx.i_agent, tx.i_blocks = rv.agent, blocks
+        else:
+            tx.r_agent, tx.r_blocks = rv.agent, blocks
         for b in blocks:
             w.held[rv.agent][b] = tid
         effects = self._call(
@@ -581,28 +591,8 @@ class Model:
         )
         hit = f" after a prefix hit of {t.offset}" if t.offset else ""
         return (
-            f"receiver {rv.agent}: expect {tid} from {sender_agent} into blocks "
+            f"{who} {rv.agent}: expect {tid} from {sender_agent} into blocks "
             f"{_fmt_blocks(blocks)}{hit}" + self._apply(w, rv.agent, effects)
-        )
-
-    def _do_insider_expect(self, w: World, tid: str) -> str:
-        t = self.specs[tid]
-        insider = w.ends[w.current[INSIDER]]
-        blocks = self.free_blocks(w, insider.agent, t.n - t.offset)
-        assert blocks is not None
-        sender_agent = w.current[t.sender]
-        tx = w.tx[tid]
-        tx.i_agent, tx.i_blocks = insider.agent, blocks
-        for b in blocks:
-            w.held[insider.agent][b] = tid
-        effects = self._call(
-            w,
-            insider.agent,
-            lambda now: self.api.expect(insider.proto, now, tid, sender_agent, t, blocks),
-        )
-        return (
-            f"insider {insider.agent}: expect {tid} from {sender_agent} into blocks "
-            f"{_fmt_blocks(blocks)}" + self._apply(w, insider.agent, effects)
         )
 
     def _do_submit(self, w: World, tid: str) -> str:
