@@ -356,7 +356,7 @@ def test_the_token_mode_moves_the_same_bytes_and_reports_the_macs_cost(tmp_path:
     report_path = tmp_path / "report.json"
     proc = _kvpush(
         "bench", "--quick", "--modes", "kvpush,kvpush-token", "--sizes", "1M",
-        "--no-progress", "--json", str(report_path), timeout=180,
+        "--no-progress", "--json", str(report_path), timeout=100,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     modes = json.loads(report_path.read_text())["modes"]
