@@ -20,6 +20,7 @@ reference answers are computed once.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import subprocess
 import sys
@@ -27,10 +28,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+from kvpush.cli import main as cli_main
 from kvpush.errors import ConfigError
 from kvpush.lab.vllm_servers import (
     NGRAM_SPEC_TOKENS,
@@ -49,7 +52,7 @@ from kvpush.lab.vllm_servers import (
     speculation,
     vllm_python,
 )
-from kvpush.net import http_url
+from kvpush.net import bracket_host, http_url
 from kvpush.procs.readiness import free_port, wait_ready
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -353,6 +356,59 @@ def test_rounds_through_kvpush_proxy_match_a_single_instance(family: Family) -> 
         assert d["by_layer"] == d["by_step"] == 0, f"layers announced: {d}"
 
 
+def _doctor(
+    family: Family, capsys: pytest.CaptureFixture[str], swap: bool = False
+) -> tuple[int, dict[str, Any], str]:
+    """`kvpush doctor` on the family's pair, as an operator runs it (with both HTTP
+    servers, vLLM's); `swap`: --prefill and --decode given the wrong way round. The exit
+    code, the JSON report and the text report."""
+    sides = {
+        role: (f"{bracket_host(family.host)}:{server.spec.side_channel_port}", server.url)
+        for role, server in (("prefill", family.prefill), ("decode", family.decode))
+    }
+    if swap:
+        sides = {"prefill": sides["decode"], "decode": sides["prefill"]}
+    args = ["doctor"]
+    for role, (side_channel, url) in sides.items():
+        args += [f"--{role}", side_channel, f"--{role}-http", url]
+    code = cli_main([*args, "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert cli_main(args) == code
+    return code, report, capsys.readouterr().out
+
+
+def test_the_doctor_reads_a_healthy_vllm_pair_and_names_swapped_roles(
+    family: Family, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 23 against vLLM with KvpushConnector: the healthy pair passes every step it
+    checks (vLLM's /health and /metrics are read for their status only; no token here is
+    the one warning), and the same pair named the wrong way round fails the side-channel
+    step with the next action to swap them."""
+    code, report, text = _doctor(family, capsys)
+    verdicts = {s["name"]: s["verdict"] for s in report["steps"]}
+    assert (report["verdict"], code) == ("warn", report["exit_code"]), text
+    assert verdicts == {
+        "addresses": "ok",
+        "side channel": "warn",
+        "compatibility": "ok",
+        "data plane": "skip",
+        "liveness and clocks": "ok",
+        "health": "ok",
+    }, text
+    warnings = [f["text"] for s in report["steps"] for f in s["findings"] if f["verdict"] == "warn"]
+    assert len(warnings) == 1 and warnings[0].startswith("no token:"), text
+    for role in ("prefill", "decode"):
+        [rank] = next(s for s in report["steps"] if s["name"] == "side channel")["figures"][role]
+        assert rank["role"] == ("sender" if role == "prefill" else "receiver"), rank
+    code, report, text = _doctor(family, capsys, swap=True)
+    assert code == 1, text
+    fails = [
+        f for s in report["steps"] if s["name"] == "side channel"
+        for f in s["findings"] if f["verdict"] == "fail"
+    ]  # fmt: skip
+    assert fails and {f["next_action"] for f in fails} == {"swap --prefill and --decode"}, text
+
+
 def test_rounds_through_a_sequential_proxy_match_a_single_instance(family: Family) -> None:
     """20 rounds the way vLLM's example proxy runs them: prefill (max_tokens=1,
     do_remote_decode), then decode with the prefill's kv_transfer_params (transfer_id
@@ -476,6 +532,10 @@ def test_prefill_killed_mid_batch_fails_the_waiting_requests_in_bound_then_recov
 
     family.prefill.start()
     family.prefill.wait_ready()
+    # As at the first start: its first request's lazy set-up would land inside the
+    # liveness window of the first transfers (seen with two CI runs on 2 cores: the
+    # restarted prefill silent for 8 s, nine of ten transfers timed out).
+    _warm_up(Path(family.model), [family.prefill])
 
     async def after_restart() -> None:
         async with client() as http:
