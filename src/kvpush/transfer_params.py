@@ -69,6 +69,12 @@ class RemoteDecode(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     def to_params(self) -> dict[str, Any]:
         return {REMOTE_DECODE: True, **msgspec.to_builtins(self)}
 
+    def decode_server(self) -> tuple[str, int] | None:
+        """The named decode server's side channel (host, port), or None."""
+        if self.decode_host is None or self.decode_port is None:
+            return None
+        return self.decode_host, self.decode_port
+
 
 class PrefillAnswer(msgspec.Struct, frozen=True, kw_only=True):
     """A vLLM prefill server's answer: every field vLLM's NIXL connectors return (so

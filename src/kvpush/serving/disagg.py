@@ -496,9 +496,8 @@ def _decode_of(params: RemoteDecode) -> PeerAddress | None:
     """The decode server a prefill request's params name (its side channel), if any."""
     from kvpush.runtime import PeerAddress
 
-    if params.decode_host is None or params.decode_port is None:
-        return None
-    return PeerAddress(params.decode_host, params.decode_port)
+    named = params.decode_server()
+    return None if named is None else PeerAddress(*named)
 
 
 def _sender_of(kvp: dict[str, object]) -> tuple[str, PeerAddress] | None:

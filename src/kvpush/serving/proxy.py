@@ -255,29 +255,27 @@ class ProxyRoutes:
     def done(self, outcome: str) -> None:
         self.registry.inc("kvpush_proxy_requests_total", labels={"outcome": outcome})
 
-    async def _prefill_info(self, inst: _Instance) -> dict[str, Any]:
+    async def _info(self, inst: _Instance, role: str, *, named: bool) -> dict[str, Any]:
+        """What a server says of itself: given (`fixed_info`), or its /health, kept until
+        a failure resets it. `named`: it must be a kvpush `role` server that names its
+        side channel; else a /health without kvpush's fields (vLLM's) reads as {}."""
         if inst.fixed_info is not None:
             return inst.fixed_info
         if inst.info is None:
             resp = await self.client.get(f"{inst.url}/health", timeout=5.0)
-            body = resp.json()
-            if body.get("role") != "prefill" or "side_channel_port" not in body:
-                raise RuntimeError(f"{inst.url} is not a prefill server (health: {body})")
+            body = resp.json() if resp.content else {}
+            if not isinstance(body, dict):
+                body = {}
+            ours = body.get("role") == role and "side_channel_port" in body
+            if body.get("role") not in (None, role) or (named and not ours):
+                raise RuntimeError(f"{inst.url} is not a {role} server (health: {body})")
             inst.info = body
         return inst.info
 
     async def _decode_side_channel(self, inst: _Instance) -> tuple[str, int] | None:
-        """The decode server's side channel: given, or from its /health (kvpush serve's
-        tells it; None for one whose /health does not, such as vLLM's)."""
-        if inst.fixed_info is None and inst.info is None:
-            resp = await self.client.get(f"{inst.url}/health", timeout=5.0)
-            body = resp.json() if resp.content else {}
-            if not isinstance(body, dict):
-                body = {}
-            if body.get("role") not in (None, "decode"):
-                raise RuntimeError(f"{inst.url} is not a decode server (health: {body})")
-            inst.info = body
-        info = inst.fixed_info or inst.info or {}
+        """The decode server's side channel, where it is known (given, or from a kvpush
+        serve /health; not from vLLM's)."""
+        info = await self._info(inst, "decode", named=False)
         if "side_channel_port" not in info:
             return None
         return info["side_channel_host"], info["side_channel_port"]
@@ -306,7 +304,7 @@ class ProxyRoutes:
             return body
         p_inst, d_inst = self.prefill.pick(), self.decode.pick()
         try:
-            info = await self._prefill_info(p_inst)
+            info = await self._info(p_inst, "prefill", named=True)
         except (httpx.HTTPError, ValueError, RuntimeError) as exc:
             p_inst.info = None
             self.done("prefill_failed")

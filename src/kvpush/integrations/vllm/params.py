@@ -184,9 +184,7 @@ def prefill_transfer(
         log.warning("%s: the transfer gets a fresh id", exc)
         params_read = RemoteDecode()
     tid = params_read.transfer_id or f"{engine_id}-{uuid.uuid4().hex}"
-    if params_read.decode_host is None or params_read.decode_port is None:
-        return tid, None
-    return tid, (params_read.decode_host, params_read.decode_port)
+    return tid, params_read.decode_server()
 
 
 def prefill_answer(
