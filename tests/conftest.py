@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import selectors
 import signal
 import subprocess
 import sys
@@ -35,28 +34,66 @@ def run_kvpush(
     )
 
 
+class _Output:
+    """A process's output, read line by line by one thread from its start to its end.
+
+    One reader, never a selector on the pipe: a selector wakes only for bytes still in
+    the pipe, not for lines already in the reader's buffer (an endpoint that prints its
+    ready line with two before it, then falls quiet, would look never ready)."""
+
+    def __init__(self, process: subprocess.Popen[str], name: str) -> None:
+        self.lines: list[str] = []
+        self._ended = False
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._read, args=(process,), name=name)
+        self._thread.start()
+
+    def _read(self, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            with self._cv:
+                self.lines.append(line)
+                self._cv.notify_all()
+        with self._cv:
+            self._ended = True
+            self._cv.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float) -> tuple[str, re.Match[str]] | None:
+        """The first line matching `pattern`, or None once the output ends or `timeout`
+        passes without one."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._cv:
+            while True:
+                for line in self.lines[seen:]:
+                    if match := re.search(pattern, line):
+                        return line, match
+                seen = len(self.lines)
+                left = deadline - time.monotonic()
+                if self._ended or left <= 0:
+                    return None
+                self._cv.wait(left)
+
+    def text(self) -> str:
+        with self._cv:
+            return "".join(self.lines)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
 @dataclass
 class Endpoint:
-    """A `kvpush endpoint` process, started and read until its ready line; from then on
-    a thread keeps reading what it prints (so that a chatty endpoint never blocks on a
-    full pipe), and `stop()` hands it over."""
+    """A `kvpush endpoint` process, its output read by one thread from its start (so
+    that a chatty endpoint never blocks on a full pipe); `stop()` hands that output
+    over in `output`."""
 
     process: subprocess.Popen[str]
     host: str
     port: int
     ready_line: str
+    _out: _Output
     output: list[str] = field(default_factory=list)
-    _rest: list[str] = field(default_factory=list)
-    _reader: threading.Thread | None = None
-
-    def __post_init__(self) -> None:
-        self._reader = threading.Thread(target=self._read, name=f"endpoint-{self.port}-output")
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self._rest.append(line)
 
     @property
     def address(self) -> str:
@@ -64,7 +101,7 @@ class Endpoint:
 
     def printed(self) -> str:
         """Everything it printed so far (for a failure's message)."""
-        return "".join([*self.output, *self._rest])
+        return "".join(self.output) if self.output else self._out.text()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
         """Signal it, wait for it, keep what it printed; returns its exit status."""
@@ -77,10 +114,10 @@ class Endpoint:
             self.process.wait()
             raise
         finally:
-            assert self._reader is not None and self.process.stdout is not None
-            self._reader.join(timeout)
+            assert self.process.stdout is not None
+            self._out.join(timeout)
             self.process.stdout.close()
-        self.output.append("".join(self._rest))
+        self.output.append(self._out.text())
         return self.process.returncode
 
 
@@ -92,23 +129,15 @@ def start_endpoint(*args: str, host: str = "127.0.0.1", timeout: float = 60) -> 
         text=True,
         env={k: v for k, v in os.environ.items() if k != "KVPUSH_TOKEN"},
     )
-    assert process.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if not selector.select(timeout=deadline - time.monotonic()):
-                continue
-            line = process.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if match := re.search(r"ready: .* port=(\d+)", line):
-                return Endpoint(process, host, int(match.group(1)), line, lines)
+    out = _Output(process, f"endpoint-{process.pid}-output")
+    found = out.wait_for(r"ready: .* port=(\d+)", timeout)
+    if found is not None:
+        line, match = found
+        return Endpoint(process, host, int(match.group(1)), line, out)
     process.kill()
-    rest, _ = process.communicate()
-    raise AssertionError(f"endpoint never became ready: {''.join(lines)}{rest}")
+    process.wait()
+    out.join(5.0)
+    raise AssertionError(f"endpoint never became ready: {out.text()}")
 
 
 @pytest.fixture(scope="session")
