@@ -106,8 +106,7 @@ class GatedDirectory(PeerDirectory):
     Lookups of the ports in `slow` (of every port while `slow` is None) block until the
     test sets `gate`; then lookups of the ports in `failing` raise `PeerUnreachable`, and
     the rest go to `inner`, or without one are answered "no such rank" (an answer, not a
-    failure). `calls` lists the port of every lookup, in the order they came;
-    `wait_for_calls(n)` waits until there are `n` of them."""
+    failure). `calls` lists the port of every lookup, in the order they came."""
 
     def __init__(self, inner: PeerDirectory | None = None, *, slow: set[int] | None = None) -> None:
         self.inner = inner
@@ -115,17 +114,11 @@ class GatedDirectory(PeerDirectory):
         self.slow = slow
         self.failing: set[int] = set()
         self.calls: list[int] = []
-        self._cv = threading.Condition()
-
-    def wait_for_calls(self, n: int, timeout: float = 10.0) -> list[int]:
-        with self._cv:
-            self._cv.wait_for(lambda: len(self.calls) >= n, timeout)
-            return list(self.calls)
+        self._lock = threading.Lock()
 
     def lookup(self, host: str, port: int, rank: int) -> PeerMetadata:
-        with self._cv:
+        with self._lock:
             self.calls.append(port)
-            self._cv.notify_all()
         if self.slow is None or port in self.slow:
             self.gate.wait(30)
         if port in self.failing:
