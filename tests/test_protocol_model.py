@@ -87,19 +87,12 @@ CAUGHT_IN = {
     "lease-first-write": "layerwise-stall",
     "empty-layers": "layerwise-prefix",
     "wrong-receiver": "insider",
-}
-# What no scope of the model reaches yet, and the unit test that pins it instead: the
-# receiver re-sending a Register past its deadline needs a sender heartbeat that omits
-# the id after the sender's tombstone expired, and in the model's world time passes
-# only by the next timer, which a sender with nothing in flight does not have.
-NOT_REACHED = {
-    "resend-past-deadline": "test_protocol_regressions.py::"
-    "test_a_receiver_past_its_deadline_sends_no_register_again",
+    "resend-past-deadline": "late-submit",
 }
 
 
 def test_every_mutation_has_a_scope() -> None:
-    assert set(CAUGHT_IN) | set(NOT_REACHED) == set(MUTATIONS)
+    assert set(CAUGHT_IN) == set(MUTATIONS)
     assert set(CAUGHT_IN.values()) <= set(CI), "every mutation is caught by a CI scope"
 
 
@@ -115,7 +108,7 @@ def test_stuck_receiver_runtime_thread() -> None:
     """The checker's finding (docs/protocol-checking.md, 'Findings'): a Register re-sent
     past the receiver's deadline, after the sender's tombstone expired, was written for
     after the sender's Failed. Fails on the protocol before core's ce763c3 (not with
-    that fix alone reverted: see NOT_REACHED)."""
+    that fix alone reverted: the `late-submit` scope catches that, `resend-past-deadline`)."""
     result = check(Model(scopes.STUCK_RECEIVER, STATE))
     assert result.violation is None and not result.missed, result.report()
 

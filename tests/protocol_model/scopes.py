@@ -159,6 +159,29 @@ CI = (
         max_depth=11,
         goals=_ok("T1", " after a stall"),
     ),
+    # A receiver stopped while a heartbeat that omits T2 waits in its inbox: the sender
+    # gives T2's Register up (its engine has not submitted T2), forgets the id, and its
+    # engine submits T2 late; the receiver, running again, reads its inbox before it
+    # ticks, so a Register re-sent then, past T2's deadline, would be written for after
+    # the sender's Failed ended T2 there.
+    _ci(
+        "late-submit",
+        (T("T1", "S1", 1), T("T2", "S1", 1)),
+        Budget(stalls=1),
+        stallable=("receiver",),
+        script=(
+            *_T1_HANDSHAKES[:5],
+            "expect T2",
+            "stall R#1",
+            "deliver Heartbeat from the receiver",
+            "deliver Register T2",
+        ),
+        max_depth=13,
+        goals=(
+            "T2 peer_timeout on the receiver after a stall",
+            "T2 deadline_exceeded on the sender after a stall",
+        ),
+    ),
     _ci(
         "two-senders",
         (T("T1", "S1", 1), T("T2", "S2", 1)),
