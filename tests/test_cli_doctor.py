@@ -17,11 +17,12 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from conftest import Endpoint, start_endpoint
@@ -35,6 +36,7 @@ from kvpush.procs.readiness import free_port
 from kvpush.procs.server_process import ServerProcess
 from kvpush.serving.checkpoint import make_model
 from kvpush.sidechannel import MetadataServer, PeerMetadata
+from kvpush.sidechannel.client import fetch_metadata
 
 pytestmark = pytest.mark.timeout(240)
 servers = pytest.mark.nixl  # the cases that start prefill and decode servers (NIXL agents)
@@ -182,6 +184,10 @@ def test_a_healthy_pair_is_all_ok_with_figures(
         assert (health["kv_blocks_total"], health["kv_blocks_held"]) == (blocks, 0)
         assert health["runtime"]["in_flight"] == 0
         assert health["runtime"]["forged_messages"] == {}
+        # Idle between two /health readings at least 0.5 s apart: below half a core.
+        cpu = health["cpu"]
+        assert cpu["idle"] is True and cpu["window_s"] >= 0.5, cpu
+        assert 0 <= cpu["runtime_thread"] < 0.5 and 0 <= cpu["process"] < 0.5, cpu
         assert health["side_channel_requests"]["served"] > 0
         assert server.url in json.dumps(steps["addresses"]["findings"])
     live = steps["liveness and clocks"]["figures"]
@@ -202,6 +208,9 @@ def test_a_healthy_pair_is_all_ok_with_figures(
     assert lines[-1] == "verdict: ok (0 failing steps, 0 with warnings, not checked: 4)"
     assert f"blocks held 0 of {DECODE_BLOCKS}" in text
     assert "transfer deadline 50.0 s, queue timeout 20.0 s" in text
+    # No transfer between them yet: what the prefill's leases will measure is not known.
+    assert "heartbeat round trip to decode rank 0: not measured yet (no transfer" in text
+    assert "heartbeat_round_trip_ms" not in live["prefill"]
 
 
 @servers
@@ -221,13 +230,16 @@ def test_a_slow_side_channel_is_a_warning_with_its_threshold(
 
 
 @contextlib.contextmanager
-def _http_server(host: str, health: bytes, metrics: bytes) -> Iterator[str]:
+def _http_server(host: str, health: bytes | Callable[[], bytes], metrics: bytes) -> Iterator[str]:
     """A real HTTP server on `host` answering /health and /metrics with these bodies (what
-    a vLLM server or a server in a given state answers); yields its base URL."""
+    a vLLM server or a server in a given state answers; `health` called for each one, if
+    it changes from one request to the next); yields its base URL."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             body = {"/health": health, "/metrics": metrics}.get(self.path)
+            if callable(body):
+                body = body()
             self.send_response(404 if body is None else 200)
             self.send_header("Content-Length", str(len(body or b"")))
             self.end_headers()
@@ -281,14 +293,28 @@ def test_short_deadlines_failed_transfers_and_forged_messages_are_warnings(
     pair: Pair, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # A prefill server's /health and /metrics as a server in that state answers them: its
-    # deadline below the decode queue's timeout, transfers failed, forged messages dropped.
+    # deadline below the decode queue's timeout, transfers failed, forged messages dropped,
+    # heartbeats to the decode's agent slow (1.5 s, over the test's threshold of 1 s).
+    assert pair.decode.side_channel_port is not None
+    decode_agent = fetch_metadata(pair.host, pair.decode.side_channel_port, token=TOKEN).agent_name
+    slow = {"round_trip_s": 1.5, "skew_lb_s": -0.5, "age_s": 4.0}
+    readings = iter(range(1, 100))
+
+    def cpu() -> dict[str, float]:  # 0.8 s of CPU per second, at each reading
+        n = next(readings)
+        return {"at_s": 1000.0 + n, "process_s": 0.8 * n, "runtime_thread_s": 0.75 * n}
+
     health = {
         "status": "ok",
         "role": "prefill",
         "side_channel_host": pair.host,
         "side_channel_port": pair.prefill.side_channel_port,
         "transfer_deadline_s": 10.0,
-        "transfers": {"in_flight": 1, "forged_messages": {"bad_key": 3}},
+        "transfers": {
+            "in_flight": 0,
+            "forged_messages": {"bad_key": 3},
+            "clock_bounds": {decode_agent: slow, "an-agent-of-another-decode": slow},
+        },
         "side_channel_requests": {"served": 9, "refused_auth": 0, "malformed": 2},
     }
     metrics = "\n".join(
@@ -301,13 +327,27 @@ def test_short_deadlines_failed_transfers_and_forged_messages_are_warnings(
             'kvpush_transfers_total{side="sender",outcome="failed",reason="cancelled"} 1',
         ]
     )
-    with _http_server(pair.host, json.dumps(health).encode(), metrics.encode()) as url:
+    with _http_server(
+        pair.host, lambda: json.dumps({**health, "cpu": cpu()}).encode(), metrics.encode()
+    ) as url:
         code, report = _doctor_json(
             capsys, *pair.args(http=False), "--prefill-http", url, "--decode-http", pair.decode.url
         )
     assert (code, report["verdict"]) == (0, "warn")
     assert _verdicts(report) == ["ok", "ok", "ok", "skip", "warn", "warn"]
-    [deadline] = _findings(report, 5, "warn")
+    deadline, heartbeat = _findings(report, 5, "warn")
+    assert (heartbeat["side"], heartbeat["text"]) == (
+        "prefill",
+        "data-plane heartbeat round trip to decode rank 0: 1500.00 ms (4 s ago): the prefill "
+        "bounds that rank's clock to within 1500.00 ms, and takes each lease to end that much "
+        "sooner",
+    )
+    assert heartbeat["next_action"].startswith(
+        f"heartbeats between the servers' agents are slow (over {SLOW_MS:g} ms): check the "
+        "hosts' load and the transport UCX uses between them (UCX_TLS, UCX_NET_DEVICES)"
+    )
+    figures = report["steps"][4]["figures"]["prefill"]["heartbeat_round_trip_ms"]
+    assert figures == {"0": {"round_trip_ms": 1500.0, "age_s": 4.0}}
     assert deadline["text"].startswith(
         f"the prefill server's transfer deadline (10.0 s) is not above the decode server's "
         f"queue timeout ({QUEUE_TIMEOUT_S} s)"
@@ -321,10 +361,19 @@ def test_short_deadlines_failed_transfers_and_forged_messages_are_warnings(
         ("prefill", "transfers have failed since it started: cancelled 1, peer_timeout 2"),
         ("prefill", "data-plane messages dropped unread because of who sent them: bad_key 3"),
         ("prefill", "side-channel requests refused or dropped since it started: malformed 2"),
+        (
+            "prefill",
+            "CPU over 1.0 s: the process 80% of a core, its runtime thread 75%, with nothing "
+            "in flight: an idle server should use almost none",
+        ),
     ]
+    spin = _findings(report, 6, "warn")[-1]["next_action"]
+    assert spin.startswith("find the thread that spins (top -H -p PID on the prefill host)")
+    cpu_figures = report["steps"][5]["figures"]["prefill"]["cpu"]
+    assert cpu_figures == {"window_s": 1.0, "process": 0.8, "runtime_thread": 0.75, "idle": True}
     [held] = [f["text"] for f in _findings(report, 6, "ok") if f["side"] == "prefill"]
     assert held == (
-        "blocks held 6 of 40; transfers in flight 1; requests running ?, waiting ?; "
+        "blocks held 6 of 40; transfers in flight 0; requests running ?, waiting ?; "
         "transfers finished 5, failed 3"
     )
 
@@ -339,6 +388,10 @@ def test_through_a_proxy_every_pair_is_checked_and_a_dead_backend_named(
     args += ["--host", pair.host, "--port", str(port), "--token-file", str(pair.token_file)]
     with ServerProcess("proxy", args, host=pair.host, port=port, log_dir=tmp_path) as proxy:
         proxy.wait_ready(60)
+        # One request through the pair: the prefill's leases then know the decode's clock.
+        body = {"prompt": "push it " * 10, "max_tokens": 4}
+        served = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=60)
+        assert served.status_code == 200, served.text
         args = ["--proxy", proxy.url, "--token-file", str(pair.token_file)]
         args += ["--slow-round-trip-ms", str(SLOW_MS)]
         code, report = _doctor_json(capsys, *args)
@@ -356,6 +409,10 @@ def test_through_a_proxy_every_pair_is_checked_and_a_dead_backend_named(
         pair.side(pair.decode),
     )
     assert _verdicts(checked) == ["ok", "ok", "ok", "skip", "ok", "ok"]
+    measured = checked["steps"][4]["figures"]["prefill"]["heartbeat_round_trip_ms"]
+    assert list(measured) == ["0"] and 0 < measured["0"]["round_trip_ms"] < SLOW_MS
+    assert measured["0"]["age_s"] >= 0
+    assert "data-plane heartbeat round trip to decode rank 0: " in text
     assert text.splitlines()[0] == f"kvpush doctor: proxy {proxy.url}: 1 pair(s) to check"
     assert "--- pair 1 of 1" in text and text.splitlines()[-1] == "proxy verdict: fail"
 

@@ -947,6 +947,28 @@ def test_writes_wait_for_the_first_echo_then_flow_without_one_per_transfer(wire:
     assert wire.ended("d-1", "t2").ok
 
 
+def test_the_sender_reports_its_bound_on_a_receivers_clock_and_how_wide_it_is(
+    wire: Wire,
+) -> None:
+    """`clock_bounds()`: what the leases know of each receiver's clock, from the newest
+    echoed heartbeat: its round trip on our clock, and when the echo came."""
+    sender = wire.ends["p-1"].sender
+    assert sender.clock_bounds() == {}
+    wire.submit("p-1", "t1", [1])
+    wire.expect("d-1", "t1", "p-1", [3])
+    wire.now = 10.0
+    wire.deliver()  # the Register: p-1 handshakes back and sends its heartbeat at 10.0
+    assert sender.clock_bounds() == {}  # nothing echoed yet
+    wire.now = 10.25
+    wire.deliver()  # d-1 answers at once, echoing 10.0, stamped 10.25 on its clock
+    wire.now = 10.75
+    wire.deliver()  # the echo comes back 0.75 s after its heartbeat left
+    [(agent, bound)] = sender.clock_bounds().items()
+    assert agent == "d-1"
+    assert (bound.round_trip_s, bound.measured_at, bound.skew_lb_s) == (0.75, 10.75, -0.25)
+    assert len(wire.writes) == 1  # the bound is what let the write start
+
+
 def test_receiver_lookups_are_per_address_and_the_deadline_runs_from_expect(
     wire: Wire,
 ) -> None:

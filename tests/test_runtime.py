@@ -135,6 +135,12 @@ def test_whole_request_push_copies_the_bytes(cluster: Cluster) -> None:
     stats = p.statistics()
     assert stats.finished == 1 and stats.bytes_written == 3 * a.geometry.bytes_per_block
     assert stats.blocks_held_sending == 0 and stats.in_flight == 0
+    # The heartbeat round trip that let the write start bounds d-1's clock; the protocol
+    # clock here stands still, so the round trip and its age are 0. Receivers bound none.
+    assert stats.clock_bounds == {
+        d.agent_name: {"round_trip_s": 0.0, "skew_lb_s": 0.0, "age_s": 0.0}
+    }
+    assert d.statistics().clock_bounds == {}
 
 
 def test_partial_prefix_hit_and_layer_by_layer(cluster: Cluster) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import socket
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +33,8 @@ from kvpush.sidechannel.client import FetchResult, fetch_metadata_timed
 
 MAX_RANKS = 64  # ranks asked for before giving up on finding the last one
 SLOW_ROUND_TRIP_MS = 100.0
+CPU_WINDOW_S = 0.5
+BUSY_IDLE_CPU = 0.5
 ROLES = ("prefill", "decode")
 _PUBLISHED_ROLE = {"prefill": ("sender", "both"), "decode": ("receiver", "both")}
 
@@ -58,6 +61,10 @@ class DoctorOptions:
     timeout_ms: int = 2000
     round_trip_samples: int = 5
     slow_round_trip_ms: float = SLOW_ROUND_TRIP_MS  # a median above it is a warning
+    # The window over which a server's CPU share is read (two /health readings), and
+    # the share of one core above which an idle server is a warning.
+    cpu_window_s: float = CPU_WINDOW_S
+    busy_idle_cpu: float = BUSY_IDLE_CPU
 
     def target(self, role: str) -> Target:
         return self.prefill if role == "prefill" else self.decode
@@ -74,6 +81,7 @@ class _Observed:
     addresses: dict[str, SideAddress] = field(default_factory=dict)
     health: dict[str, dict[str, object]] = field(default_factory=dict)
     health_status: dict[str, int] = field(default_factory=dict)
+    health_read_at: dict[str, float] = field(default_factory=dict)  # time.monotonic()
     ranks: dict[str, list[FetchResult]] = field(default_factory=dict)
 
 
@@ -221,6 +229,7 @@ def _read_health(
         )
         return
     seen.health[role] = body
+    seen.health_read_at[role] = time.monotonic()
     step.add(Verdict.OK, f"{base}/health answers {status}", side=role)
 
 
@@ -648,11 +657,59 @@ def _liveness(options: DoctorOptions, seen: _Observed, step: StepResult) -> None
             Verdict.OK,
             "transfer deadlines: not known (give --prefill-http and --decode-http to read them)",
         )
-    step.add(
-        Verdict.OK,
-        "clock difference between the servers: not measured by this version (the servers "
-        "do not publish what their leases observed)",
-    )
+    _clock_bounds(options, seen, step)
+
+
+def _clock_bounds(options: DoctorOptions, seen: _Observed, step: StepResult) -> None:
+    """What the prefill's leases measured of each decode rank's clock: the data plane's
+    heartbeat round trip, by which a lease is taken to end sooner than it may."""
+    health = seen.health.get("prefill")
+    transfers = health.get("transfers") if health is not None else None
+    bounds = transfers.get("clock_bounds") if isinstance(transfers, dict) else None
+    if not isinstance(bounds, dict):
+        why = (
+            "give --prefill-http to read what the prefill's leases measured"
+            if health is None
+            else "the prefill server's /health does not publish what its leases measured; "
+            "kvpush serve's does"
+        )
+        step.add(Verdict.OK, f"heartbeat round trip and clock bound: not known ({why})")
+        return
+    found: dict[str, object] = {}
+    for r in seen.ranks.get("decode", []):
+        bound = bounds.get(r.metadata.agent_name)
+        rank = r.metadata.rank
+        if not isinstance(bound, dict):
+            step.add(
+                Verdict.OK,
+                f"heartbeat round trip to decode rank {rank}: not measured yet (no transfer "
+                "between them since the prefill server started; its first one measures it)",
+            )
+            continue
+        rtt_ms = float(bound["round_trip_s"]) * 1000
+        found[str(rank)] = {
+            "round_trip_ms": round(rtt_ms, 3),
+            "age_s": round(float(bound["age_s"]), 1),
+        }
+        text = (
+            f"data-plane heartbeat round trip to decode rank {rank}: {rtt_ms:.2f} ms "
+            f"({float(bound['age_s']):.0f} s ago): the prefill bounds that rank's clock to "
+            f"within {rtt_ms:.2f} ms, and takes each lease to end that much sooner"
+        )
+        if rtt_ms > options.slow_round_trip_ms:
+            step.add(
+                Verdict.WARN,
+                text,
+                side="prefill",
+                next_action="heartbeats between the servers' agents are slow (over "
+                f"{options.slow_round_trip_ms:g} ms): check the hosts' load and the "
+                "transport UCX uses between them (UCX_TLS, UCX_NET_DEVICES); where that "
+                "is expected, raise --slow-round-trip-ms",
+            )
+        else:
+            step.add(Verdict.OK, text, side="prefill")
+    if found:
+        step.figures.setdefault("prefill", {})["heartbeat_round_trip_ms"] = found  # type: ignore[index]
 
 
 # ---------------------------------------------------------------------------- 6: health
@@ -757,6 +814,68 @@ def _one_health(role: str, options: DoctorOptions, seen: _Observed, step: StepRe
                 next_action="a client without the token, or of another kvpush version, "
                 "asks this side channel: check its peers' --token-file and versions",
             )
+    _cpu_share(role, base, options, seen, step, figures)
+
+
+def _cpu_share(
+    role: str,
+    base: str,
+    options: DoctorOptions,
+    seen: _Observed,
+    step: StepResult,
+    figures: dict[str, object],
+) -> None:
+    """The server's CPU share between its /health of step 1 and one read now (at least
+    `cpu_window_s` later, on the server's clock): an idle kvpush server should use
+    almost none; one that spins is a busy-polling loop."""
+    first = seen.health.get(role, {}).get("cpu")
+    if not isinstance(first, dict):
+        return  # not kvpush serve: its CPU is not published
+    wait = options.cpu_window_s - (time.monotonic() - seen.health_read_at.get(role, 0.0))
+    if wait > 0:
+        time.sleep(wait)
+    try:
+        _, body = get_health(base, options.timeout_s)
+    except HttpFailed as exc:
+        _http_failed(step, role, exc, f"the {role} server stopped answering /health")
+        return
+    second = body.get("cpu") if body is not None else None
+    if not isinstance(second, dict):
+        return
+    window = float(second["at_s"]) - float(first["at_s"])
+    if window <= 0:
+        return
+    process = (float(second["process_s"]) - float(first["process_s"])) / window
+    share: dict[str, object] = {"window_s": round(window, 3), "process": round(process, 3)}
+    text = f"CPU over {window:.1f} s: the process {process:.0%} of a core"
+    if isinstance(first.get("runtime_thread_s"), float) and isinstance(
+        second.get("runtime_thread_s"), float
+    ):
+        thread = (second["runtime_thread_s"] - first["runtime_thread_s"]) / window
+        share["runtime_thread"] = round(thread, 3)
+        text += f", its runtime thread {thread:.0%}"
+    busy = [_in_flight(b) for b in (seen.health[role], body)]
+    idle = busy == [0, 0] and figures.get("requests_running") in (0, None)
+    share["idle"] = idle
+    figures["cpu"] = share
+    if not idle:
+        step.add(Verdict.OK, f"{text} (while serving)", side=role)
+    elif process > options.busy_idle_cpu:
+        step.add(
+            Verdict.WARN,
+            f"{text}, with nothing in flight: an idle server should use almost none",
+            side=role,
+            next_action=f"find the thread that spins (top -H -p PID on the {role} host): "
+            "NIXL's own progress thread (kvpush turns it off; a NIXL or UCX setting may "
+            "turn it on) or an --idle-poll-ms near 0",
+        )
+    else:
+        step.add(Verdict.OK, f"{text}, with nothing in flight", side=role)
+
+
+def _in_flight(health: dict[str, object] | None) -> object:
+    transfers = health.get("transfers") if health is not None else None
+    return transfers.get("in_flight") if isinstance(transfers, dict) else None
 
 
 _BAD_REQUESTS = ("refused_auth", "malformed", "dropped", "internal_errors")

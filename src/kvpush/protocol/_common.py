@@ -223,6 +223,18 @@ def ended_unreported(
 
 
 @dataclass(frozen=True, slots=True)
+class PeerClock:
+    """What a sender's leases know of one receiver's clock, from the newest heartbeat
+    round trip it echoed: (our clock - theirs) lies in `[skew_lb_s, skew_lb_s +
+    round_trip_s]`, and a lease is taken as ending at its worst case, `round_trip_s`
+    sooner than it may. `measured_at`: our clock when that echo came."""
+
+    skew_lb_s: float
+    round_trip_s: float
+    measured_at: float
+
+
+@dataclass(frozen=True, slots=True)
 class LocalIdentity:
     """Who we are, as a receiver puts it into `Register` so the sender can call back."""
 
@@ -258,6 +270,7 @@ class _Peer:
     # heartbeat they echoed (`skew_echo`, our clock); None: none yet.
     skew_lb: float | None = None
     skew_echo: float = float("-inf")
+    skew_round_trip: float = 0.0  # sender: our clock from `skew_echo` to its echo's arrival
     echo: float | None = None  # receiver: the newest sender `sent_at` we read
 
 

@@ -95,6 +95,7 @@ class SenderLeases(_Side[_Outgoing]):
             # an old echo repeated later (after an idle spell) is no newer, so ignored.
             p.skew_echo = hb.echo
             p.skew_lb = hb.echo - hb.sent_at
+            p.skew_round_trip = now - hb.echo
         granted = self._granted(hb.sent_at)
         for tid in hb.transfer_ids:
             rec = self._transfers.get(tid)

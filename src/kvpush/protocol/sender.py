@@ -26,6 +26,7 @@ from kvpush.protocol._common import (
     Effect,
     LocalIdentity,
     PeerAddress,
+    PeerClock,
     SenderState,
     SendMessage,
     TransferEnded,
@@ -120,6 +121,15 @@ class SenderProtocol(SenderGate, SenderLeases):
         if p is None or p.skew_lb is None:
             return None
         return rec.lease_until_theirs + p.skew_lb
+
+    def clock_bounds(self) -> dict[str, PeerClock]:
+        """Per receiver agent whose clock our leases have bounded (a heartbeat round trip
+        came back since its handshake): the bound, and how wide it is."""
+        return {
+            p.agent: PeerClock(p.skew_lb, p.skew_round_trip, p.skew_echo + p.skew_round_trip)
+            for p in self._peers.values()
+            if p.skew_lb is not None
+        }
 
     # ----- engine calls
 

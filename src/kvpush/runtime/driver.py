@@ -283,6 +283,16 @@ class Driver:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def thread_cpu_s(self) -> float | None:
+        """CPU seconds the thread has used, read from any thread while it runs."""
+        t = self._thread
+        if t is None or t.ident is None or not t.is_alive():
+            return None
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        except (AttributeError, OSError):  # no per-thread clocks here, or it just ended
+            return None
+
     def _run(self, on_crash: Callable[[BaseException], None]) -> None:
         crash: BaseException | None = None
         try:
@@ -658,6 +668,15 @@ class Driver:
         sending = collections.Counter(sending_ids.values())
         receiving = collections.Counter(receiving_ids.values())
         counters = self._sink.counters()
+        now = self._clock()
+        clocks = {
+            agent: {
+                "round_trip_s": c.round_trip_s,
+                "skew_lb_s": c.skew_lb_s,
+                "age_s": max(0.0, now - c.measured_at),
+            }
+            for agent, c in sender.clock_bounds().items()
+        }
         return RuntimeStatistics(
             sending=dict(sending),
             receiving=dict(receiving),
@@ -673,6 +692,8 @@ class Driver:
             stale_registers=sender.stale_registers,
             wrong_receivers=sender.wrong_receivers,
             forged_messages=self._protocol.forged_messages(),
+            clock_bounds=clocks,
+            thread_cpu_s=self.thread_cpu_s(),
             sending_transfers=sending_ids,
             receiving_transfers=receiving_ids,
             **counters,  # type: ignore[arg-type]

@@ -64,6 +64,14 @@ class RuntimeStatistics:
     # `kvpush.protocol.PushProtocol.forged_messages` (a message without our message key,
     # from an agent no side channel vouched for, about another peer's transfer, ...).
     forged_messages: dict[str, int] = field(default_factory=dict)
+    # Sending: per receiver agent whose clock our leases bound, from the newest heartbeat
+    # round trip it echoed (`kvpush.protocol.PeerClock`): "round_trip_s" (how much
+    # sooner than it may a lease is taken to end), "skew_lb_s" (our clock - theirs is at
+    # least this) and "age_s" (since that echo came).
+    clock_bounds: dict[str, dict[str, float]] = field(default_factory=dict)
+    # CPU seconds the runtime's own thread has used since it started (None where the
+    # platform cannot read a thread's clock): near nothing while no transfer is in flight.
+    thread_cpu_s: float | None = None
 
     @property
     def in_flight(self) -> int:

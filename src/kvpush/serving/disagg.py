@@ -777,6 +777,14 @@ class KVBridge:
                 "peers": s.peers,
                 "forged_messages": s.forged_messages,
                 "malformed_messages": s.malformed_messages,
+                "clock_bounds": s.clock_bounds,
+            }
+            # Two readings of these, a moment apart, are the server's CPU share (the doctor
+            # warns when an idle server is busy): its clock, the process, the runtime thread.
+            out["cpu"] = {
+                "at_s": time.monotonic(),
+                "process_s": time.process_time(),
+                "runtime_thread_s": s.thread_cpu_s,
             }
         if self.node is not None:
             out["side_channel_requests"] = dataclasses.asdict(self.node.health().side_channel)
