@@ -143,6 +143,24 @@ def test_whole_request_push_copies_the_bytes(cluster: Cluster) -> None:
     assert d.statistics().clock_bounds == {}
 
 
+def test_statistics_give_the_age_of_the_oldest_transfer_in_flight(cluster: Cluster) -> None:
+    p, p_addr = cluster.add("p-1", "engine-p")
+    d, _ = cluster.add("d-1", "engine-d")
+    assert d.statistics().oldest_in_flight_s is None
+    d.receive("t1", p_addr, [1])  # its sender never submits it
+    wait_until(lambda: d.statistics().in_flight == 1, what="t1 in flight on d-1")
+    cluster.clock.advance(2.5)
+    d.receive("t2", p_addr, [2])
+    wait_until(lambda: d.statistics().in_flight == 2, what="t2 in flight on d-1")
+    cluster.clock.advance(0.5)
+    assert d.statistics().oldest_in_flight_s == 3.0  # t1's age, not t2's
+    d.abort("t1")
+    d.abort("t2")
+    assert sorted(r.transfer_id for r in wait_results(d, 2)) == ["t1", "t2"]
+    assert d.statistics().oldest_in_flight_s is None
+    assert p.statistics().oldest_in_flight_s is None
+
+
 def test_partial_prefix_hit_and_layer_by_layer(cluster: Cluster) -> None:
     p, p_addr = cluster.add("p-1", "engine-p")
     d, _ = cluster.add("d-1", "engine-d")

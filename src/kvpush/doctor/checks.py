@@ -769,7 +769,11 @@ def _one_health(role: str, options: DoctorOptions, seen: _Observed, step: StepRe
     in_flight = transfers.get("in_flight") if isinstance(transfers, dict) else None
     parts = [f"blocks held {_n(held)} of {_n(blocks)}"]
     if in_flight is not None:
-        parts.append(f"transfers in flight {in_flight}")
+        oldest = transfers.get("oldest_in_flight_s") if isinstance(transfers, dict) else None
+        parts.append(
+            f"transfers in flight {in_flight}"
+            + (f" (the oldest began {oldest:.1f} s ago)" if isinstance(oldest, float) else "")
+        )
     parts.append(
         f"requests running {_n(figures.get('requests_running'))}, waiting "
         f"{_n(figures.get('requests_waiting'))}"

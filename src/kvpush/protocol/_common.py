@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Literal, Protocol, TypeVar
 
-from kvpush.config import CompatibilityPolicy
+from kvpush.config import CompatibilityPolicy, TimingConfig
 from kvpush.errors import (
     FailureReason,
     LocalProtocolError,
@@ -326,6 +326,8 @@ def _check_blocks(blocks: Sequence[int], call: str, transfer_id: object) -> tupl
 class _Record(Protocol):
     @property
     def peer(self) -> str | None: ...  # None: not bound to an agent yet
+    @property
+    def deadline(self) -> float: ...  # `transfer_deadline_s` after it began; never moves
 
 
 _Rec = TypeVar("_Rec", bound=_Record)
@@ -335,6 +337,7 @@ class _Side(Generic[_Rec]):
     """What both sides do alike: their transfers, by id, each with one peer."""
 
     _clock: _Clock
+    _timing: TimingConfig
     _transfers: dict[str, _Rec]
     _peers: dict[str, _Peer]
     # Messages dropped unread because of who sent them, by reason (see "Who sent it").
@@ -342,6 +345,12 @@ class _Side(Generic[_Rec]):
 
     def in_flight(self) -> bool:
         return bool(self._transfers)
+
+    def began(self) -> dict[str, float]:
+        """When each transfer in flight began on this side, on our clock (its deadline
+        runs from then)."""
+        d = self._timing.transfer_deadline_s
+        return {t: r.deadline - d for t, r in self._transfers.items()}
 
     def _drop(self, reason: str, count: int = 1) -> list[Effect]:
         self.forged[reason] += count

@@ -677,6 +677,7 @@ class Driver:
             }
             for agent, c in sender.clock_bounds().items()
         }
+        began = [*sender.began().values(), *receiver.began().values()]
         return RuntimeStatistics(
             sending=dict(sending),
             receiving=dict(receiving),
@@ -694,6 +695,7 @@ class Driver:
             forged_messages=self._protocol.forged_messages(),
             clock_bounds=clocks,
             thread_cpu_s=self.thread_cpu_s(),
+            oldest_in_flight_s=max(0.0, now - min(began)) if began else None,
             sending_transfers=sending_ids,
             receiving_transfers=receiving_ids,
             **counters,  # type: ignore[arg-type]

@@ -72,6 +72,8 @@ class RuntimeStatistics:
     # CPU seconds the runtime's own thread has used since it started (None where the
     # platform cannot read a thread's clock): near nothing while no transfer is in flight.
     thread_cpu_s: float | None = None
+    # How long ago the oldest transfer in flight (either side) began; None: none in flight.
+    oldest_in_flight_s: float | None = None
 
     @property
     def in_flight(self) -> int:

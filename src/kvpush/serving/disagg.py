@@ -765,6 +765,7 @@ class KVBridge:
             s = runtime.statistics()
             out["transfers"] = {
                 "in_flight": s.in_flight,
+                "oldest_in_flight_s": s.oldest_in_flight_s,
                 "sending": s.sending,
                 "receiving": s.receiving,
                 "writes_in_flight": s.writes_in_flight,
