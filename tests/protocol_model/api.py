@@ -151,6 +151,10 @@ class ApiV2(ApiBase):
     def address(self, engine: str) -> Any:
         return self.state.PeerAddress("127.0.0.1", PORTS[engine], 0)
 
+    def registered(self, proto: Any, tid: str) -> bool:
+        """`proto`'s sender holds a Register for `tid`, not submitted yet."""
+        return bool(proto.sender.state_of(tid) is self.state.SenderState.REGISTERED)
+
     def expect(
         self, proto: Any, now: float, tid: str, sender_agent: str, spec: Any, blocks: Any
     ) -> list[Any]:

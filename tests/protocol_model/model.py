@@ -100,6 +100,11 @@ class Budget:
     # Messages a foreign agent (`FORGER`) sends: any kind, naming the real engines and
     # the scope's transfer ids (see `Model._forgeries`).
     forgeries: int = 0
+    # An engine says no: the receiver's engine rejects a transfer instead of expecting
+    # it (the protocol's `reject`); the sender's engine refuses a Register it holds for
+    # an id it has not submitted (`refuse`).
+    rejects: int = 0
+    refusals: int = 0
 
 
 @dataclass(frozen=True)
@@ -229,6 +234,8 @@ _SINGULAR = {
     "stalls": "stall",
     "failures": "failure",
     "forgeries": "forgery",
+    "rejects": "reject",
+    "refusals": "refusal",
 }
 
 
@@ -390,6 +397,15 @@ class Model:
                 and self.free_blocks(w, rv.agent, t.n - t.offset) is not None
             ):
                 out.append(("expect", t.tid))
+                if not self.spent(w, "rejects"):
+                    out.append(("reject", t.tid))
+            if (
+                tx.s_agent is None
+                and not self.spent(w, "refusals")
+                and self.running(w, sender_agent)
+                and self.api.registered(w.ends[sender_agent].proto, t.tid)
+            ):
+                out.append(("refuse", t.tid))
             if self.scope.insider and tx.i_agent is None:
                 insider = w.ends[w.current[INSIDER]]
                 if self.running(w, insider.agent) and self.free_blocks(
@@ -628,6 +644,27 @@ class Model:
         line = f"sender {tx.s_agent}: layer {layer} of {tid} ready"
         return line + self._engine_call(w, tx.s_agent, ("layer", tid, layer))
 
+    def _do_reject(self, w: World, tid: str) -> str:
+        """The receiver's engine refuses `tid` before allocating anything (and will not
+        expect it later in the scope): it is reported at once, with no blocks."""
+        self.spend(w, "rejects")
+        rv = self.receiver(w)
+        t = self.specs[tid]
+        w.tx[tid].r_agent, w.tx[tid].r_blocks = rv.agent, ()
+        sender = self.api.address(t.sender)
+        effects = self._call(
+            w, rv.agent, lambda now: rv.proto.receiver.reject(now, tid, sender, "no room")
+        )
+        return f"receiver {rv.agent}: the engine rejects {tid}" + self._apply(w, rv.agent, effects)
+
+    def _do_refuse(self, w: World, tid: str) -> str:
+        """The sender's engine refuses a Register for `tid`, an id it has not submitted
+        (it may still submit it later: that submit ends as the refusal did)."""
+        self.spend(w, "refusals")
+        agent = w.current[self.specs[tid].sender]
+        line = f"sender {agent}: the engine refuses the registration of {tid}"
+        return line + self._engine_call(w, agent, ("refuse", tid))
+
     def _do_abort(self, w: World, side: str, tid: str) -> str:
         self.spend(w, "aborts")
         tx = w.tx[tid]
@@ -665,6 +702,8 @@ class Model:
                 return list(s.layers_ready(now, tid, [layer]))
             case ("abort", tid):
                 return list(s.abort(now, tid))
+            case ("refuse", tid):
+                return list(s.refuse(now, tid, "not ours to send"))
         raise AssertionError(call)
 
     def _call(self, w: World, agent: str, fn: Any) -> list[Any]:

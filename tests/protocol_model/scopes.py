@@ -237,6 +237,22 @@ CI = (
         max_depth=11,
         goals=_ok("T1", " after a drop"),
     ),
+    # The engines say no: the receiver's rejects T1 instead of expecting it (the sender,
+    # submitted or not, hears a Reject), or the sender's refuses T1's Register before any
+    # submit (the receiver hears a Failed; a later submit ends as refused).
+    _ci(
+        "refusals",
+        (T("T1", "S1", 1),),
+        Budget(rejects=1, refusals=1),
+        max_depth=14,
+        goals=(
+            "T1 rejected on the sender after a reject",
+            "T1 rejected on the receiver after a reject",
+            "T1 rejected on the sender after a refusal",
+            "T1 rejected on the receiver after a refusal",
+            *_ok("T1"),
+        ),
+    ),
     # A foreign agent sends any message kind, claiming the real engines, for T1 (issue
     # 11): a transfer it ended so would be a [forged-effect] violation.
     _ci(
