@@ -397,6 +397,11 @@ def test_the_doctor_reads_a_healthy_vllm_pair_and_names_swapped_roles(
     }, text
     warnings = [f["text"] for s in report["steps"] for f in s["findings"] if f["verdict"] == "warn"]
     assert len(warnings) == 1 and warnings[0].startswith("no token:"), text
+    # What the connector's ranks measure is not on vLLM's /health: said, not guessed.
+    assert (
+        "heartbeat round trip and clock bound: not known (the prefill server's /health does "
+        "not publish what its leases measured" in text
+    ), text
     for role in ("prefill", "decode"):
         [rank] = next(s for s in report["steps"] if s["name"] == "side channel")["figures"][role]
         assert rank["role"] == ("sender" if role == "prefill" else "receiver"), rank
