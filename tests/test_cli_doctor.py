@@ -379,6 +379,30 @@ def test_short_deadlines_failed_transfers_and_forged_messages_are_warnings(
 
 
 @servers
+def test_figures_of_the_wrong_type_in_a_health_answer_are_not_known_not_a_crash(
+    pair: Pair, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert pair.decode.side_channel_port is not None
+    decode_agent = fetch_metadata(pair.host, pair.decode.side_channel_port, token=TOKEN).agent_name
+    health = {
+        "status": "ok",
+        "side_channel_host": pair.host,
+        "side_channel_port": pair.prefill.side_channel_port,
+        "transfers": {"in_flight": 0, "clock_bounds": {decode_agent: {"round_trip_s": "1"}}},
+        "cpu": {"at_s": True, "process_s": "0.5"},
+    }
+    metrics = b"kvpush_kv_blocks_total 40\n"
+    with _http_server(pair.host, json.dumps(health).encode(), metrics) as url:
+        code, report = _doctor_json(
+            capsys, *pair.args(http=False), "--prefill-http", url, "--decode-http", pair.decode.url
+        )
+    assert (code, report["verdict"]) == (0, "ok"), report
+    texts = [f["text"] for f in _findings(report, 5, "ok")]
+    assert "heartbeat round trip to decode rank 0: not measured yet" in texts[-1]
+    assert "cpu" not in report["steps"][5]["figures"]["prefill"]
+
+
+@servers
 def test_through_a_proxy_every_pair_is_checked_and_a_dead_backend_named(
     pair: Pair, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

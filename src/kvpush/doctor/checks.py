@@ -679,21 +679,19 @@ def _clock_bounds(options: DoctorOptions, seen: _Observed, step: StepResult) -> 
     for r in seen.ranks.get("decode", []):
         bound = bounds.get(r.metadata.agent_name)
         rank = r.metadata.rank
-        if not isinstance(bound, dict):
+        rtt_s, age_s = (_number(bound, k) for k in ("round_trip_s", "age_s"))
+        if rtt_s is None or age_s is None:
             step.add(
                 Verdict.OK,
                 f"heartbeat round trip to decode rank {rank}: not measured yet (no transfer "
                 "between them since the prefill server started; its first one measures it)",
             )
             continue
-        rtt_ms = float(bound["round_trip_s"]) * 1000
-        found[str(rank)] = {
-            "round_trip_ms": round(rtt_ms, 3),
-            "age_s": round(float(bound["age_s"]), 1),
-        }
+        rtt_ms = rtt_s * 1000
+        found[str(rank)] = {"round_trip_ms": round(rtt_ms, 3), "age_s": round(age_s, 1)}
         text = (
             f"data-plane heartbeat round trip to decode rank {rank}: {rtt_ms:.2f} ms "
-            f"({float(bound['age_s']):.0f} s ago): the prefill bounds that rank's clock to "
+            f"({age_s:.0f} s ago): the prefill bounds that rank's clock to "
             f"within {rtt_ms:.2f} ms, and takes each lease to end that much sooner"
         )
         if rtt_ms > options.slow_round_trip_ms:
@@ -833,7 +831,7 @@ def _cpu_share(
     `cpu_window_s` later, on the server's clock): an idle kvpush server should use
     almost none; one that spins is a busy-polling loop."""
     first = seen.health.get(role, {}).get("cpu")
-    if not isinstance(first, dict):
+    if _number(first, "at_s") is None:
         return  # not kvpush serve: its CPU is not published
     wait = options.cpu_window_s - (time.monotonic() - seen.health_read_at.get(role, 0.0))
     if wait > 0:
@@ -844,18 +842,19 @@ def _cpu_share(
         _http_failed(step, role, exc, f"the {role} server stopped answering /health")
         return
     second = body.get("cpu") if body is not None else None
-    if not isinstance(second, dict):
-        return
-    window = float(second["at_s"]) - float(first["at_s"])
-    if window <= 0:
-        return
-    process = (float(second["process_s"]) - float(first["process_s"])) / window
+
+    def spent(key: str) -> float | None:
+        a, b = _number(first, key), _number(second, key)
+        return None if a is None or b is None else b - a
+
+    window, process_s, thread_s = spent("at_s"), spent("process_s"), spent("runtime_thread_s")
+    if window is None or window <= 0 or process_s is None:
+        return  # an answer without these figures (or a server restarted between)
+    process = process_s / window
     share: dict[str, object] = {"window_s": round(window, 3), "process": round(process, 3)}
     text = f"CPU over {window:.1f} s: the process {process:.0%} of a core"
-    if isinstance(first.get("runtime_thread_s"), float) and isinstance(
-        second.get("runtime_thread_s"), float
-    ):
-        thread = (second["runtime_thread_s"] - first["runtime_thread_s"]) / window
+    if thread_s is not None:
+        thread = thread_s / window
         share["runtime_thread"] = round(thread, 3)
         text += f", its runtime thread {thread:.0%}"
     busy = [_in_flight(b) for b in (seen.health[role], body)]
@@ -875,6 +874,14 @@ def _cpu_share(
         )
     else:
         step.add(Verdict.OK, f"{text}, with nothing in flight", side=role)
+
+
+def _number(d: object, key: str) -> float | None:
+    """`d[key]` if `d` is a map and it is a number (what a server's JSON may not be)."""
+    value = d.get(key) if isinstance(d, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
 
 
 def _in_flight(health: dict[str, object] | None) -> object:
