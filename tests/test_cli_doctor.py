@@ -54,6 +54,11 @@ class Pair:
     decode: ServerProcess
     token_file: Path
 
+    def agent(self, server: ServerProcess) -> str:
+        """The data-plane agent of `server`'s rank 0, as its side channel publishes it."""
+        assert server.side_channel_port is not None
+        return fetch_metadata(self.host, server.side_channel_port, token=TOKEN).agent_name
+
     def side(self, server: ServerProcess) -> str:
         assert server.side_channel_port is not None
         return f"{bracket_host(self.host)}:{server.side_channel_port}"
@@ -295,8 +300,7 @@ def test_short_deadlines_failed_transfers_and_forged_messages_are_warnings(
     # A prefill server's /health and /metrics as a server in that state answers them: its
     # deadline below the decode queue's timeout, transfers failed, forged messages dropped,
     # heartbeats to the decode's agent slow (1.5 s, over the test's threshold of 1 s).
-    assert pair.decode.side_channel_port is not None
-    decode_agent = fetch_metadata(pair.host, pair.decode.side_channel_port, token=TOKEN).agent_name
+    decode_agent = pair.agent(pair.decode)
     slow = {"round_trip_s": 1.5, "skew_lb_s": -0.5, "age_s": 4.0}
     readings = iter(range(1, 100))
 
@@ -382,8 +386,7 @@ def test_short_deadlines_failed_transfers_and_forged_messages_are_warnings(
 def test_figures_of_the_wrong_type_in_a_health_answer_are_not_known_not_a_crash(
     pair: Pair, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert pair.decode.side_channel_port is not None
-    decode_agent = fetch_metadata(pair.host, pair.decode.side_channel_port, token=TOKEN).agent_name
+    decode_agent = pair.agent(pair.decode)
     health = {
         "status": "ok",
         "side_channel_host": pair.host,
