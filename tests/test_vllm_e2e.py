@@ -281,9 +281,9 @@ def family(
             server.stop()
 
 
-def _check_identical(outcomes: list[Outcome], what: str) -> None:
+def _check_identical(fam: Family, outcomes: list[Outcome], what: str) -> None:
     for got in outcomes:
-        assert got.ok, f"{what}: {got.prompt!r} failed: {got.error}"
+        assert got.ok, f"{what}: {got.prompt!r} failed: {got.error}\n{_servers_said(fam)}"
         want = _REFERENCE[got.prompt]
         assert got.token_ids == want.token_ids, (
             f"{what}: {got.prompt!r}: tokens {got.token_ids} differ from the single "
@@ -295,6 +295,22 @@ def _check_identical(outcomes: list[Outcome], what: str) -> None:
             assert math.isclose(a, b, abs_tol=1e-3), (
                 f"{what}: {got.prompt!r}: logprobs {got.logprobs} vs single {want.logprobs}"
             )
+
+
+def _servers_said(fam: Family, lines: int = 15) -> str:
+    """The last errors and kvpush lines of the prefill's and the decode's logs: why a
+    request failed (a transfer's reason, a traceback) is there, not in the HTTP 500."""
+    out = []
+    for server in (fam.prefill, fam.decode):
+        text = server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
+        said = [
+            line
+            for line in text.splitlines()
+            if "kvpush" in line or "ERROR" in line or "Error" in line or "failed" in line
+        ]
+        out.append(f"--- {server.log_path.name}, last of {len(said)} such lines ---")
+        out += said[-lines:]
+    return "\n".join(out)
 
 
 def _bodies(fam: Family) -> list[dict[str, object]]:
@@ -336,7 +352,7 @@ def test_rounds_through_kvpush_proxy_match_a_single_instance(family: Family) -> 
                 outcomes = await batch(
                     [complete(http, family.proxy_url, b) for b in _bodies(family)]
                 )
-                _check_identical(outcomes, f"round {i + 1} via kvpush proxy")
+                _check_identical(family, outcomes, f"round {i + 1} via kvpush proxy")
             return before, await _metrics(family, http) | await _push_metrics(family, http)
 
     before, after = asyncio.run(run())
@@ -428,7 +444,7 @@ def test_rounds_through_a_sequential_proxy_match_a_single_instance(family: Famil
                         for b in _bodies(family)
                     ]
                 )
-                _check_identical(outcomes, f"round {i + 1} via sequential proxy")
+                _check_identical(family, outcomes, f"round {i + 1} via sequential proxy")
 
     asyncio.run(run())
 
@@ -460,7 +476,7 @@ def test_speculative_acceptance_per_request_matches_a_single_instance(family: Fa
             for body in _bodies(family):
                 before = await speculation(http, family.decode.url)
                 outcome = await complete(http, family.proxy_url, body)
-                _check_identical([outcome], "speculative decoding, one request at a time")
+                _check_identical(family, [outcome], "speculative decoding, one request at a time")
                 after = await speculation(http, family.decode.url)
                 out[outcome.prompt] = tuple(a - b for a, b in zip(after, before, strict=True))
             return out
@@ -517,7 +533,7 @@ def test_prefill_killed_mid_batch_fails_the_waiting_requests_in_bound_then_recov
             for p in await batch(prefill_legs):
                 assert p.ok, f"prefill leg before the kill failed: {p.error}"
             first_half = await batch(decode_legs[:half])
-            _check_identical(first_half, "before the kill")
+            _check_identical(family, first_half, "before the kill")
             await asyncio.to_thread(family.prefill.kill)
             killed_at = time.monotonic()
             rest = await batch(decode_legs[half:])
@@ -545,10 +561,10 @@ def test_prefill_killed_mid_batch_fails_the_waiting_requests_in_bound_then_recov
     async def after_restart() -> None:
         async with client() as http:
             outcomes = await batch([complete(http, family.proxy_url, b) for b in bodies])
-            _check_identical(outcomes, "first round after the restart")
+            _check_identical(family, outcomes, "first round after the restart")
             outcomes = await batch(
                 [sequential(http, family.prefill.url, family.decode.url, b) for b in bodies]
             )
-            _check_identical(outcomes, "sequential round after the restart")
+            _check_identical(family, outcomes, "sequential round after the restart")
 
     asyncio.run(after_restart())
