@@ -764,7 +764,7 @@ def _one_health(role: str, options: DoctorOptions, seen: _Observed, step: StepRe
         figures["side_channel_requests"] = requests
     step.figures[role] = figures
     held, blocks = figures.get("kv_blocks_held"), figures.get("kv_blocks_total")
-    in_flight = transfers.get("in_flight") if isinstance(transfers, dict) else None
+    in_flight = _in_flight(body)
     parts = [f"blocks held {_n(held)} of {_n(blocks)}"]
     if in_flight is not None:
         oldest = transfers.get("oldest_in_flight_s") if isinstance(transfers, dict) else None
