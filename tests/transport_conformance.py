@@ -18,6 +18,7 @@ import torch
 
 from kvpush.errors import ClosedError, FailureReason, KVPushError, TransportError
 from kvpush.geometry import CacheGeometry, Region
+from kvpush.runtime.scratch import ScratchBuffer, digest, pattern
 from kvpush.transports.base import (
     MessageReceived,
     PeerLost,
@@ -152,6 +153,13 @@ class Pair:
     receiver: Transport
     sender_kv: KVBuffers
     receiver_kv: KVBuffers
+
+
+@dataclass
+class ScratchPair:
+    pair: Pair
+    ours: ScratchBuffer  # the sender's
+    theirs: ScratchBuffer  # the receiver's
 
 
 class TransportConformance:
@@ -514,3 +522,82 @@ class TransportConformance:
                 t.register_memory(self.kv().geometry)
         finally:
             t.close()
+
+    # ------------------------------------------------------------------ scratch writes
+    @pytest.fixture
+    def scratch_pair(self, new_endpoint: Callable[[str, KVBuffers], Transport]) -> ScratchPair:
+        """A pair whose endpoints registered a scratch buffer each (after the KV cache,
+        before their metadata went out, as a runtime does)."""
+        kv = [self.kv(), self.kv()]
+        kv[0].fill_random(3)
+        buffers = [ScratchBuffer(self.device, 256 * 1024) for _ in kv]
+        sender, receiver = new_endpoint("sender", kv[0]), new_endpoint("receiver", kv[1])
+        for t, b in zip((sender, receiver), buffers, strict=True):
+            t.register_scratch(b.region)
+        sender.add_peer(receiver.agent_name, receiver.metadata(), kv[1].geometry)
+        receiver.add_peer(sender.agent_name, sender.metadata(), kv[0].geometry)
+        return ScratchPair(Pair(sender, receiver, kv[0], kv[1]), buffers[0], buffers[1])
+
+    def test_a_scratch_write_copies_its_bytes_and_no_kv_block(
+        self, scratch_pair: ScratchPair
+    ) -> None:
+        p, ours, theirs = scratch_pair.pair, scratch_pair.ours, scratch_pair.theirs
+        data = pattern(b"conformance-seed", 100_000)
+        ours.fill(data)
+        kv_before = [p.receiver_kv.block(r, b) for r in range(4) for b in range(8)]
+        p.sender.write_scratch(p.receiver.agent_name, -1, 100_000, theirs.region)
+        ev = pump([p.sender, p.receiver], lambda ev: bool(write_results(ev[0])))
+        assert write_results(ev[0]) == [WriteDone(-1)]
+        assert theirs.digest(100_000) == digest(data)
+        # Only the bytes asked for: the rest of the buffer is still zero.
+        assert theirs.digest(256 * 1024) == digest(data + bytes(256 * 1024 - 100_000))
+        assert [p.receiver_kv.block(r, b) for r in range(4) for b in range(8)] == kv_before
+        assert messages(ev[1]) == []  # no notification
+
+    def test_a_scratch_write_to_a_peer_loaded_for_messages_only(
+        self, new_endpoint: Callable[[str, KVBuffers], Transport]
+    ) -> None:
+        kv = self.kv()
+        ours, theirs = ScratchBuffer(self.device, 4096), ScratchBuffer(self.device, 4096)
+        sender, receiver = new_endpoint("sender", kv), new_endpoint("receiver", self.kv())
+        sender.register_scratch(ours.region)
+        receiver.register_scratch(theirs.region)
+        other = self.kv(block_bytes=128)  # an incompatible cache: messages only
+        sender.add_peer(
+            receiver.agent_name, receiver.metadata(), other.geometry, messages_only=True
+        )
+        ours.fill(b"\x5a" * 4096)
+        sender.write_scratch(receiver.agent_name, -7, 4096, theirs.region)
+        ev = pump([sender, receiver], lambda ev: bool(write_results(ev[0])))
+        assert write_results(ev[0]) == [WriteDone(-7)]
+        assert theirs.digest(4096) == digest(b"\x5a" * 4096)
+
+    def test_scratch_writes_that_cannot_start_are_refused(
+        self, scratch_pair: ScratchPair, new_endpoint: Callable[[str, KVBuffers], Transport]
+    ) -> None:
+        p, theirs = scratch_pair.pair, scratch_pair.theirs.region
+        with pytest.raises(TransportError, match="peer was not added") as unknown:
+            p.sender.write_scratch("nobody", -1, 16, theirs)
+        assert unknown.value.reason is FailureReason.UNKNOWN_PEER
+        with pytest.raises(TransportError, match="do not fit") as big:
+            p.sender.write_scratch(p.receiver.agent_name, -1, 256 * 1024 + 1, theirs)
+        assert big.value.reason is FailureReason.LOCAL_ERROR
+        with pytest.raises(TransportError, match="expected a positive byte count"):
+            p.sender.write_scratch(p.receiver.agent_name, -1, 0, theirs)
+        bare = new_endpoint("bare", self.kv())
+        bare.add_peer(p.receiver.agent_name, p.receiver.metadata(), p.receiver_kv.geometry)
+        with pytest.raises(TransportError, match="no scratch buffer is registered here"):
+            bare.write_scratch(p.receiver.agent_name, -1, 16, theirs)
+        with pytest.raises(KVPushError, match="registered once"):
+            p.sender.register_scratch(scratch_pair.ours.region)
+
+    def test_a_scratch_write_into_memory_the_peer_never_registered_fails(
+        self, scratch_pair: ScratchPair
+    ) -> None:
+        p = scratch_pair.pair
+        stray = ScratchBuffer(self.device, 4096)  # ours, never registered by the receiver
+        p.sender.write_scratch(p.receiver.agent_name, -3, 4096, stray.region)
+        ev = pump([p.sender, p.receiver], lambda ev: bool(write_results(ev[0])))
+        [result] = write_results(ev[0])
+        assert isinstance(result, WriteFailed) and result.write_id == -3
+        assert stray.digest(4096) == digest(bytes(4096))

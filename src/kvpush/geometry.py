@@ -79,6 +79,28 @@ class CacheGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         return hashlib.sha256(encoded).hexdigest()[:32]
 
 
+class ScratchRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """A small buffer a rank registers beside its KV cache, for `kvpush doctor`'s test
+    writes only: bytes `[base_addr, base_addr + nbytes)` in `device` memory. It is never
+    part of the cache, and a peer refuses one that overlaps any KV region
+    (`overlapping_region`)."""
+
+    base_addr: int
+    nbytes: int
+    device: str = "cpu"
+
+    def overlapping_region(self, geometry: CacheGeometry) -> Region | None:
+        """The first KV region of `geometry` this buffer shares a byte with, if any."""
+        lo, hi = self.base_addr, self.base_addr + self.nbytes
+        for r in geometry.regions:
+            if r.num_blocks <= 0:
+                continue
+            r_hi = r.base_addr + (r.num_blocks - 1) * r.block_stride + r.block_bytes
+            if lo < r_hi and r.base_addr < hi:
+                return r
+        return None
+
+
 def describe_compat_differences(
     theirs: Mapping[str, object], ours: Mapping[str, object]
 ) -> list[str]:

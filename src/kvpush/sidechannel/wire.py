@@ -58,7 +58,12 @@ from typing import Any, NamedTuple
 import msgspec
 
 from kvpush.errors import MalformedReply, SideChannelError
-from kvpush.geometry import PROTOCOL_VERSION, CacheGeometry, describe_compat_differences
+from kvpush.geometry import (
+    PROTOCOL_VERSION,
+    CacheGeometry,
+    ScratchRegion,
+    describe_compat_differences,
+)
 
 GET_META_MSG = b"get_meta_msg"
 
@@ -89,6 +94,9 @@ class PeerMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     # incarnation; see `kvpush.protocol.PushProtocol`). Served only to requests the
     # token admits, as the rest of the metadata. Empty: this rank checks none.
     message_key: bytes = b""
+    # Where `kvpush doctor` may write on this rank (`kvpush.runtime.scratch`); None: the
+    # rank has none (no token, and its operator did not allow doctor writes).
+    scratch: ScratchRegion | None = None
     # Append new fields with defaults only.
 
 

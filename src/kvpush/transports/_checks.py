@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpush.errors import FailureReason, TransportError
-from kvpush.geometry import CacheGeometry
+from kvpush.geometry import CacheGeometry, ScratchRegion
 
 
 def check_region_fits(ours: CacheGeometry, theirs: CacheGeometry, peer: str) -> None:
@@ -73,3 +73,25 @@ def validate_write(
             FailureReason.LOCAL_ERROR, f"write to {peer}: region indices {out} repeat"
         )
     return out
+
+
+def validate_scratch_write(
+    ours: ScratchRegion | None, theirs: ScratchRegion, peer: str, nbytes: int
+) -> None:
+    """Check a scratch write's arguments: a buffer here, and `nbytes` inside both."""
+    if ours is None:
+        raise TransportError(
+            FailureReason.LOCAL_ERROR,
+            f"scratch write to {peer}: no scratch buffer is registered here (register_scratch)",
+        )
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise TransportError(
+            FailureReason.LOCAL_ERROR,
+            f"scratch write to {peer}: expected a positive byte count, got {nbytes!r}",
+        )
+    if nbytes > min(ours.nbytes, theirs.nbytes):
+        raise TransportError(
+            FailureReason.LOCAL_ERROR,
+            f"scratch write to {peer}: {nbytes} bytes do not fit (our buffer has "
+            f"{ours.nbytes}, theirs {theirs.nbytes})",
+        )

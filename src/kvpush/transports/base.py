@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpush.errors import FailureReason
-from kvpush.geometry import CacheGeometry
+from kvpush.geometry import CacheGeometry, ScratchRegion
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +79,11 @@ class Transport(abc.ABC):
         """Register our KV regions, once, before `metadata()` is published."""
 
     @abc.abstractmethod
+    def register_scratch(self, scratch: ScratchRegion) -> None:
+        """Register a scratch buffer (never a KV block) for `write_scratch`, once, after
+        `register_memory` and before `metadata()` is published."""
+
+    @abc.abstractmethod
     def metadata(self) -> bytes:
         """What a peer passes to its `add_peer` to reach us (NIXL agent metadata)."""
 
@@ -120,6 +125,20 @@ class Transport(abc.ABC):
         write failed. Raises `TransportError` when the write cannot even be started
         (unknown peer: UNKNOWN_PEER; bad block id: LOCAL_ERROR).
         """
+
+    @abc.abstractmethod
+    def write_scratch(self, peer: str, write_id: int, nbytes: int, theirs: ScratchRegion) -> None:
+        """Start copying the first `nbytes` of our scratch buffer to the first `nbytes` of
+        `theirs`, the peer's (from its published metadata): `kvpush doctor`'s test write.
+
+        The peer must have been added, for messages only or not. Completes as a block
+        write does (`WriteDone`/`WriteFailed` from `poll()`), with no notification.
+        Raises `TransportError` when it cannot be started: unknown peer (UNKNOWN_PEER), no
+        scratch buffer here or `nbytes` outside either buffer (LOCAL_ERROR)."""
+
+    def description(self) -> dict[str, str]:
+        """What this data plane is and how it is configured, for `kvpush doctor`."""
+        return {"transport": type(self).__name__}
 
     @abc.abstractmethod
     def send_message(self, peer: str, payload: bytes) -> None:

@@ -44,8 +44,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from kvpush.errors import ClosedError, FailureReason, LocalProtocolError, TransportError
-from kvpush.geometry import CacheGeometry, Region
-from kvpush.transports._checks import check_region_fits, validate_write
+from kvpush.geometry import CacheGeometry, Region, ScratchRegion
+from kvpush.transports._checks import check_region_fits, validate_scratch_write, validate_write
 from kvpush.transports.base import (
     MessageReceived,
     PeerLost,
@@ -92,6 +92,7 @@ class _Endpoint:
     name: str
     incarnation: str
     geometry: CacheGeometry | None = None
+    scratch: ScratchRegion | None = None
     alive: bool = True
     inbox: deque[_Envelope] = dataclasses.field(default_factory=deque)
     # Events the fabric queues for this endpoint (PeerLost on announced kills).
@@ -280,6 +281,10 @@ class LoopbackFabric:
         with self._lock:
             self._endpoint(name).geometry = geometry
 
+    def _set_scratch(self, name: str, scratch: ScratchRegion) -> None:
+        with self._lock:
+            self._endpoint(name).scratch = scratch
+
     def _lookup_for_handshake(self, name: str) -> _Endpoint | None:
         with self._lock:
             ep = self._endpoints.get(name)
@@ -448,6 +453,14 @@ class _PendingWrite:
     notification: bytes | None
 
 
+@dataclasses.dataclass(slots=True)
+class _PendingScratch:
+    write_id: int
+    peer: _Peer
+    nbytes: int
+    theirs: ScratchRegion
+
+
 def _runs(our: Sequence[int], their: Sequence[int]) -> list[tuple[int, int, int]]:
     """Group block pairs into runs (our_start, their_start, length) where both sides
     are consecutive; each run is one copy when the region's blocks are dense."""
@@ -504,7 +517,8 @@ class LoopbackTransport(Transport):
         self._closed = False
         self._geometry: CacheGeometry | None = None
         self._peers: dict[str, _Peer] = {}
-        self._pending: deque[_PendingWrite] = deque()
+        self._scratch: ScratchRegion | None = None
+        self._pending: deque[_PendingWrite | _PendingScratch] = deque()
         self._write_ids: set[int] = set()
         self._events: list[TransportEvent] = []
 
@@ -555,6 +569,26 @@ class LoopbackTransport(Transport):
                 )
         self._geometry = geometry
         self._fabric._set_geometry(self._name, geometry)
+
+    def register_scratch(self, scratch: ScratchRegion) -> None:
+        self._check_open()
+        if self._geometry is None:
+            raise LocalProtocolError(
+                f"loopback endpoint {self._name}: register_memory() before register_scratch()"
+            )
+        if self._scratch is not None:
+            raise LocalProtocolError(
+                f"loopback endpoint {self._name}: the scratch buffer is registered once; "
+                "it already is"
+            )
+        if scratch.device != "cpu":
+            raise TransportError(
+                FailureReason.LOCAL_ERROR,
+                f"the loopback transport copies CPU memory only; the scratch buffer is on "
+                f"{scratch.device}",
+            )
+        self._scratch = scratch
+        self._fabric._set_scratch(self._name, scratch)
 
     def metadata(self) -> bytes:
         ep = self._check_open()
@@ -612,7 +646,7 @@ class LoopbackTransport(Transport):
         if self._peers.pop(peer, None) is None:
             return
         self._fabric._note_added(self._name, peer, False)
-        kept: deque[_PendingWrite] = deque()
+        kept: deque[_PendingWrite | _PendingScratch] = deque()
         for w in self._pending:
             if w.peer.name == peer:
                 self._write_ids.discard(w.write_id)
@@ -666,6 +700,22 @@ class LoopbackTransport(Transport):
             )
         )
 
+    def write_scratch(self, peer: str, write_id: int, nbytes: int, theirs: ScratchRegion) -> None:
+        self._check_open()
+        target = self._peers.get(peer)
+        if target is None:
+            raise TransportError(
+                FailureReason.UNKNOWN_PEER,
+                f"scratch write to {peer}: peer was not added (add_peer)",
+            )
+        validate_scratch_write(self._scratch, theirs, peer, nbytes)
+        if write_id in self._write_ids:
+            raise TransportError(
+                FailureReason.LOCAL_ERROR, f"write id {write_id} is already in flight"
+            )
+        self._write_ids.add(write_id)
+        self._pending.append(_PendingScratch(write_id, target, nbytes, theirs))
+
     def send_message(self, peer: str, payload: bytes) -> None:
         self._check_open()
         if peer not in self._peers:
@@ -692,7 +742,7 @@ class LoopbackTransport(Transport):
         events.extend(self._fabric._receive(self._name))
         return events
 
-    def _perform(self, w: _PendingWrite) -> TransportEvent:
+    def _perform(self, w: _PendingWrite | _PendingScratch) -> TransportEvent:
         assert self._geometry is not None
         self._write_ids.discard(w.write_id)
         peer = w.peer
@@ -700,6 +750,8 @@ class LoopbackTransport(Transport):
         if why is not None:
             self._fabric._count_failed_write()
             return WriteFailed(w.write_id, FailureReason.PEER_GONE, why)
+        if isinstance(w, _PendingScratch):
+            return self._perform_scratch(w, fault)
         runs = _runs(w.our_blocks, w.their_blocks)
         if fault is not None and fault.partial:
             runs = _runs(
@@ -716,6 +768,32 @@ class LoopbackTransport(Transport):
         why = self._fabric._finish_write(
             self._name, peer.name, peer.incarnation, nbytes, w.notification
         )
+        if why is not None:
+            return WriteFailed(w.write_id, FailureReason.PEER_GONE, why)
+        return WriteDone(w.write_id)
+
+    def _perform_scratch(self, w: _PendingScratch, fault: _WriteFaultRule | None) -> TransportEvent:
+        peer = w.peer
+        registered = self._fabric._lookup_for_handshake(peer.name)
+        theirs = None if registered is None else registered.scratch
+        hi = w.theirs.base_addr + w.nbytes
+        if theirs is None or not (
+            theirs.base_addr <= w.theirs.base_addr and hi <= theirs.base_addr + theirs.nbytes
+        ):
+            # What NIXL refuses too: memory the peer never registered.
+            self._fabric._count_failed_write()
+            return WriteFailed(
+                w.write_id,
+                FailureReason.WRITE_ERROR,
+                f"scratch write to {peer.name}: not inside a buffer {peer.name} registered",
+            )
+        assert self._scratch is not None  # checked when the write was started
+        nbytes = w.nbytes // 2 if fault is not None and fault.partial else w.nbytes
+        ctypes.memmove(w.theirs.base_addr, self._scratch.base_addr, nbytes)
+        if fault is not None:
+            self._fabric._count_failed_write()
+            return WriteFailed(w.write_id, fault.reason, "injected write failure")
+        why = self._fabric._finish_write(self._name, peer.name, peer.incarnation, nbytes, None)
         if why is not None:
             return WriteFailed(w.write_id, FailureReason.PEER_GONE, why)
         return WriteDone(w.write_id)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,8 +48,12 @@ import numpy as np
 import numpy.typing as npt
 
 from kvpush.errors import ClosedError, FailureReason, LocalProtocolError, TransportError
-from kvpush.geometry import CacheGeometry, Region
-from kvpush.transports._checks import check_region_fits, validate_write
+from kvpush.geometry import CacheGeometry, Region, ScratchRegion
+from kvpush.transports._checks import (
+    check_region_fits,
+    validate_scratch_write,
+    validate_write,
+)
 from kvpush.transports._nixl_import import NixlModule, load_nixl
 from kvpush.transports.base import (
     MessageReceived,
@@ -253,6 +258,7 @@ class NixlTransport(Transport):
         self._region_rows: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)
         self._bytes_per_block = 0
         self._regions_adjacent = False
+        self._scratch: ScratchRegion | None = None
         self._peers: dict[str, _Peer] = {}
         self._in_flight: dict[int, _InFlight] = {}
         self._events: list[TransportEvent] = []
@@ -376,6 +382,29 @@ class NixlTransport(Transport):
             if r.num_blocks > 0
         )
         self._regions_adjacent = any(b[0] <= a[1] for a, b in itertools.pairwise(extents))
+
+    def register_scratch(self, scratch: ScratchRegion) -> None:
+        agent = self._live_agent()
+        if self._geometry is None:
+            raise LocalProtocolError(
+                f"NIXL endpoint {self._name}: register_memory() before register_scratch()"
+            )
+        if self._scratch is not None:
+            raise LocalProtocolError(
+                f"NIXL endpoint {self._name}: the scratch buffer is registered once; it already is"
+            )
+        mem_type, device = _scratch_memory_type(scratch)
+        try:
+            reg = agent.register_memory(
+                [(scratch.base_addr, scratch.nbytes, device, "")], mem_type, [self._backend]
+            )
+        except Exception as exc:
+            raise TransportError(
+                FailureReason.LOCAL_ERROR,
+                f"NIXL could not register the {scratch.nbytes}-byte scratch buffer: {exc!r}",
+            ) from exc
+        self._registered.append(reg)
+        self._scratch = scratch
 
     def metadata(self) -> bytes:
         agent = self._live_agent()
@@ -573,6 +602,64 @@ class NixlTransport(Transport):
             return
         self._in_flight[write_id] = _InFlight(write_id, target.name, handle)
 
+    def write_scratch(self, peer: str, write_id: int, nbytes: int, theirs: ScratchRegion) -> None:
+        agent = self._live_agent()
+        if peer not in self._peers:
+            raise TransportError(
+                FailureReason.UNKNOWN_PEER,
+                f"scratch write to {peer}: peer was not added (add_peer)",
+            )
+        validate_scratch_write(self._scratch, theirs, peer, nbytes)
+        assert self._scratch is not None  # checked above
+        if write_id in self._in_flight:
+            raise TransportError(
+                FailureReason.LOCAL_ERROR, f"write id {write_id} is already in flight"
+            )
+        our_type, our_device = _scratch_memory_type(self._scratch)
+        their_type, their_device = _scratch_memory_type(theirs)
+        self._writes_posted += 1
+        try:
+            # Not prepared ahead: a test write is rare, and its size is the caller's.
+            handle = agent.initialize_xfer(
+                "WRITE",
+                agent.get_xfer_descs([(self._scratch.base_addr, nbytes, our_device)], our_type),
+                agent.get_xfer_descs([(theirs.base_addr, nbytes, their_device)], their_type),
+                peer,
+                b"",
+                [self._backend],
+            )
+        except Exception as exc:
+            self._writes_failed += 1
+            self._events.append(
+                WriteFailed(
+                    write_id, self._reason(exc), f"NIXL could not prepare the write: {exc!r}"
+                )
+            )
+            return
+        try:
+            state = str(agent.transfer(handle))
+        except Exception as exc:
+            state, detail = "ERR", f"NIXL refused the write: {exc!r}"
+        else:
+            detail = "NIXL failed to post the write"
+        if state == "ERR":
+            _release_quietly(handle)
+            self._writes_failed += 1
+            self._events.append(WriteFailed(write_id, FailureReason.WRITE_ERROR, detail))
+            return
+        self._bytes_posted += nbytes
+        self._in_flight[write_id] = _InFlight(write_id, peer, handle)
+
+    def description(self) -> dict[str, str]:
+        out = {"transport": f"NIXL with the {self._backend} backend"}
+        if self._backend == "UCX":
+            # Only what is set: where neither is, UCX picks among every transport it has.
+            out.update(
+                {k: os.environ[k] for k in ("UCX_TLS", "UCX_NET_DEVICES") if k in os.environ}
+            )
+        out["memory"] = self._mem_type
+        return out
+
     def send_message(self, peer: str, payload: bytes) -> None:
         self._live_agent()
         if peer not in self._peers:
@@ -651,6 +738,10 @@ class NixlTransport(Transport):
 
     def _translate(self, exc: BaseException, peer: str, what: str) -> TransportError:
         return TransportError(self._reason(exc), f"NIXL could not {what} ({peer}): {exc!r}")
+
+
+def _scratch_memory_type(scratch: ScratchRegion) -> tuple[str, int]:
+    return region_memory_type(Region("scratch", 0, scratch.base_addr, 0, 0, 0, scratch.device))
 
 
 def _release_quietly(handle: Any) -> None:
