@@ -28,11 +28,26 @@ from kvpush.config import SideChannelConfig, TimingConfig
 from kvpush.errors import ClosedError, LocalProtocolError, SideChannelError
 from kvpush.geometry import CacheGeometry
 from kvpush.protocol import REVALIDATE_AFTER_S
-from kvpush.runtime import PushRuntime, RuntimeIdentity, SideChannelPeerDirectory
-from kvpush.sidechannel import ControlHandler, MetadataServer, PeerMetadata, SideChannelStats
+from kvpush.runtime import (
+    PeerAddress,
+    ProbeRefused,
+    PushRuntime,
+    RuntimeIdentity,
+    SideChannelPeerDirectory,
+)
+from kvpush.sidechannel import (
+    ControlHandler,
+    MetadataServer,
+    PeerMetadata,
+    RequestRejected,
+    SideChannelStats,
+)
 from kvpush.transports.base import Transport
 
 __all__ = [
+    "DOCTOR_DIGEST",
+    "DOCTOR_RESULT",
+    "DOCTOR_WRITE",
     "Node",
     "NodeHealth",
     "NodeIdentity",
@@ -46,6 +61,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT_S = 5.0
+
+# The control kinds of `kvpush doctor`'s data-plane check (`Node._doctor_kinds`).
+DOCTOR_WRITE, DOCTOR_RESULT, DOCTOR_DIGEST = b"doctor-write", b"doctor-result", b"doctor-digest"
 
 # From the agent name a rank gets to its transport, not started yet.
 TransportFactory = Callable[[str], Transport]
@@ -89,6 +107,9 @@ class RankSettings:
     # The runtime compares every peer's cache with ours on every handshake; this also
     # refuses a mismatch earlier, in the side-channel client (its detail names theirs).
     check_compat_in_lookup: bool = True
+    # A scratch buffer for `kvpush doctor`'s test writes (`kvpush.runtime.scratch`). A
+    # server turns it on when it has a token or its operator allows doctor writes.
+    scratch: bool = False
 
 
 class Rank:
@@ -182,6 +203,7 @@ class Rank:
             revalidate_after_s=settings.revalidate_after_s,
             drive_in_step=settings.drive_in_step,
             token=settings.token,
+            scratch=settings.scratch,
         )
         self._runtime.start()
 
@@ -263,7 +285,7 @@ class Node:
             port,
             SideChannelConfig(token=self._settings.token),
             self._published,
-            control=control,
+            control={**self._doctor_kinds(), **(control or {})},
         )
         self._ranks: list[Rank] = []
         self._started = False
@@ -349,6 +371,65 @@ class Node:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    # ----------------------------------------------------------------- doctor checks
+
+    def _doctor_kinds(self) -> dict[bytes, ControlHandler]:
+        """What `kvpush doctor` asks a node's side channel for its data-plane check
+        (step 4): start test writes from a rank into a receiver's scratch buffer, read
+        where they stand, read a digest of a rank's own buffer. Behind the token's proof
+        like every request; a rank without a scratch buffer refuses them all."""
+        return {
+            DOCTOR_WRITE: self._doctor_write,
+            DOCTOR_RESULT: self._doctor_result,
+            DOCTOR_DIGEST: self._doctor_digest,
+        }
+
+    def _doctor_rank(self, body: object, *keys: str) -> tuple[Rank, dict[str, object]]:
+        if not isinstance(body, dict) or not all(k in body for k in ("rank", *keys)):
+            raise RequestRejected(f"expected a map with {', '.join(('rank', *keys))}")
+        r = body["rank"]
+        ranks = self._ranks
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < len(ranks):
+            raise RequestRejected(f"rank {r!r} is not one of this node's 0..{len(ranks) - 1}")
+        return ranks[r], body
+
+    def _doctor_write(self, body: object) -> object:
+        rank, body = self._doctor_rank(body, "to", "seed")
+        to, seed = body["to"], body["seed"]
+        if not (
+            isinstance(to, list | tuple)
+            and len(to) == 3
+            and isinstance(to[0], str)
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in to[1:])
+            and isinstance(seed, bytes)
+        ):
+            raise RequestRejected("expected to = [host, port, rank] and seed = bytes")
+        try:
+            return {"probe": rank.runtime.start_probe(PeerAddress(*to), seed)}
+        except (ProbeRefused, LocalProtocolError) as exc:
+            raise RequestRejected(str(exc)) from None
+
+    def _doctor_result(self, body: object) -> object:
+        rank, body = self._doctor_rank(body, "probe")
+        probe = body["probe"]
+        try:
+            report = rank.runtime.probe_report(probe) if isinstance(probe, int) else None
+        except LocalProtocolError as exc:
+            raise RequestRejected(str(exc)) from None
+        if report is None:
+            raise RequestRejected(f"no check {probe!r} is known on rank {body['rank']}")
+        return report.as_dict()
+
+    def _doctor_digest(self, body: object) -> object:
+        rank, body = self._doctor_rank(body, "bytes")
+        nbytes = body["bytes"]
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise RequestRejected(f"expected bytes = a byte count, got {nbytes!r}")
+        try:
+            return {"sha256": rank.runtime.scratch_digest(nbytes)}
+        except (ProbeRefused, LocalProtocolError) as exc:
+            raise RequestRejected(str(exc)) from None
 
     def health(self) -> NodeHealth:
         server = self._server

@@ -58,6 +58,13 @@ def add_parser(subparsers: Any) -> None:
         help="shared secret for the side channel (default: $KVPUSH_TOKEN, else none)",
     )
     p.add_argument(
+        "--allow-doctor-writes",
+        action="store_true",
+        help="let `kvpush doctor` write into this server's 4 MiB scratch buffer (never a KV "
+        "block) to test the data plane, though it has no token (with a token it always may: "
+        "the doctor proves the token)",
+    )
+    p.add_argument(
         "--max-waiting",
         type=int,
         default=512,
@@ -113,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
             layerwise=args.layerwise,
             idle_poll_ms=args.idle_poll_ms,
             token_file=args.token_file,
+            allow_doctor_writes=args.allow_doctor_writes,
             log_level=args.verbose,
             max_waiting=args.max_waiting,
             queue_timeout_s=args.queue_timeout_s,

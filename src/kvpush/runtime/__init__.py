@@ -207,6 +207,7 @@ from kvpush.runtime.directory import (
     SideChannelPeerDirectory,
 )
 from kvpush.runtime.facade import PushRuntime
+from kvpush.runtime.probe import ProbeRefused, ProbeReport
 from kvpush.runtime.values import (
     PeerAddress,
     RuntimeIdentity,
@@ -218,6 +219,8 @@ __all__ = [
     "InMemoryPeerDirectory",
     "PeerAddress",
     "PeerDirectory",
+    "ProbeRefused",
+    "ProbeReport",
     "PushRuntime",
     "ReceiverState",
     "RuntimeIdentity",

@@ -47,6 +47,8 @@ from kvpush.protocol import (
     WriteBlocks,
 )
 from kvpush.runtime.directory import LookupPool, PeerDirectory, handshake_reason
+from kvpush.runtime.probe import Probes
+from kvpush.runtime.scratch import ScratchBuffer
 from kvpush.runtime.values import RuntimeStatistics
 from kvpush.sidechannel import PeerMetadata
 from kvpush.transports.base import (
@@ -137,6 +139,22 @@ class _LookupResult:
     error: BaseException | None
 
 
+@dataclass(frozen=True, slots=True)
+class _ProbeLookup:
+    address: PeerAddress
+    metadata: PeerMetadata | None
+    error: BaseException | None
+
+
+@dataclass(frozen=True, slots=True)
+class StartProbe:
+    """Run doctor check `probe_id`, writing into `target`'s scratch buffer (`Probes`)."""
+
+    probe_id: int
+    target: PeerAddress
+    seed: bytes
+
+
 @dataclass(slots=True)
 class StatsRequest:
     done: threading.Event = field(default_factory=threading.Event)
@@ -169,6 +187,8 @@ Command = (
     | Abort
     | RefuseRegistration
     | _LookupResult
+    | _ProbeLookup
+    | StartProbe
     | StatsRequest
     | StateRequest
     | Wake
@@ -207,6 +227,7 @@ class Driver:
         max_backoff_s: float,
         spin_s: float,
         tick_interval_s: float,
+        scratch: ScratchBuffer | None = None,
     ) -> None:
         self._transport = transport
         self._geometry = geometry
@@ -227,6 +248,23 @@ class Driver:
             lambda a, m, e: self.commands.put(_LookupResult(a, m, e)),
             name=f"kvpush-handshake-{transport.agent_name}",
         )
+        # Doctor checks look their receiver up on a pool of their own, so that a check
+        # never waits behind, or holds up, a transfer's handshake to the same address.
+        self._probe_lookups = LookupPool(
+            directory,
+            lambda a, m, e: self.commands.put(_ProbeLookup(a, m, e)),
+            name=f"kvpush-doctor-{transport.agent_name}",
+            max_workers=2,
+        )
+        self._probes = Probes(
+            transport,
+            scratch,
+            lookup=self._probe_lookups.submit,
+            load=self._load_for_probe,
+            release=self._release_probe_peer,
+            clock=clock,
+        )
+        self._probe_peers: set[str] = set()  # loaded by a check, not (yet) the protocol's
         self._thread: threading.Thread | None = None
         # Held by whichever thread runs a pass (the driver's, or an engine thread that
         # drives in-step): the transport and the protocol below are touched under it only.
@@ -260,6 +298,7 @@ class Driver:
 
     def start(self, on_crash: Callable[[BaseException], None]) -> None:
         self._lookups_pool.start()
+        self._probe_lookups.start()
         self._thread = threading.Thread(
             target=self._run,
             args=(on_crash,),
@@ -279,6 +318,12 @@ class Driver:
         else:  # start() failed before the thread ran: nobody else closes the transport
             self._transport.close()
         self._lookups_pool.close(max(0.0, timeout - (time.monotonic() - start)))
+        self._probe_lookups.close(max(0.0, timeout - (time.monotonic() - start)))
+
+    @property
+    def probes(self) -> Probes:
+        """The rank's doctor checks; `submit` and `report` may be called from any thread."""
+        return self._probes
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -377,6 +422,8 @@ class Driver:
         if events:
             self._handle_events(events)
         self._unconfirmed.clear()
+        if self._probes.busy:
+            self._probes.tick()
         now = self._clock()
         if now >= self._next_tick:
             self._next_tick = now + self._tick_interval_s
@@ -454,7 +501,11 @@ class Driver:
         return ReceiverState.FENCING not in self._protocol.receiver.states().values()
 
     def _in_flight(self) -> bool:
-        return bool(self._lookups or self._write_bytes) or self._protocol.in_flight()
+        return (
+            bool(self._lookups or self._write_bytes)
+            or self._probes.busy
+            or self._protocol.in_flight()
+        )
 
     def _take_commands(self, timeout: float) -> list[Command]:
         # Two threads may take (this one waiting, an engine thread driving in-step), so
@@ -482,6 +533,12 @@ class Driver:
                     except RemoteProtocolError as exc:
                         self._malformed += 1
                         effects = protocol.peer_misbehaved(now, peer, str(exc))
+                case WriteDone(write_id=wid) if wid < 0:  # a doctor check's (`Probes`)
+                    self._probes.write_ended(wid, None)
+                    continue
+                case WriteFailed(write_id=wid, detail=detail) if wid < 0:
+                    self._probes.write_ended(wid, detail)
+                    continue
                 case WriteDone(write_id=wid):
                     self._bytes_written += self._write_bytes.pop(wid, 0)
                     effects = protocol.sender.write_done(now, wid)
@@ -533,6 +590,10 @@ class Driver:
                 self._apply(sender.refuse(now, tid, detail))
             case _LookupResult():
                 self._on_lookup(now, cmd)
+            case _ProbeLookup(address=address, metadata=meta, error=error):
+                self._probes.on_lookup(address, meta, error)
+            case StartProbe(probe_id=probe_id, target=target, seed=seed):
+                self._probes.start(probe_id, target, seed)
             case StatsRequest():
                 cmd.result = self.snapshot()
                 cmd.done.set()
@@ -594,7 +655,29 @@ class Driver:
                 log.info("could not load incompatible peer %s to tell it: %s", address, exc)
             if compatible:
                 self._infos[meta.agent_name] = info
+            self._probe_peers.discard(meta.agent_name)  # the protocol's from now on
         self._apply(self._protocol.handshake_done(now, address, info))
+
+    def _load_for_probe(self, meta: PeerMetadata) -> bool:
+        """Load a doctor check's receiver as `_on_lookup` would (for messages only if its
+        cache is not ours); True if the check loaded it, False if it was loaded already."""
+        if self._transport.has_peer(meta.agent_name):
+            return False
+        compat = meta.geometry.compat_fields()
+        self._transport.add_peer(
+            meta.agent_name,
+            meta.agent_metadata,
+            meta.geometry,
+            messages_only=self._protocol.incompatibility(compat) is not None,
+        )
+        self._probe_peers.add(meta.agent_name)
+        return True
+
+    def _release_probe_peer(self, agent: str) -> None:
+        """A check ended: forget the peer it loaded, unless the protocol took it since."""
+        if agent in self._probe_peers:
+            self._probe_peers.discard(agent)
+            self._transport.remove_peer(agent)
 
     def _lookup(self, now: float, hs: Handshake) -> None:
         info = self._infos.get(hs.peer) if hs.peer is not None and not hs.revalidate else None

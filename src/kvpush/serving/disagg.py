@@ -718,6 +718,7 @@ class KVBridge:
                 token=self.token,
                 timing=TimingConfig(transfer_deadline_s=opts.transfer_deadline_s),
                 idle_poll_s=opts.idle_poll_ms / 1000,
+                scratch=self.token is not None or opts.allow_doctor_writes,
             ),
             transport_factory=self._transport_factory,
         )

@@ -33,6 +33,9 @@ class ServeOptions:
     idle_poll_ms: float = 5.0
     # The side channel's secret (else $KVPUSH_TOKEN, else none); /kvpush/abort needs it too.
     token_file: str | None = None
+    # `kvpush doctor`'s test writes into a scratch buffer (never a KV block): on with a
+    # token (the doctor proves it), else only when the operator allows them.
+    allow_doctor_writes: bool = False
     log_level: int = 0
     max_waiting: int = 512  # requests queued for KV blocks; one more gets 429
     queue_timeout_s: float = 30.0  # a request queued longer gets 503
