@@ -13,6 +13,7 @@ import contextlib
 import http.server
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -31,11 +32,13 @@ from kvpush.cli import main
 from kvpush.config import SideChannelConfig
 from kvpush.doctor.addresses import ResolvedAddress, SideAddress, pair_problems
 from kvpush.doctor.checks import served_ranks
+from kvpush.doctor.data_plane import UCX_ACTION
 from kvpush.net import bracket_host
+from kvpush.node import DOCTOR_DIGEST, DOCTOR_WRITE
 from kvpush.procs.readiness import free_port
 from kvpush.procs.server_process import ServerProcess
 from kvpush.serving.checkpoint import make_model
-from kvpush.sidechannel import MetadataServer, PeerMetadata
+from kvpush.sidechannel import MetadataServer, PeerMetadata, RequestRejected, control_request
 from kvpush.sidechannel.client import fetch_metadata
 
 pytestmark = pytest.mark.timeout(240)
@@ -75,12 +78,18 @@ class Pair:
 
 
 def _server(
-    name: str, host: str, role: str, model: Path, log_dir: Path, *extra: str
+    name: str,
+    host: str,
+    role: str,
+    model: Path,
+    log_dir: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
 ) -> ServerProcess:
     port, side = free_port(host), free_port(host)
     args = ["serve", "--role", role, "--model", str(model), "--host", host, "--port", str(port)]
     args += ["--side-channel-port", str(side), "--block-size", "8", *extra]
-    env = {k: v for k, v in os.environ.items() if k != "KVPUSH_TOKEN"}
+    env = {k: v for k, v in os.environ.items() if k != "KVPUSH_TOKEN"} | (env or {})
     return ServerProcess(
         name, args, host=host, port=port, log_dir=log_dir, side_channel_port=side, env=env
     )
@@ -162,10 +171,28 @@ def test_a_healthy_pair_is_all_ok_with_figures(
     pair: Pair, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, report = _doctor_json(capsys, *pair.args())
-    assert (code, report["verdict"], report["exit_code"]) == (0, "ok", 0), report
-    # Every step checked but the data plane, which this version does not check.
-    assert _verdicts(report) == ["ok", "ok", "ok", "skip", "ok", "ok"]
+    assert (code, report["verdict"], report["exit_code"]) == (0, "ok", 0), json.dumps(
+        [s for s in report["steps"] if s["verdict"] != "ok"]
+    )
+    assert _verdicts(report) == ["ok"] * 6
     steps = {s["name"]: s for s in report["steps"]}
+    # The data plane, for real: the prefill's agent wrote into the decode's scratch
+    # buffer at both sizes, and the decode's digest of it matched the doctor's.
+    [written] = _findings(report, 4, "ok")
+    assert written["side"] == "prefill"
+    assert re.fullmatch(
+        r"prefill rank 0 -> decode rank 0: 64 KiB in \d+\.\d\d ms \(\d+\.\d\d GB/s\), "
+        r"median of 5; 4 MiB in \d+\.\d\d ms \(\d+\.\d\d GB/s\), median of 5; the 4 MiB "
+        r"landed intact \(sha256 compared\); NIXL with the UCX backend, .*; host memory on "
+        r"both sides, so nothing is staged",
+        written["text"],
+    ), written["text"]
+    figures = steps["data plane"]["figures"]["prefill0->decode0"]
+    assert figures["verified_bytes"] == 4 * 1024 * 1024 and figures["their_device"] == "cpu"
+    for size in (str(64 * 1024), str(4 * 1024 * 1024)):
+        assert figures["sizes"][size]["writes"] == 5
+        assert figures["sizes"][size]["seconds"] > 0 and figures["sizes"][size]["gb_per_s"] > 0
+    assert figures["transport"]["memory"] == "DRAM"
     family = "IPv6" if ":" in pair.host else "IPv4"
     for role, server in (("prefill", pair.prefill), ("decode", pair.decode)):
         addresses = steps["addresses"]["figures"][role]
@@ -210,7 +237,7 @@ def test_a_healthy_pair_is_all_ok_with_figures(
     )
     heads = [line for line in lines if line.startswith("[")]
     assert [h.split()[0] for h in heads] == [f"[{v}]" for v in _verdicts(report)]
-    assert lines[-1] == "verdict: ok (0 failing steps, 0 with warnings, not checked: 4)"
+    assert lines[-1] == "verdict: ok (0 failing steps, 0 with warnings, not checked: none)"
     assert f"blocks held 0 of {DECODE_BLOCKS}" in text
     assert "transfer deadline 50.0 s, queue timeout 20.0 s" in text
     # No transfer between them yet: what the prefill's leases will measure is not known.
@@ -225,7 +252,7 @@ def test_a_slow_side_channel_is_a_warning_with_its_threshold(
     # Given twice, the last one counts (as for any option): 0.001 ms, which nothing meets.
     code, report = _doctor_json(capsys, *pair.args(http=False), "--slow-round-trip-ms", "0.001")
     assert (code, report["verdict"]) == (0, "warn")
-    assert _verdicts(report) == ["ok", "ok", "ok", "skip", "warn", "skip"]
+    assert _verdicts(report) == ["ok", "ok", "ok", "ok", "warn", "skip"]
     warns = _findings(report, 5, "warn")
     assert [w["side"] for w in warns] == ["prefill", "decode"]
     for w in warns:
@@ -277,7 +304,7 @@ def test_an_http_server_that_is_not_kvpush_serve_is_read_for_its_status_only(
             capsys, *pair.args(http=False), "--prefill-http", url, "--decode-http", pair.decode.url
         )
     assert (code, report["verdict"]) == (0, "ok"), report
-    assert _verdicts(report) == ["ok", "ok", "ok", "skip", "ok", "ok"]
+    assert _verdicts(report) == ["ok"] * 6
     texts = [f["text"] for f in _findings(report, 1, "ok") if f["side"] == "prefill"]
     assert texts[1] == (
         f"{url}/health answers 200, without kvpush's fields (not a kvpush serve server?): its "
@@ -338,7 +365,7 @@ def test_short_deadlines_failed_transfers_and_forged_messages_are_warnings(
             capsys, *pair.args(http=False), "--prefill-http", url, "--decode-http", pair.decode.url
         )
     assert (code, report["verdict"]) == (0, "warn")
-    assert _verdicts(report) == ["ok", "ok", "ok", "skip", "warn", "warn"]
+    assert _verdicts(report) == ["ok", "ok", "ok", "ok", "warn", "warn"]
     deadline, heartbeat = _findings(report, 5, "warn")
     assert (heartbeat["side"], heartbeat["text"]) == (
         "prefill",
@@ -435,7 +462,7 @@ def test_through_a_proxy_every_pair_is_checked_and_a_dead_backend_named(
         pair.side(pair.prefill),
         pair.side(pair.decode),
     )
-    assert _verdicts(checked) == ["ok", "ok", "ok", "skip", "ok", "ok"]
+    assert _verdicts(checked) == ["ok"] * 6
     measured = checked["steps"][4]["figures"]["prefill"]["heartbeat_round_trip_ms"]
     assert list(measured) == ["0"] and 0 < measured["0"]["round_trip_ms"] < SLOW_MS
     assert measured["0"]["age_s"] >= 0
@@ -595,6 +622,115 @@ def test_a_stopped_decode_fails_within_the_timeout_with_the_next_action(
     # Resumed, it is whole again.
     code, report = _doctor_json(capsys, *pair.args(http=False))
     assert (code, _verdicts(report)[:3]) == (0, ["ok", "ok", "ok"])
+
+
+@contextlib.contextmanager
+def _another_pair(
+    host: str,
+    model: Path,
+    log_dir: Path,
+    prefill: tuple[list[str], dict[str, str]],
+    decode: tuple[list[str], dict[str, str]],
+) -> Iterator[Pair]:
+    """A pair of its own, each server with these extra arguments and environment."""
+    token_file = log_dir / "token"
+    token_file.write_text(TOKEN)
+    made = [
+        _server(role, host, role, model, log_dir, *extra, env=env)
+        for role, (extra, env) in (("prefill", prefill), ("decode", decode))
+    ]
+    try:
+        for s in made:
+            s.start()
+        for s in made:
+            s.wait_ready(120)
+        yield Pair(host, made[0], made[1], token_file)
+    finally:
+        for s in reversed(made):
+            s.close()
+
+
+def _network_interface() -> str:
+    """An interface other than loopback that is up (UCX can be told to use only it)."""
+    for _, name in socket.if_nameindex():
+        state = Path(f"/sys/class/net/{name}/operstate")
+        if name != "lo" and state.is_file() and state.read_text().strip() in ("up", "unknown"):
+            return name
+    pytest.skip("this host has no network interface but loopback for UCX to be kept on")
+
+
+@servers
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"], ids=["ipv4", "ipv6"])
+def test_a_decode_whose_data_plane_is_unreachable_fails_step_4_naming_ucx(
+    host: str, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The side channels answer, but UCX on the prefill may use loopback only while the
+    decode's agent offers another interface: NIXL cannot reach the decode's agent. Every
+    step before the data plane is ok; step 4 fails, naming what to change."""
+    token = ["--token-file", str(tmp_path / "token")]
+    with _another_pair(
+        host,
+        model_dir,
+        tmp_path,
+        (token, {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp"}),
+        (token, {"UCX_NET_DEVICES": _network_interface(), "UCX_TLS": "tcp"}),
+    ) as broken:
+        code, report = _doctor_json(capsys, *broken.args())
+        agent = broken.agent(broken.decode)
+    assert (code, report["exit_code"]) == (1, 1)
+    assert _verdicts(report) == ["ok", "ok", "ok", "fail", "skip", "skip"]
+    [fail] = _findings(report, 4, "fail")
+    assert fail["side"] == "prefill"
+    assert fail["text"].startswith(
+        f"prefill rank 0 -> decode rank 0: the test write failed: our data plane could not "
+        f"load {agent}: NIXL could not load the agent metadata for {agent}: "
+    ), fail["text"]
+    assert fail["next_action"] == UCX_ACTION
+    assert "UCX_NET_DEVICES must name an interface the other host reaches" in UCX_ACTION
+
+
+@servers
+def test_without_a_token_only_an_operator_allows_test_writes(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No token: the prefill was started with --allow-doctor-writes, the decode was not.
+    The decode publishes no scratch buffer and refuses the doctor's requests; the doctor
+    says step 4 was not checked, and why."""
+    host = "127.0.0.1"
+    with _another_pair(
+        host, model_dir, tmp_path, (["--allow-doctor-writes"], {}), ([], {})
+    ) as tokenless:
+        code, report = _doctor_json(capsys, *tokenless.args(token=False))
+        assert tokenless.decode.side_channel_port and tokenless.prefill.side_channel_port
+        decode = (host, tokenless.decode.side_channel_port)
+        prefill = (host, tokenless.prefill.side_channel_port)
+        refusals = []
+        for kind, body in (
+            (DOCTOR_WRITE, {"rank": 0, "to": [*prefill, 0], "seed": b"0123456789abcdef"}),
+            (DOCTOR_DIGEST, {"rank": 0, "bytes": 1024}),
+        ):
+            with pytest.raises(RequestRejected) as refused:
+                control_request(*decode, kind, body)
+            refusals.append(str(refused.value))
+        # The prefill, allowed, takes a check (it then finds no buffer to write into).
+        started = control_request(
+            *prefill, DOCTOR_WRITE, {"rank": 0, "to": [*decode, 0], "seed": b"0123456789abcdef"}
+        )
+        assert isinstance(started["probe"], int)
+    assert code == 0
+    assert _verdicts(report) == ["ok", "warn", "ok", "skip", "ok", "ok"]
+    [skipped] = _findings(report, 4, "skip")
+    assert skipped["side"] == "decode"
+    assert skipped["text"] == (
+        "prefill rank 0 -> decode rank 0: not checked: the decode rank registers no scratch "
+        "buffer for test writes (a kvpush serve without a token and without "
+        "--allow-doctor-writes, or a vLLM server: its connector has none yet)"
+    )
+    assert refusals[0].endswith(
+        "this rank has no scratch buffer: its server was started without a token and "
+        "without allowing doctor writes"
+    ), refusals
+    assert refusals[1].endswith("doctor-digest: this rank has no scratch buffer"), refusals
 
 
 # ------------------------------------------- `kvpush endpoint`s: several ranks, no token

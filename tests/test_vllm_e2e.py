@@ -413,6 +413,8 @@ def test_the_doctor_reads_a_healthy_vllm_pair_and_names_swapped_roles(
     }, text
     warnings = [f["text"] for s in report["steps"] for f in s["findings"] if f["verdict"] == "warn"]
     assert len(warnings) == 1 and warnings[0].startswith("no token:"), text
+    # The connector's ranks register no scratch buffer: step 4 says it did not check.
+    assert "prefill rank 0 -> decode rank 0: not checked: the prefill rank registers no " in text
     # What the connector's ranks measure is not on vLLM's /health: said, not guessed.
     assert (
         "heartbeat round trip and clock bound: not known (the prefill server's /health does "

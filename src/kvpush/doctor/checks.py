@@ -4,7 +4,8 @@ Each step reads what earlier ones found (`_Observed`) and adds findings and figu
 its `StepResult`. Once a step fails, the later ones are listed as not run: what they would
 say is explained by the failure. Every network call is bounded by the timeout given, so
 a stopped or hung peer makes the doctor fail, never wait. Nothing here changes a
-server's state: it reads metadata, `/health` and `/metrics`, and opens TCP connections.
+server's state: it reads metadata, `/health` and `/metrics`, and opens TCP connections;
+step 4 writes into the servers' scratch buffers only (`kvpush.doctor.data_plane`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 from kvpush import __version__
 from kvpush.doctor.addresses import SideAddress, look_up, pair_problems, where
+from kvpush.doctor.data_plane import check_data_plane
 from kvpush.doctor.http import HttpFailed, Sample, get_health, get_metrics, total
 from kvpush.doctor.report import Report, StepResult, Verdict
 from kvpush.errors import (
@@ -572,10 +574,12 @@ def _geometry_figures(g: CacheGeometry) -> dict[str, object]:
 
 
 def _data_plane(options: DoctorOptions, seen: _Observed, step: StepResult) -> None:
-    step.add(
-        Verdict.SKIP,
-        "not checked by this version: a real write between the two servers' agents needs "
-        "a scratch region that the servers do not register yet",
+    check_data_plane(
+        step,
+        {role: [r.metadata for r in found] for role, found in seen.ranks.items()},
+        {role: (options.target(role).host, options.target(role).port) for role in ROLES},
+        token=options.token,
+        timeout_ms=options.timeout_ms,
     )
 
 
