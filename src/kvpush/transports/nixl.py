@@ -560,12 +560,7 @@ class NixlTransport(Transport):
         except Exception as exc:
             # The arguments were checked above: what fails here is the data plane.
             self._writes_posted += 1
-            self._writes_failed += 1
-            self._events.append(
-                WriteFailed(
-                    write_id, self._reason(exc), f"NIXL could not prepare the write: {exc!r}"
-                )
-            )
+            self._not_prepared(write_id, exc)
             return
         try:
             state = calls.post(handle, notif)
@@ -629,12 +624,7 @@ class NixlTransport(Transport):
                 [self._backend],
             )
         except Exception as exc:
-            self._writes_failed += 1
-            self._events.append(
-                WriteFailed(
-                    write_id, self._reason(exc), f"NIXL could not prepare the write: {exc!r}"
-                )
-            )
+            self._not_prepared(write_id, exc)
             return
         try:
             state = str(agent.transfer(handle))
@@ -649,6 +639,13 @@ class NixlTransport(Transport):
             return
         self._bytes_posted += nbytes
         self._in_flight[write_id] = _InFlight(write_id, peer, handle)
+
+    def _not_prepared(self, write_id: int, exc: BaseException) -> None:
+        """NIXL could not prepare a write (counted as posted already): it fails."""
+        self._writes_failed += 1
+        self._events.append(
+            WriteFailed(write_id, self._reason(exc), f"NIXL could not prepare the write: {exc!r}")
+        )
 
     def description(self) -> dict[str, str]:
         out = {"transport": f"NIXL with the {self._backend} backend"}
