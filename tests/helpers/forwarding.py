@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvpush.geometry import CacheGeometry
+from kvpush.geometry import CacheGeometry, ScratchRegion
 from kvpush.transports.base import Transport, TransportEvent
 
 
@@ -25,6 +25,9 @@ class Forwarding(Transport):
 
     def register_memory(self, geometry: CacheGeometry) -> None:
         self._inner.register_memory(geometry)
+
+    def register_scratch(self, scratch: ScratchRegion) -> None:
+        self._inner.register_scratch(scratch)
 
     def metadata(self) -> bytes:
         return self._inner.metadata()
@@ -50,6 +53,12 @@ class Forwarding(Transport):
         regions: Sequence[int] | None = None,
     ) -> None:
         self._inner.write_blocks(peer, write_id, our_blocks, their_blocks, notification, regions)
+
+    def write_scratch(self, peer: str, write_id: int, nbytes: int, theirs: ScratchRegion) -> None:
+        self._inner.write_scratch(peer, write_id, nbytes, theirs)
+
+    def description(self) -> dict[str, str]:
+        return self._inner.description()
 
     def send_message(self, peer: str, payload: bytes) -> None:
         self._inner.send_message(peer, payload)
