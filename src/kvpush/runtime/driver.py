@@ -658,11 +658,11 @@ class Driver:
             self._probe_peers.discard(meta.agent_name)  # the protocol's from now on
         self._apply(self._protocol.handshake_done(now, address, info))
 
-    def _load_for_probe(self, meta: PeerMetadata) -> bool:
+    def _load_for_probe(self, meta: PeerMetadata) -> None:
         """Load a doctor check's receiver as `_on_lookup` would (for messages only if its
-        cache is not ours); True if the check loaded it, False if it was loaded already."""
+        cache is not ours), unless it is loaded already."""
         if self._transport.has_peer(meta.agent_name):
-            return False
+            return
         compat = meta.geometry.compat_fields()
         self._transport.add_peer(
             meta.agent_name,
@@ -671,7 +671,6 @@ class Driver:
             messages_only=self._protocol.incompatibility(compat) is not None,
         )
         self._probe_peers.add(meta.agent_name)
-        return True
 
     def _release_probe_peer(self, agent: str) -> None:
         """A check ended: forget the peer it loaded, unless the protocol took it since."""

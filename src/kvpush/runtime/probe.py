@@ -95,6 +95,7 @@ class _Check:
     deadline: float
     peer_agent: str = ""
     their_device: str = ""
+    loads: bool = False  # it asked for its peer to be loaded (`release` at its end)
     theirs: ScratchRegion | None = None  # the receiver's buffer, once looked up
     todo: list[int] = field(default_factory=list)  # sizes still to write
     writing: tuple[int, int, float] | None = None  # (write id, bytes, posted at)
@@ -106,8 +107,9 @@ class Probes:
     but for `submit` and `report`, which any thread may call.
 
     `lookup` asks for a receiver's metadata (its answer comes back as `on_lookup`);
-    `load` puts a looked-up peer on the transport (raising `KVPushError` if it cannot
-    be), `release` lets go of a peer only a check had loaded. Deadlines are on `clock`
+    `load` puts a looked-up peer on the transport unless it is there (raising
+    `KVPushError` if it cannot be); `release`, at the check's end, lets go of it unless
+    someone else (the protocol) had it or took it meanwhile. Deadlines are on `clock`
     (the runtime's), the writes are timed on `timer`."""
 
     def __init__(
@@ -116,7 +118,7 @@ class Probes:
         scratch: ScratchBuffer | None,
         *,
         lookup: Callable[[PeerAddress], None],
-        load: Callable[[PeerMetadata], bool],
+        load: Callable[[PeerMetadata], None],
         release: Callable[[str], None],
         clock: Callable[[], float],
         timer: Callable[[], float] = time.perf_counter,
@@ -131,7 +133,6 @@ class Probes:
         self._ids = itertools.count(1)
         self._write_ids = itertools.count(-1, -1)
         self._check: _Check | None = None
-        self._loaded: str | None = None  # the peer the running check loaded itself
         self._stale: set[int] = set()  # writes of timed-out checks, still out
         # Reports are read from any thread (the side channel's), never waiting for the
         # driver: guarded by _lock, as is the id counter.
@@ -212,9 +213,9 @@ class Probes:
             )
             return
         check.their_device = theirs.device
+        check.loads = True
         try:
-            if self._load(meta):
-                self._loaded = meta.agent_name
+            self._load(meta)
         except KVPushError as exc:
             why = exc.detail if isinstance(exc, TransportError) else str(exc)
             self._end(check, f"our data plane could not load {meta.agent_name}: {why}")
@@ -270,9 +271,8 @@ class Probes:
     def _end(self, check: _Check, error: str | None) -> None:
         self._check = None
         self._publish(check, "failed" if error else "ok", error or "")
-        if self._loaded is not None:
-            self._release(self._loaded)
-            self._loaded = None
+        if check.loads:
+            self._release(check.peer_agent)
 
     def _publish(self, check: _Check, state: str, detail: str = "") -> None:
         report = ProbeReport(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvpush.errors import FailureReason, TransportError
+from kvpush.errors import FailureReason, LocalProtocolError, TransportError
 from kvpush.geometry import CacheGeometry, ScratchRegion
 
 
@@ -94,4 +94,16 @@ def validate_scratch_write(
             FailureReason.LOCAL_ERROR,
             f"scratch write to {peer}: {nbytes} bytes do not fit (our buffer has "
             f"{ours.nbytes}, theirs {theirs.nbytes})",
+        )
+
+
+def check_scratch_registration(
+    endpoint: str, geometry: CacheGeometry | None, registered: ScratchRegion | None
+) -> None:
+    """`register_scratch` comes once, after `register_memory`."""
+    if geometry is None:
+        raise LocalProtocolError(f"{endpoint}: register_memory() before register_scratch()")
+    if registered is not None:
+        raise LocalProtocolError(
+            f"{endpoint}: the scratch buffer is registered once; it already is"
         )

@@ -45,7 +45,12 @@ from collections.abc import Callable, Sequence
 
 from kvpush.errors import ClosedError, FailureReason, LocalProtocolError, TransportError
 from kvpush.geometry import CacheGeometry, Region, ScratchRegion
-from kvpush.transports._checks import check_region_fits, validate_scratch_write, validate_write
+from kvpush.transports._checks import (
+    check_region_fits,
+    check_scratch_registration,
+    validate_scratch_write,
+    validate_write,
+)
 from kvpush.transports.base import (
     MessageReceived,
     PeerLost,
@@ -572,15 +577,7 @@ class LoopbackTransport(Transport):
 
     def register_scratch(self, scratch: ScratchRegion) -> None:
         self._check_open()
-        if self._geometry is None:
-            raise LocalProtocolError(
-                f"loopback endpoint {self._name}: register_memory() before register_scratch()"
-            )
-        if self._scratch is not None:
-            raise LocalProtocolError(
-                f"loopback endpoint {self._name}: the scratch buffer is registered once; "
-                "it already is"
-            )
+        check_scratch_registration(f"loopback endpoint {self._name}", self._geometry, self._scratch)
         if scratch.device != "cpu":
             raise TransportError(
                 FailureReason.LOCAL_ERROR,

@@ -51,6 +51,7 @@ from kvpush.errors import ClosedError, FailureReason, LocalProtocolError, Transp
 from kvpush.geometry import CacheGeometry, Region, ScratchRegion
 from kvpush.transports._checks import (
     check_region_fits,
+    check_scratch_registration,
     validate_scratch_write,
     validate_write,
 )
@@ -385,14 +386,7 @@ class NixlTransport(Transport):
 
     def register_scratch(self, scratch: ScratchRegion) -> None:
         agent = self._live_agent()
-        if self._geometry is None:
-            raise LocalProtocolError(
-                f"NIXL endpoint {self._name}: register_memory() before register_scratch()"
-            )
-        if self._scratch is not None:
-            raise LocalProtocolError(
-                f"NIXL endpoint {self._name}: the scratch buffer is registered once; it already is"
-            )
+        check_scratch_registration(f"NIXL endpoint {self._name}", self._geometry, self._scratch)
         mem_type, device = _scratch_memory_type(scratch)
         try:
             reg = agent.register_memory(
