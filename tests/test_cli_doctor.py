@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +34,7 @@ from kvpush.config import SideChannelConfig
 from kvpush.doctor.addresses import ResolvedAddress, SideAddress, pair_problems
 from kvpush.doctor.checks import served_ranks
 from kvpush.doctor.data_plane import UCX_ACTION
+from kvpush.errors import PeerUnreachable
 from kvpush.net import bracket_host
 from kvpush.node import DOCTOR_DIGEST, DOCTOR_WRITE
 from kvpush.procs.readiness import free_port
@@ -199,6 +201,7 @@ def test_a_healthy_pair_is_all_ok_with_figures(
         assert addresses["advertised_host"] == pair.host
         [found] = addresses["addresses"]
         assert (found["ip"], found["family"], found["loopback"]) == (pair.host, family, True)
+        assert addresses["advertised_addresses"] == []  # the same address: tried once
         assert found["tcp_ms"] > 0
         [rank] = steps["side channel"]["figures"][role]
         assert rank["rank"] == 0 and rank["protocol_version"] == 4
@@ -687,6 +690,78 @@ def test_a_decode_whose_data_plane_is_unreachable_fails_step_4_naming_ucx(
     ), fail["text"]
     assert fail["next_action"] == UCX_ACTION
     assert "UCX_NET_DEVICES must name an interface the other host reaches" in UCX_ACTION
+
+
+def _global_address(host: str) -> str:
+    """An address of this host in `host`'s family that is not loopback."""
+    listed = subprocess.run(
+        ["ip", "-j", "-6" if ":" in host else "-4", "addr", "show", "scope", "global"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for link in json.loads(listed):
+        for address in link.get("addr_info", []):
+            if address.get("local") and not address.get("tentative"):
+                return str(address["local"])
+    pytest.skip(f"this host has no address but loopback in the family of {host}")
+
+
+@servers
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"], ids=["ipv4", "ipv6"])
+def test_a_side_channel_bound_to_loopback_but_advertised_elsewhere_fails_step_1(
+    host: str, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The decode binds its side channel to loopback but tells its peers another address of
+    this host, where nothing listens: it answers the doctor, given the loopback address,
+    and no peer. Step 1 fails naming both addresses; started as the next action says, the
+    same pair is all ok."""
+    elsewhere = _global_address(host)
+    token = ["--token-file", str(tmp_path / "token")]
+    advertise = ["--advertise-host", elsewhere]
+    with _another_pair(host, model_dir, tmp_path, (token, {}), ([*token, *advertise], {})) as pair:
+        code, report = _doctor_json(capsys, *pair.args())
+        port = pair.decode.side_channel_port
+        assert port is not None
+        # What the doctor says a peer meets, a peer meets.
+        with pytest.raises(PeerUnreachable):
+            fetch_metadata(elsewhere, port, token=TOKEN)
+        assert fetch_metadata(host, port, token=TOKEN).rank == 0
+    assert (code, report["exit_code"]) == (1, 1)
+    assert _verdicts(report) == ["fail"] + ["skip"] * 5
+    [fail] = _findings(report, 1, "fail")
+    assert fail["side"] == "decode"
+    told = f"{bracket_host(elsewhere)}:{port}"
+    assert fail["text"] == (
+        f"the doctor reached its side channel at {bracket_host(host)}:{port}, but it "
+        f"advertises {told}, where nothing answers TCP ({elsewhere}: connection refused): it "
+        "does not listen on the address its peers are told"
+    )
+    every = "::" if ":" in host else "0.0.0.0"
+    assert fail["next_action"] == (
+        f"start the decode server listening where it advertises: --host {elsewhere}, or "
+        f"--host {every} with --advertise-host {elsewhere} (vLLM binds and advertises the "
+        "same kv_connector_extra_config side_channel_host)"
+    )
+    figures = report["steps"][0]["figures"]["decode"]
+    assert figures["advertised_host"] == elsewhere
+    [tried] = figures["advertised_addresses"]
+    assert (tried["ip"], tried["loopback"], tried["local"]) == (elsewhere, False, True)
+    assert tried["tcp_ms"] is None and tried["tcp_error"] == "connection refused"
+    assert figures["addresses"][0]["tcp_ms"] > 0  # the loopback address did answer
+
+    # The next action: listen on every address, advertise the one peers are told.
+    wildcard = ["--host", every, *advertise]
+    with _another_pair(host, model_dir, tmp_path, (token, {}), ([*token, *wildcard], {})) as fixed:
+        code, report = _doctor_json(capsys, *fixed.args())
+        port = fixed.decode.side_channel_port
+    assert (code, _verdicts(report)) == (0, ["ok"] * 6), json.dumps(report["steps"][0])
+    told = f"{bracket_host(elsewhere)}:{port}"
+    assert any(
+        f["side"] == "decode"
+        and f["text"].startswith(f"it advertises its side channel as {told}: TCP answers on ")
+        for f in _findings(report, 1, "ok")
+    ), report["steps"][0]["findings"]
 
 
 @servers

@@ -22,6 +22,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (see make-model)")
     p.add_argument("--role", choices=("both", "prefill", "decode"), default="both")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (IPv4, IPv6, name)")
+    p.add_argument(
+        "--advertise-host",
+        default=None,
+        help="address peers are told to reach the side channel at (default: --host); for a "
+        "server that listens on a wildcard, or behind an address it cannot bind",
+    )
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument(
         "--side-channel-port", type=int, default=None, help="kvpush side channel (prefill/decode)"
@@ -107,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
             model=args.model,
             role=args.role,
             host=args.host,
+            advertise_host=args.advertise_host,
             port=args.port,
             side_channel_port=args.side_channel_port,
             served_model_name=args.served_model_name,

@@ -145,8 +145,8 @@ def pair_problems(side: SideAddress, peer: SideAddress) -> list[tuple[str, str]]
             (
                 f"its side channel is advertised as {advertised}, a wildcard that peers "
                 "cannot connect to",
-                f"start the {side.role} server with --host set to an address "
-                f"the {peer.role} server can reach (not 0.0.0.0 or ::)",
+                f"start the {side.role} server with --advertise-host (or --host) set to "
+                f"an address the {peer.role} server can reach (not 0.0.0.0 or ::)",
             )
         )
         return out

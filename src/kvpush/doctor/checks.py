@@ -18,7 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpush import __version__
-from kvpush.doctor.addresses import SideAddress, look_up, pair_problems, where
+from kvpush.doctor.addresses import (
+    ResolvedAddress,
+    SideAddress,
+    is_wildcard,
+    look_up,
+    pair_problems,
+    where,
+)
 from kvpush.doctor.data_plane import check_data_plane
 from kvpush.doctor.http import HttpFailed, Sample, get_health, get_metrics, total
 from kvpush.doctor.report import Report, StepResult, Verdict
@@ -144,17 +151,69 @@ def _addresses(options: DoctorOptions, seen: _Observed, step: StepResult) -> Non
             if isinstance(advertised, str):
                 side = SideAddress(role, side.host, side.port, side.resolved, advertised)
             _check_advertised_port(role, t, seen, step)
+        told = _check_advertised_address(side, options.timeout_s, step)
         seen.addresses[role] = side
         step.figures[role] = {
             "host": side.host,
             "port": side.port,
             "advertised_host": side.advertised_host,
             "addresses": [a.as_json() for a in side.resolved],
+            "advertised_addresses": [a.as_json() for a in told],
         }
     if len(seen.addresses) == 2:
         for role, peer_role in (("prefill", "decode"), ("decode", "prefill")):
             for problem, action in pair_problems(seen.addresses[role], seen.addresses[peer_role]):
                 step.add(Verdict.FAIL, problem, side=role, next_action=action)
+
+
+def _check_advertised_address(
+    side: SideAddress, timeout_s: float, step: StepResult
+) -> tuple[ResolvedAddress, ...]:
+    """Peers connect to the address a server advertises, not to the one the doctor was
+    given: where they differ, the advertised one must answer TCP too (a side channel bound
+    to loopback but advertised under another address answers the doctor and no peer).
+    Returns the advertised addresses tried beyond those step 1 already tried."""
+    advertised = side.advertised_host
+    if advertised is None or is_wildcard(advertised):  # a wildcard is `pair_problems`'
+        return ()
+    try:
+        told = look_up(side.role, advertised, side.port, timeout_s)
+    except socket.gaierror as exc:
+        step.add(
+            Verdict.FAIL,
+            f"it advertises its side channel as {advertised}, a name this host cannot "
+            f"resolve ({exc.strerror}): its peers are told an address they may not resolve",
+            side=side.role,
+            next_action=f"start the {side.role} server with --advertise-host set to an "
+            "address its peers can resolve and reach",
+        )
+        return ()
+    tried = {a.ip for a in side.resolved}
+    new = tuple(a for a in told.resolved if a.ip not in tried)
+    if not new:
+        return ()
+    answering = [a for a in new if a.tcp_ms is not None]
+    if answering:
+        times = ", ".join(f"{a.ip} in {a.tcp_ms:.2f} ms" for a in answering)
+        step.add(
+            Verdict.OK,
+            f"it advertises its side channel as {where(told)}: TCP answers on {times}",
+            side=side.role,
+        )
+        return new
+    why = "; ".join(f"{a.ip}: {a.tcp_error}" for a in new)
+    every = "::" if new[0].family == "IPv6" else "0.0.0.0"
+    step.add(
+        Verdict.FAIL,
+        f"the doctor reached its side channel at {where(side)}, but it advertises "
+        f"{where(told)}, where nothing answers TCP ({why}): it does not listen on the "
+        "address its peers are told",
+        side=side.role,
+        next_action=f"start the {side.role} server listening where it advertises: --host "
+        f"{advertised}, or --host {every} with --advertise-host {advertised} (vLLM binds "
+        "and advertises the same kv_connector_extra_config side_channel_host)",
+    )
+    return new
 
 
 def _report_tcp(side: SideAddress, step: StepResult) -> None:

@@ -711,9 +711,12 @@ class KVBridge:
         self.node = Node(
             [geometry],
             NodeIdentity(
-                self.engine_id, "sender" if opts.role == "prefill" else "receiver", opts.host
+                self.engine_id,
+                "sender" if opts.role == "prefill" else "receiver",
+                opts.side_channel_host,
             ),
             port=opts.side_channel_port,
+            bind_host=opts.host,
             settings=RankSettings(
                 token=self.token,
                 timing=TimingConfig(transfer_deadline_s=opts.transfer_deadline_s),
@@ -744,7 +747,7 @@ class KVBridge:
             internal_errors = h.side_channel.internal_errors
         out: dict[str, object] = {
             "engine_id": self.engine_id,
-            "side_channel_host": self.options.host,
+            "side_channel_host": self.options.side_channel_host,
             "side_channel_port": self.options.side_channel_port,
             "side_channel": "ok" if side_ok else "down",
             "runtime": "ok" if runtime_failure is None else "down",

@@ -20,6 +20,9 @@ class ServeOptions:
     role: str = "both"
     host: str = "127.0.0.1"
     port: int = 8000
+    # The address peers are told to reach the side channel at (default: `host`, which
+    # it binds); set when it binds a wildcard or sits behind an address it cannot bind.
+    advertise_host: str | None = None
     side_channel_port: int | None = None
     served_model_name: str | None = None
     block_size: int = 16
@@ -42,6 +45,11 @@ class ServeOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
     # A transfer not finished by then fails; keep it above the other side's queue timeout.
     transfer_deadline_s: float = TimingConfig().transfer_deadline_s
+
+    @property
+    def side_channel_host(self) -> str:
+        """The side channel's address as peers are told it."""
+        return self.advertise_host if self.advertise_host else self.host
 
     def admission(self) -> AdmissionConfig:
         return AdmissionConfig(max_waiting=self.max_waiting, queue_timeout_s=self.queue_timeout_s)
