@@ -11,10 +11,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvpush.errors import ConfigError
 from kvpush.procs.readiness import free_port
 from kvpush.procs.server_process import ServerFailed, ServerProcess
 from kvpush.serving.checkpoint import LoadedModel, load_model
 from kvpush.serving.engine import Engine, SamplingParams, SpecConfig
+from kvpush.serving.options import ServeOptions
 
 SPEC = SpecConfig(num_speculative_tokens=4)
 TEXTS = [
@@ -395,3 +397,25 @@ def test_chat_completions_render_the_checkpoints_template(server: ServerProcess)
     )
     assert bad.status_code == 400
     assert "messages[0].role" in bad.json()["error"]["message"]
+
+
+def test_an_advertised_wildcard_is_refused_naming_what_is_expected(tmp_path: Path) -> None:
+    for wildcard in ("0.0.0.0", "::", "[::]", "*"):
+        with pytest.raises(ConfigError) as refused:
+            ServeOptions(
+                model=str(tmp_path), role="decode", side_channel_port=5600, advertise_host=wildcard
+            )
+        assert str(refused.value) == (
+            f"--advertise-host {wildcard}: a wildcard peers cannot connect to; expected an "
+            "address of this host they can reach (--host may be the wildcard)"
+        )
+    # Listening on the wildcard while advertising an address is what the flag is for.
+    opts = ServeOptions(
+        model=str(tmp_path),
+        role="decode",
+        host="0.0.0.0",
+        side_channel_port=5600,
+        advertise_host="192.0.2.2",
+    )
+    assert opts.side_channel_host == "192.0.2.2"
+    assert ServeOptions(model=str(tmp_path)).side_channel_host == "127.0.0.1"

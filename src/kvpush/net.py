@@ -14,6 +14,16 @@ def is_ipv6_literal(host: str) -> bool:
         return False
 
 
+def is_wildcard(host: str) -> bool:
+    """`0.0.0.0`, `::` (bracketed or not) and `*`: an address to listen on, never to connect to."""
+    if host == "*":
+        return True
+    try:
+        return ipaddress.ip_address(unbracket_host(host)).is_unspecified
+    except ValueError:
+        return False
+
+
 def bracket_host(host: str) -> str:
     """`::1` -> `[::1]`; IPv4 addresses, names and already-bracketed hosts are unchanged."""
     if not host:

@@ -27,7 +27,7 @@ from kvpush.bench.endpoint_service import BENCH_KINDS, BenchService
 from kvpush.config import SideChannelConfig, load_token
 from kvpush.errors import ConfigError, SideChannelError
 from kvpush.geometry import CacheGeometry
-from kvpush.net import zmq_address
+from kvpush.net import is_wildcard, zmq_address
 from kvpush.node import Node, NodeIdentity, RankSettings, TransportFactory
 from kvpush.runtime import PushRuntime
 from kvpush.sidechannel import (
@@ -289,7 +289,7 @@ class _Endpoint:
 def _advertised_host(args: argparse.Namespace) -> str:
     if args.advertise_host:
         return str(args.advertise_host)
-    if args.host in ("*", "0.0.0.0", "::", "[::]"):
+    if is_wildcard(args.host):
         return socket.gethostname()
     return str(args.host)
 

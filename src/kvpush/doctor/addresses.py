@@ -12,7 +12,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from kvpush.net import bracket_host, unbracket_host
+from kvpush.net import bracket_host, is_wildcard, unbracket_host
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,13 +75,6 @@ def is_loopback(ip: str) -> bool:
         return False
 
 
-def is_wildcard(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(unbracket_host(host)).is_unspecified
-    except ValueError:
-        return False
-
-
 def is_local(ip: str, family: str) -> bool:
     """Whether `ip` is an address of this host: only then can a socket bind to it."""
     fam = socket.AF_INET6 if family == "IPv6" else socket.AF_INET
@@ -110,10 +103,15 @@ def tcp_answers(
         return (time.perf_counter() - started) * 1000, None
 
 
-def look_up(role: str, host: str, port: int, timeout_s: float) -> SideAddress:
-    """Resolve `host` and try its port on every address. Raises `socket.gaierror`."""
+def look_up(
+    role: str, host: str, port: int, timeout_s: float, *, tried: frozenset[str] = frozenset()
+) -> SideAddress:
+    """Resolve `host` and try its port on every address but those already `tried` (left
+    out). Raises `socket.gaierror`."""
     found = []
     for ip, family in resolve(host, port):
+        if ip in tried:
+            continue
         ms, error = tcp_answers(ip, family, port, timeout_s)
         found.append(
             ResolvedAddress(

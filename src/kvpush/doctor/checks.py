@@ -21,7 +21,6 @@ from kvpush import __version__
 from kvpush.doctor.addresses import (
     ResolvedAddress,
     SideAddress,
-    is_wildcard,
     look_up,
     pair_problems,
     where,
@@ -38,6 +37,7 @@ from kvpush.errors import (
     UnknownRank,
 )
 from kvpush.geometry import PROTOCOL_VERSION, CacheGeometry
+from kvpush.net import is_wildcard
 from kvpush.sidechannel.client import FetchResult, fetch_metadata_timed
 
 MAX_RANKS = 64  # ranks asked for before giving up on finding the last one
@@ -177,7 +177,8 @@ def _check_advertised_address(
     if advertised is None or is_wildcard(advertised):  # a wildcard is `pair_problems`'
         return ()
     try:
-        told = look_up(side.role, advertised, side.port, timeout_s)
+        tried = frozenset(a.ip for a in side.resolved)
+        told = look_up(side.role, advertised, side.port, timeout_s, tried=tried)
     except socket.gaierror as exc:
         step.add(
             Verdict.FAIL,
@@ -188,16 +189,15 @@ def _check_advertised_address(
             "address its peers can resolve and reach",
         )
         return ()
-    tried = {a.ip for a in side.resolved}
-    new = tuple(a for a in told.resolved if a.ip not in tried)
+    new = told.resolved
     if not new:
         return ()
     answering = [a for a in new if a.tcp_ms is not None]
     if answering:
-        times = ", ".join(f"{a.ip} in {a.tcp_ms:.2f} ms" for a in answering)
         step.add(
             Verdict.OK,
-            f"it advertises its side channel as {where(told)}: TCP answers on {times}",
+            f"it advertises its side channel as {where(told)}: TCP answers on "
+            f"{_connect_times(answering)}",
             side=side.role,
         )
         return new
@@ -214,6 +214,10 @@ def _check_advertised_address(
         "and advertises the same kv_connector_extra_config side_channel_host)",
     )
     return new
+
+
+def _connect_times(answering: list[ResolvedAddress]) -> str:
+    return ", ".join(f"{a.ip} in {a.tcp_ms:.2f} ms" for a in answering)
 
 
 def _report_tcp(side: SideAddress, step: StepResult) -> None:
@@ -236,10 +240,9 @@ def _report_tcp(side: SideAddress, step: StepResult) -> None:
             "kv_connector_extra_config side_channel_port)",
         )
         return
-    times = ", ".join(f"{a.ip} in {a.tcp_ms:.2f} ms" for a in answering)
     step.add(
         Verdict.OK,
-        f"{where(side)} resolves to {described}; TCP answers on {times}",
+        f"{where(side)} resolves to {described}; TCP answers on {_connect_times(answering)}",
         side=side.role,
     )
     if silent:

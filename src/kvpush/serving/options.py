@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kvpush.config import TimingConfig
 from kvpush.errors import ConfigError
-from kvpush.net import check_port
+from kvpush.net import check_port, is_wildcard
 from kvpush.serving.http import DEFAULT_MAX_BODY_BYTES
 from kvpush.serving.worker import AdmissionConfig
 
@@ -58,6 +58,11 @@ class ServeOptions:
         if self.role not in ROLES:
             raise ConfigError(f"role {self.role!r}: expected one of {', '.join(ROLES)}")
         check_port(self.port)
+        if self.advertise_host is not None and is_wildcard(self.advertise_host):
+            raise ConfigError(
+                f"--advertise-host {self.advertise_host}: a wildcard peers cannot connect to; "
+                "expected an address of this host they can reach (--host may be the wildcard)"
+            )
         if self.role != "both" and self.side_channel_port is None:
             raise ConfigError(f"--role {self.role} needs --side-channel-port")
         for name in ("block_size", "num_blocks", "max_batch_tokens"):
