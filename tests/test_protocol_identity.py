@@ -188,6 +188,30 @@ def test_a_second_side_channel_claiming_a_live_engine_is_not_a_restart(wire: Wir
     assert_t1_still_finishes(wire)
 
 
+def test_two_ranks_of_one_decode_engine_each_take_their_part_from_one_sender(
+    wire: Wire,
+) -> None:
+    """A prefill rank writing into two decode ranks (prefill TP 1, decode TP 2): both
+    are agents of engine-d, vouched for by its one side channel under their own rank.
+    On main the sender took rank 1 for a rival of rank 0 claiming the same engine,
+    asked again, and refused it as an impostor: its part never moved."""
+    wire.add("d-2", "engine-d", rank=1)
+    assert wire.address_of["d-2"] == PeerAddress("127.0.0.1", wire.address_of["d-1"].port, 1)
+    # (Blocks of their own: this wire's engine reuses a block once a transfer ends.)
+    wire.submit("p-1", "t1#0>0", [1])
+    wire.submit("p-1", "t1#0>1", [2])
+    wire.expect("d-1", "t1#0>0", "p-1", [3])
+    wire.expect("d-2", "t1#0>1", "p-1", [4])
+    wire.settle()
+    for d in ("d-1", "d-2"):
+        tid = "t1#0>0" if d == "d-1" else "t1#0>1"
+        assert wire.ended("p-1", tid).ok and wire.ended(d, tid).ok
+    assert_block_copied(wire, "p-1", 1, "d-1", 3)
+    assert_block_copied(wire, "p-1", 2, "d-2", 4)
+    assert wire.ends["p-1"].forged_messages() == {}
+    assert not [h for _, h in wire.handshakes if h.revalidate]
+
+
 def test_a_restart_at_a_new_address_is_believed_once_the_old_one_no_longer_vouches(
     wire: Wire,
 ) -> None:

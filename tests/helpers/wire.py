@@ -101,13 +101,19 @@ class Wire:
         incarnation: str = "1",
         compat: dict[str, object] | None = None,
         compatibility: CompatibilityPolicy | None = None,
+        rank: int = 0,
     ) -> PushProtocol:
-        same_engine = [a for a, e in self.engine_of.items() if e == engine_id]
-        if same_engine:  # a restart: the same side channel address, a new agent
-            address = self.address_of[same_engine[-1]]
+        """An agent of `engine_id`'s rank `rank`: a restart where that rank was added
+        before, else the engine's side channel (one per engine, serving every rank)."""
+        engine = [a for a, e in self.engine_of.items() if e == engine_id]
+        same_rank = [a for a in engine if self.address_of[a].rank == rank]
+        if same_rank:  # a restart: the same side channel address, a new agent
+            address = self.address_of[same_rank[-1]]
+        elif engine:  # another rank of the engine: its side channel, that rank
+            address = PeerAddress("127.0.0.1", self.address_of[engine[0]].port, rank)
         else:
-            address = PeerAddress("127.0.0.1", 5000 + len(self.ends), 0)
-        ident = LocalIdentity(engine_id, incarnation, address.host, address.port, 0)
+            address = PeerAddress("127.0.0.1", 5000 + len(self.ends), rank)
+        ident = LocalIdentity(engine_id, incarnation, address.host, address.port, rank)
         compat = COMPAT if compat is None else compat
         policy = compatibility or CompatibilityPolicy()
         auth = MessageAuth(self.token, agent, incarnation) if self.token else None

@@ -157,7 +157,8 @@ class Handshake:
 
     `revalidate`: ask the side channel itself, even if what it said before is at hand;
     the sender checks this way that an engine still runs where it was vouched for before
-    it believes a second address that claims the same engine (see "Who sent it")."""
+    it believes a second address that claims the same rank of that engine (see "Who
+    sent it")."""
 
     address: PeerAddress
     peer: str | None = None
@@ -256,7 +257,8 @@ class _Peer:
     incarnation: str = ""
     # Sender: the side channel at `address` named this agent (until then its messages
     # wait in `inbox`, unread); `rival`: the address and agent of another peer vouched
-    # for the same engine, being looked up again before this one is believed.
+    # for the same rank of the same engine, being looked up again before this one is
+    # believed.
     verified: bool = True
     inbox: list[tuple[float, Message]] = field(default_factory=list)  # (when, message)
     rival: tuple[PeerAddress, str] | None = None

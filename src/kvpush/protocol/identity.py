@@ -191,13 +191,16 @@ class SenderGate(_Side[_Outgoing]):
                     if q.verified
                     and q.engine_id == info.engine_id
                     and q.address is not None
+                    and q.address.rank == address.rank
                     and q.address != address
                 ),
                 None,
             )
             if problem is None and rival is not None and rival.address is not None:
-                # Two addresses claim one engine: the one that vouched first is asked
-                # again, and believed if it still serves its agent.
+                # Two addresses claim one rank of one engine: the one that vouched first
+                # is asked again, and believed if it still serves its agent. (Other
+                # ranks of an engine are other agents, each vouched for by its address:
+                # one prefill rank writes into several decode ranks when TPs differ.)
                 p.rival = (rival.address, rival.agent)
                 out.append(Handshake(rival.address, rival.agent, revalidate=True))
                 continue

@@ -121,7 +121,9 @@ channel (token-authenticated, when a token is configured) has named it:
   the engine, incarnation and address its side channel gave, else they are dropped.
 * A restart is proven only by the side channel that vouched for the old agent: the next
   lookup of that address names a new agent (PEER_RESTARTED). A second address claiming
-  an engine that is vouched for elsewhere is believed only after the first address is
+  a rank of an engine that is vouched for elsewhere (another host or port, the same
+  rank: an engine's other ranks are other agents, as when one prefill rank writes into
+  several decode ranks) is believed only after the first address is
   looked up again (`Handshake(revalidate=True)`) and no longer serves its agent, and that
   lookup never ends the old agent's transfers by itself; what is certainly gone ends
   them (the data plane's verdict, or that address naming someone else), what merely went
