@@ -35,6 +35,7 @@ from kvpush.doctor.addresses import ResolvedAddress, SideAddress, pair_problems
 from kvpush.doctor.checks import served_ranks
 from kvpush.doctor.data_plane import UCX_ACTION
 from kvpush.errors import PeerUnreachable
+from kvpush.geometry import PROTOCOL_VERSION
 from kvpush.net import bracket_host
 from kvpush.node import DOCTOR_DIGEST, DOCTOR_WRITE
 from kvpush.procs.readiness import free_port
@@ -204,7 +205,7 @@ def test_a_healthy_pair_is_all_ok_with_figures(
         assert addresses["advertised_addresses"] == []  # the same address: tried once
         assert found["tcp_ms"] > 0
         [rank] = steps["side channel"]["figures"][role]
-        assert rank["rank"] == 0 and rank["protocol_version"] == 4
+        assert rank["rank"] == 0 and rank["protocol_version"] == PROTOCOL_VERSION
         assert rank["engine_id"].startswith(f"{role}-")
         assert rank["role"] == ("sender" if role == "prefill" else "receiver")
         [geometry] = steps["compatibility"]["figures"][role]

@@ -118,7 +118,7 @@ def test_incompatible_endpoint_exits_1_naming_what_differs(
     assert (code, out) == (1, "")
     assert err.startswith("IncompatiblePeer: ")
     assert "regions differ first at #0" in err
-    assert "block_bytes" in err
+    assert "bytes per block" in err
     # A reference that cannot prove it holds the token is not believed either.
     code, out, err = _probe(
         v6_endpoint, "--token-file", str(token_file), "--expect-peer", tiny_endpoint.address

@@ -14,11 +14,13 @@ import functools
 import itertools
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.errors import ConfigError
+from kvpush.geometry import CacheGeometry, KVHeads
 from kvpush.topology import (
     EngineShape,
     TransferPlan,
@@ -342,3 +344,80 @@ def test_empty_shapes_are_refused(
             replicated_kv=False,
             bytes_per_head_per_block=head_bytes,
         )
+
+
+# ------------------------------------------------------------ geometries that know heads
+
+
+def _rank_geometry(
+    heads: KVHeads, *, head_bytes: int = 256, layout: str = "vllm_packed/BHNC"
+) -> CacheGeometry:
+    from kvpush.geometry import Region
+
+    regions = tuple(
+        Region(f"l{i}.kv", i, 0x10000 * (i + 1), head_bytes * heads.per_rank, 1 << 20, 4)
+        for i in range(2)
+    )
+    return CacheGeometry(layout, 16, "bfloat16", regions, heads=heads)
+
+
+def test_ranks_of_other_tp_sizes_are_compatible_and_what_differs_per_head_is_named() -> None:
+    from kvpush.geometry import describe_compat_differences
+
+    tp2 = _rank_geometry(KVHeads(total=4, per_rank=2, tp_size=2, tp_rank=1))
+    tp1 = _rank_geometry(KVHeads(total=4, per_rank=4, tp_size=1, tp_rank=0))
+    assert tp2.compat_fields() == tp1.compat_fields()  # 512- and 1024-byte blocks
+    other_model = _rank_geometry(KVHeads(total=8, per_rank=8, tp_size=1, tp_rank=0))
+    wider = _rank_geometry(KVHeads(4, 4, 1, 0), head_bytes=512)
+    assert describe_compat_differences(other_model.compat_fields(), tp1.compat_fields()) == [
+        "kv_heads: theirs {'total': 8, 'replicated': False}, ours {'total': 4, 'replicated': False}"
+    ]
+    [regions] = describe_compat_differences(wider.compat_fields(), tp1.compat_fields())
+    assert regions.startswith("regions differ first at #0: theirs (name, layer, bytes per ")
+    assert "('l0.kv', 0, 512), ours ('l0.kv', 0, 256)" in regions
+    # A rank that does not know its heads is never taken for one that does.
+    blind = msgspec.structs.replace(tp1, heads=None)
+    assert "kv_heads" in " ".join(
+        describe_compat_differences(blind.compat_fields(), tp1.compat_fields())
+    )
+
+
+def test_write_views_cut_blocks_to_the_planned_heads_and_refuse_what_cannot_be_cut() -> None:
+    from kvpush.geometry import write_views
+
+    p1 = _rank_geometry(KVHeads(4, 2, 2, 1))
+    d0 = _rank_geometry(KVHeads(4, 4, 1, 0))
+    ours, theirs = write_views(p1, d0)
+    assert [
+        (r.base_addr - o.base_addr, r.block_bytes)
+        for r, o in zip(ours.regions, p1.regions, strict=True)
+    ] == [
+        (0, 512),
+        (0, 512),
+    ]
+    assert [
+        (r.base_addr - o.base_addr, r.block_bytes)
+        for r, o in zip(theirs.regions, d0.regions, strict=True)
+    ] == [
+        (512, 512),
+        (512, 512),
+    ]
+    assert write_views(d0, d0) == (d0, d0)  # the same rank: whole blocks
+    hnd = _rank_geometry(KVHeads(4, 2, 2, 1), layout="kv_separate/NHD")
+    with pytest.raises(UnsupportedShape, match=r"layout kv_separate/NHD does not hold .* LBHNC"):
+        write_views(hnd, msgspec.structs.replace(d0, layout="kv_separate/NHD"))
+    with pytest.raises(UnsupportedShape, match=r"larger TP size to be a whole multiple"):
+        write_views(_rank_geometry(KVHeads(6, 3, 2, 0)), _rank_geometry(KVHeads(6, 2, 3, 0)))
+
+
+def test_rank_pairs_give_every_rank_of_both_sides_a_part() -> None:
+    from kvpush.topology import part_id, rank_pairs
+
+    for p, d in itertools.product(range(1, MAX_TP + 1), repeat=2):
+        if max(p, d) % min(p, d):
+            continue
+        pairs = rank_pairs(p, d)
+        assert {a for a, _ in pairs} == set(range(p)) and {b for _, b in pairs} == set(range(d))
+        assert len(pairs) == max(p, d) == len(set(pairs))
+    assert part_id("t", 0, 0, rank_to_rank=True) == "t"
+    assert part_id("t", 1, 0, rank_to_rank=False) == "t#1>0"

@@ -90,12 +90,17 @@ def test_a_field_of_the_wrong_type_says_what_was_expected(
     assert got in message
 
 
-def test_tp_size_must_be_the_receivers() -> None:
-    assert parse_remote_prefill({**DECODE, "tp_size": 2}, 2).tp_size == 2
-    with pytest.raises(BadTransferParams, match=r"tp_size is 2 but .* tensor parallel size 1"):
-        parse_remote_prefill({**DECODE, "tp_size": 2}, 1)
-    with pytest.raises(BadTransferParams, match=r"tp_size is '2' .* a positive integer"):
-        parse_remote_prefill({**DECODE, "tp_size": "2"})
+def test_tp_sizes_are_read_and_checked_but_may_differ_from_the_receivers() -> None:
+    remote = parse_remote_prefill({**DECODE, "tp_size": 2, "decode_tp_size": 1})
+    assert (remote.tp_size, remote.decode_tp_size) == (2, 1)
+    assert parse_remote_prefill(DECODE).tp_size is None
+    for key in ("tp_size", "decode_tp_size"):
+        for bad in ("2", 0, -1, 1025, True, 1.5):
+            with pytest.raises(BadTransferParams, match=rf"{key} must be an integer in 1\.\.1024"):
+                parse_remote_prefill({**DECODE, key: bad})
+    assert parse_remote_decode({"decode_tp_size": 4}).decode_tp_size == 4
+    with pytest.raises(BadTransferParams, match=r"decode_tp_size must be an integer .* got str"):
+        parse_remote_decode({"decode_tp_size": "4"})
 
 
 def test_bad_params_are_a_config_error_and_a_bracketed_host_is_used_bare() -> None:

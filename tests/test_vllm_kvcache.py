@@ -123,6 +123,8 @@ def _config(tp_size: int = 1) -> ConnectorConfig:
         token=None,
         timing=TimingConfig(),
         tp_size=tp_size,
+        total_kv_heads=HEADS,
+        use_mla=False,
         pp_size=1,
         dcp_size=1,
         block_size_tokens=32,
@@ -131,7 +133,12 @@ def _config(tp_size: int = 1) -> ConnectorConfig:
 
 def test_the_prefill_answer_keeps_every_nixl_field_and_adds_the_transfer_id() -> None:
     answer = prefill_answer(
-        _config(), transfer_id="t-1", request_id="r-1", block_ids=[3, 4], num_tokens=40
+        _config(),
+        transfer_id="t-1",
+        request_id="r-1",
+        block_ids=[3, 4],
+        num_tokens=40,
+        decode_tp_size=2,
     )
     nixl_fields = {
         "do_remote_prefill",
@@ -151,8 +158,10 @@ def test_the_prefill_answer_keeps_every_nixl_field_and_adds_the_transfer_id() ->
     assert answer["transfer_id"] == "t-1"
     assert answer["do_remote_prefill"] is True and answer["do_remote_decode"] is False
     # and a decode server reads back exactly where to register
-    remote = parse_remote_prefill(answer, 1)
+    remote = parse_remote_prefill(answer)
     assert (remote.transfer_id, remote.remote_host, remote.remote_port) == ("t-1", "::1", 5600)
+    # and which TP sizes the transfer was split between
+    assert (remote.tp_size, remote.decode_tp_size) == (1, 2)
 
 
 @pytest.mark.parametrize(
@@ -161,17 +170,21 @@ def test_the_prefill_answer_keeps_every_nixl_field_and_adds_the_transfer_id() ->
         ({"remote_host": "h", "remote_port": 1}, "transfer_id"),
         ({"transfer_id": "t", "remote_port": 1}, "remote_host"),
         ({"transfer_id": "t", "remote_host": "h", "remote_port": 70000}, "remote_port"),
-        ({"transfer_id": "t", "remote_host": "h", "remote_port": 1, "tp_size": 2}, "tp_size is 2"),
+        (
+            {"transfer_id": "t", "remote_host": "h", "remote_port": 1, "tp_size": 0},
+            r"tp_size must be an integer in 1\.\.1024 \(the prefill's tensor-parallel size\), "
+            "got int 0",
+        ),
     ],
 )
 def test_unusable_decode_params_say_which_field(params: dict[str, object], words: str) -> None:
     with pytest.raises(BadTransferParams, match=words):
-        parse_remote_prefill(params, 1)
+        parse_remote_prefill(params)
 
 
 def test_a_bracketed_ipv6_remote_host_is_used_bare() -> None:
     remote = parse_remote_prefill(
-        {"transfer_id": "t", "remote_host": "[::1]", "remote_port": "5600"}, 1
+        {"transfer_id": "t", "remote_host": "[::1]", "remote_port": "5600"}
     )
     assert (remote.remote_host, remote.remote_port) == ("::1", 5600)
 

@@ -96,6 +96,8 @@ class Engine:
             token=TOKEN,
             timing=TimingConfig(heartbeat_interval_s=0.2, liveness_timeout_s=2.0, lease_s=3.0),
             tp_size=1,
+            total_kv_heads=HEADS,
+            use_mla=False,
             pp_size=1,
             dcp_size=1,
             block_size_tokens=TOKENS,

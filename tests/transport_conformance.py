@@ -13,11 +13,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
 from kvpush.errors import ClosedError, FailureReason, KVPushError, TransportError
-from kvpush.geometry import CacheGeometry, Region
+from kvpush.geometry import CacheGeometry, KVHeads, Region, write_views
 from kvpush.runtime.scratch import ScratchBuffer, digest, pattern
 from kvpush.transports.base import (
     MessageReceived,
@@ -31,6 +32,7 @@ from kvpush.transports.base import (
 TransportFactory = Callable[[str], Transport]
 
 POLL_TIMEOUT_S = 10.0
+HEAD_BYTES = 128  # one KV head of one block, in the tests of parts of blocks
 
 
 class _AnyDetail(str):
@@ -335,6 +337,90 @@ class TransportConformance:
         assert [m.payload for m in messages(ev[1])] == [b"to-receiver"]
         assert pair.receiver_kv.block(0, 1) == pair.sender_kv.block(0, 0)
         assert pair.sender_kv.block(3, 6) == pair.receiver_kv.block(3, 7)
+
+    # ------------------------------------------------ parts of blocks (other TP sizes)
+    def _head_pair(
+        self,
+        new_endpoint: Callable[[str, KVBuffers], Transport],
+        sender_heads: KVHeads,
+        receiver_heads: KVHeads,
+    ) -> tuple[Pair, CacheGeometry, CacheGeometry]:
+        """Two ranks of one model at other TP sizes (blocks of `HEAD_BYTES` per head),
+        the sender's cache random, each loaded with the views `write_views` gives."""
+
+        def ranks_kv(heads: KVHeads) -> KVBuffers:
+            kv = self.kv(block_bytes=HEAD_BYTES * heads.per_rank)
+            kv.geometry = msgspec.structs.replace(
+                kv.geometry, layout="vllm_packed/BHNC", heads=heads
+            )
+            return kv
+
+        sender_kv, receiver_kv = ranks_kv(sender_heads), ranks_kv(receiver_heads)
+        sender_kv.fill_random(3)
+        sender = new_endpoint("sender", sender_kv)
+        receiver = new_endpoint("receiver", receiver_kv)
+        ours, theirs = write_views(sender_kv.geometry, receiver_kv.geometry)
+        sender.add_peer(receiver.agent_name, receiver.metadata(), theirs, ours=ours)
+        back_ours, back_theirs = write_views(receiver_kv.geometry, sender_kv.geometry)
+        receiver.add_peer(sender.agent_name, sender.metadata(), back_theirs, ours=back_ours)
+        return Pair(sender, receiver, sender_kv, receiver_kv), ours, theirs
+
+    @pytest.mark.parametrize(
+        ("sender_rank", "receiver_rank", "source", "destination"),
+        [
+            # prefill TP 2 -> decode TP 1: each prefill rank fills its half of the heads
+            (KVHeads(4, 2, 2, 0), KVHeads(4, 4, 1, 0), (0, 2), (0, 2)),
+            (KVHeads(4, 2, 2, 1), KVHeads(4, 4, 1, 0), (0, 2), (2, 4)),
+            # prefill TP 1 -> decode TP 2: each decode rank takes its half of the heads
+            (KVHeads(4, 4, 1, 0), KVHeads(4, 2, 2, 1), (2, 4), (0, 2)),
+        ],
+        ids=["tp2-rank0-to-tp1", "tp2-rank1-to-tp1", "tp1-to-tp2-rank1"],
+    )
+    def test_a_write_between_views_moves_exactly_the_heads_they_name(
+        self,
+        new_endpoint: Callable[[str, KVBuffers], Transport],
+        sender_rank: KVHeads,
+        receiver_rank: KVHeads,
+        source: tuple[int, int],
+        destination: tuple[int, int],
+    ) -> None:
+        pair, _, _ = self._head_pair(new_endpoint, sender_rank, receiver_rank)
+        ours, theirs = [1, 2, 3], [5, 6, 0]
+        pair.sender.write_blocks(pair.receiver.agent_name, 4, ours, theirs, b"heads")
+        pump(
+            [pair.sender, pair.receiver],
+            lambda ev: WriteDone(4) in ev[0] and bool(messages(ev[1])),
+        )
+        (s0, s1), (d0, d1) = source, destination
+        for r in range(len(pair.sender_kv.geometry.regions)):
+            for o, t in zip(ours, theirs, strict=True):
+                got = pair.receiver_kv.block(r, t)
+                sent = pair.sender_kv.block(r, o)
+                assert (
+                    got[d0 * HEAD_BYTES : d1 * HEAD_BYTES]
+                    == sent[s0 * HEAD_BYTES : s1 * HEAD_BYTES]
+                ), f"region {r} block {t}: the heads did not land where the plan says"
+                rest = got[: d0 * HEAD_BYTES] + got[d1 * HEAD_BYTES :]
+                assert rest == bytes(len(rest)), f"region {r} block {t}: other heads written"
+            for b in (1, 2, 3, 4, 7):
+                assert pair.receiver_kv.block(r, b) == bytes(len(pair.receiver_kv.block(r, b)))
+
+    def test_a_rank_pair_that_shares_no_heads_moves_nothing_and_still_notifies(
+        self, new_endpoint: Callable[[str, KVBuffers], Transport]
+    ) -> None:
+        # Prefill TP 2 over 1 KV head: rank 1 holds a copy, which decode TP 1 takes
+        # from rank 0; rank 1's part is empty.
+        pair, ours, theirs = self._head_pair(new_endpoint, KVHeads(1, 1, 2, 1), KVHeads(1, 1, 1, 0))
+        assert {r.block_bytes for r in ours.regions + theirs.regions} == {0}
+        pair.sender.write_blocks(pair.receiver.agent_name, 5, [1, 2], [3, 4], b"nothing")
+        ev = pump(
+            [pair.sender, pair.receiver],
+            lambda ev: WriteDone(5) in ev[0] and bool(messages(ev[1])),
+        )
+        assert messages(ev[1]) == [MessageReceived(pair.sender.agent_name, b"nothing")]
+        for r in range(len(pair.receiver_kv.geometry.regions)):
+            for b in range(8):
+                assert pair.receiver_kv.block(r, b) == bytes(HEAD_BYTES)
 
     # ---------------------------------------------------------------- messages
     def test_messages_both_ways(self, pair: Pair) -> None:

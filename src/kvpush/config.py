@@ -40,7 +40,15 @@ class TimingConfig:
 
 
 # The fields of `CacheGeometry.compat_fields()`: what two peers' caches must agree on.
-COMPAT_FIELDS = ("protocol_version", "layout", "block_size_tokens", "dtype", "mode", "regions")
+COMPAT_FIELDS = (
+    "protocol_version",
+    "layout",
+    "block_size_tokens",
+    "dtype",
+    "mode",
+    "kv_heads",
+    "regions",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,8 @@ from typing import Any
 
 import msgspec
 
+from kvpush.topology import EngineShape, UnsupportedShape, plan_transfer
+
 # Bumped whenever the meaning of any wire message or the geometry changes.
 # 2: leases are measured on the receiver's clock (Register/Heartbeat `sent_at`, `echo`);
 # a version-1 sender would grant leases by arrival time, which a stall makes unsafe.
@@ -26,7 +28,14 @@ import msgspec
 # be dropped unread, so the side channel refuses the pair instead, saying why.
 # 4: the side channel's token is proven both ways (HMAC over a nonce) instead of sent in
 # clear (`kvpush.sidechannel.wire`); a version-3 peer's request is refused, saying why.
-PROTOCOL_VERSION = 4
+# 5: the geometry may say how its blocks hold KV heads (`KVHeads`), and compatibility
+# compares bytes per head, not per block; a version-4 peer would refuse (or, worse, write
+# whole blocks into) a decode rank of another tensor-parallel size.
+PROTOCOL_VERSION = 5
+
+# Layouts in which a block holds its KV heads one after another, each head one run of
+# bytes (`[H, N, C]` per block): where a rank can take a slice of another rank's heads.
+HEAD_SLICEABLE_LAYOUTS = ("vllm_packed/BHNC",)
 
 
 class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -39,12 +48,30 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     device: str = "cpu"  # "cpu" or "cuda:N"
 
 
+class KVHeads(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """How a rank's blocks hold the model's KV heads, for engines whose tensor-parallel
+    ranks split them (`kvpush.topology` has the rules). Every region's block holds
+    `per_rank` heads, each `Region.block_bytes // per_rank` bytes long."""
+
+    total: int  # KV heads of the model
+    per_rank: int  # heads in one block of every region of this rank
+    tp_size: int
+    tp_rank: int
+    replicated: bool = False  # every rank holds every head (MLA's latent cache)
+
+    def compat(self) -> dict[str, object]:
+        """What two engines of one model share, whatever their tensor parallelism."""
+        return {"total": self.total, "replicated": self.replicated}
+
+
 class CacheGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     layout: str  # e.g. "kv_separate/NHD" (kvcache.KVLayout names the legal values)
     block_size_tokens: int
     dtype: str  # torch dtype name, e.g. "bfloat16"
     regions: tuple[Region, ...]
     mode: str = "push"
+    # None: blocks are moved whole, rank r to rank r, and must be equal in bytes.
+    heads: KVHeads | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -63,15 +90,26 @@ class CacheGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     def total_bytes(self) -> int:
         return self.bytes_per_block * self.num_blocks
 
+    def region_unit_bytes(self, region: Region) -> int:
+        """The bytes of `region`'s block that must agree with a peer's: one head's where
+        the geometry knows its heads (ranks of other TP sizes hold other counts), else
+        the whole block's."""
+        if self.heads is None:
+            return region.block_bytes
+        return region.block_bytes // max(1, self.heads.per_rank)
+
     def compat_fields(self) -> dict[str, object]:
-        """What two peers must agree on; addresses and block counts may differ."""
+        """What two peers must agree on; addresses, block counts and (where the geometry
+        knows its heads) tensor-parallel sizes may differ. Regions are compared by the
+        bytes of one head per block then, with `kv_heads` the model's head count."""
         return {
             "protocol_version": PROTOCOL_VERSION,
             "layout": self.layout,
             "block_size_tokens": self.block_size_tokens,
             "dtype": self.dtype,
             "mode": self.mode,
-            "regions": [(r.name, r.layer, r.block_bytes) for r in self.regions],
+            "kv_heads": None if self.heads is None else self.heads.compat(),
+            "regions": [(r.name, r.layer, self.region_unit_bytes(r)) for r in self.regions],
         }
 
     def compat_hash(self) -> str:
@@ -125,7 +163,57 @@ def _describe_region_difference(theirs: Any, ours: Any) -> str:
     for i, (a, b) in enumerate(zip(theirs, ours, strict=True)):
         if tuple(a) != tuple(b):
             return (
-                f"regions differ first at #{i}: theirs (name, layer, block_bytes) = "
+                f"regions differ first at #{i}: theirs (name, layer, bytes per block or "
+                f"per head per block) = "
                 f"{tuple(a)}, ours {tuple(b)}"
             )
     return "regions differ"
+
+
+def write_views(ours: CacheGeometry, theirs: CacheGeometry) -> tuple[CacheGeometry, CacheGeometry]:
+    """What a write from our rank to theirs moves, as two geometries whose blocks are
+    exactly those bytes: the heads of each of our blocks it reads, and where they land in
+    each of theirs (`kvpush.topology`'s plan, with us the prefill). A transport writes
+    whole blocks of these views, so it needs to know nothing of heads.
+
+    Unchanged where the geometries do not know their heads (both, or compatibility
+    refused the pair) or hold the same heads. A rank pair the plan gives no heads to
+    gets views of empty blocks: its writes move nothing and still notify. Raises
+    `UnsupportedShape` for a pair the plan cannot carry, or a layout in which a block's
+    heads are not one run each."""
+    a, b = ours.heads, theirs.heads
+    if a is None or b is None or (a.tp_size, a.tp_rank) == (b.tp_size, b.tp_rank):
+        return ours, theirs
+    if ours.layout not in HEAD_SLICEABLE_LAYOUTS:
+        raise UnsupportedShape(
+            f"TP {a.tp_size} rank {a.tp_rank} and TP {b.tp_size} rank {b.tp_rank} exchange "
+            f"parts of blocks, which layout {ours.layout} does not hold as one run per head: "
+            f"expected one of {', '.join(HEAD_SLICEABLE_LAYOUTS)} (ask vLLM for LBHNC)"
+        )
+    plan = plan_transfer(
+        prefill=EngineShape(a.tp_size, ours.block_size_tokens),
+        decode=EngineShape(b.tp_size, theirs.block_size_tokens),
+        total_kv_heads=a.total,
+        replicated_kv=a.replicated,
+        bytes_per_head_per_block=1,
+    )
+    for s in plan.for_decode(b.tp_rank).sources:
+        if s.prefill_rank == a.tp_rank:
+            return (
+                _head_view(ours, s.first_head_in_prefill_rank, s.num_heads),
+                _head_view(theirs, s.first_head_in_decode_rank, s.num_heads),
+            )
+    return _head_view(ours, 0, 0), _head_view(theirs, 0, 0)
+
+
+def _head_view(geometry: CacheGeometry, first: int, count: int) -> CacheGeometry:
+    """`geometry` with each block cut down to heads `[first, first + count)` of it."""
+    regions = []
+    for r in geometry.regions:
+        per_head = geometry.region_unit_bytes(r)
+        regions.append(
+            msgspec.structs.replace(
+                r, base_addr=r.base_addr + first * per_head, block_bytes=count * per_head
+            )
+        )
+    return msgspec.structs.replace(geometry, regions=tuple(regions), heads=None)

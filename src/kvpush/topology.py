@@ -339,3 +339,24 @@ def _check_shapes(
             f"{both()}: the decode's block size ({decode.block_size_tokens} tokens) must be "
             f"a whole multiple of the prefill's ({prefill.block_size_tokens} tokens)"
         )
+
+
+def rank_pairs(prefill_tp: int, decode_tp: int) -> tuple[tuple[int, int], ...]:
+    """Every (prefill rank, decode rank) pair that carries a part of each request:
+    each prefill rank to the decode rank of its group (`d = p * D // P`) when the decode
+    has no more ranks, else each decode rank from its one source (`p = d * P // D`). A
+    pair whose heads the plan takes from another rank (GQA de-duplication) still carries
+    its part, of no bytes, so that both ranks hear the request end. Sizes that are not
+    whole multiples of each other are refused by `plan_transfer`, not here."""
+    if prefill_tp >= decode_tp:
+        return tuple((p, p * decode_tp // prefill_tp) for p in range(prefill_tp))
+    return tuple((d * prefill_tp // decode_tp, d) for d in range(decode_tp))
+
+
+def part_id(transfer_id: str, prefill_rank: int, decode_rank: int, *, rank_to_rank: bool) -> str:
+    """The transfer id of one rank pair's part of `transfer_id`, the same on both
+    sides: the id itself where every rank pairs with the rank of its number (equal TP),
+    else the id with both ranks (`xfer-1#0>1`: prefill rank 0 into decode rank 1)."""
+    if rank_to_rank:
+        return transfer_id
+    return f"{transfer_id}#{prefill_rank}>{decode_rank}"

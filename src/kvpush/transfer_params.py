@@ -29,6 +29,8 @@ from kvpush.errors import ConfigError
 from kvpush.net import unbracket_host
 
 MAX_TEXT_CHARS = 256
+# Tensor-parallel sizes in params beyond any deployment: refused, not planned for.
+MAX_TP_SIZE = 1024
 
 # The flags that say which shape a request's params have.
 REMOTE_PREFILL = "do_remote_prefill"
@@ -48,7 +50,9 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     remote_host: str
     remote_port: int
     remote_engine_id: str | None = None
-    tp_size: int | None = None
+    tp_size: int | None = None  # the prefill's tensor-parallel size
+    # The decode TP the prefill split the transfer for (its parts, one per rank pair).
+    decode_tp_size: int | None = None
 
     def to_params(self) -> dict[str, Any]:
         return {REMOTE_PREFILL: True, **msgspec.to_builtins(self)}
@@ -60,11 +64,15 @@ class RemoteDecode(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
 
     `decode_host`:`decode_port`: that decode server's side channel, when the proxy knows
     it: only a receiver that side channel serves may take the transfer (None: the first
-    one the prefill's side channel admits; see the README's trust model)."""
+    one the prefill's side channel admits; see the README's trust model).
+
+    `decode_tp_size`: that decode server's tensor-parallel size, which the prefill splits
+    the transfer for (None: the prefill's own)."""
 
     transfer_id: str | None = None
     decode_host: str | None = None
     decode_port: int | None = None
+    decode_tp_size: int | None = None
 
     def to_params(self) -> dict[str, Any]:
         return {REMOTE_DECODE: True, **msgspec.to_builtins(self)}
@@ -94,6 +102,7 @@ class PrefillAnswer(msgspec.Struct, frozen=True, kw_only=True):
     remote_num_tokens: int
     transfer_mode: str
     transfer_id: str
+    decode_tp_size: int  # the decode TP the transfer was split for
 
     def to_params(self) -> dict[str, Any]:
         out: dict[str, Any] = msgspec.to_builtins(self)
@@ -122,29 +131,21 @@ def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
     return bool(params and params.get(REMOTE_DECODE))
 
 
-def parse_remote_prefill(
-    params: Mapping[str, Any], our_tp_size: int | None = None
-) -> RemotePrefill:
-    """A decode request's params, checked; raises `BadTransferParams` naming the field.
-    `our_tp_size`: the receiving engine's tensor parallel size, which `tp_size` (when
-    given) must equal."""
+def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
+    """A decode request's params, checked; raises `BadTransferParams` naming the field."""
     tid = _text(params, "transfer_id", "the prefill server's answer carries it")
     host = _text(params, "remote_host", "the prefill server's side-channel host")
     port = _port(params, "remote_port")
     engine_id = params.get("remote_engine_id")
-    tp = params.get("tp_size")
-    if tp is not None and (not _is_int(tp) or (our_tp_size is not None and tp != our_tp_size)):
-        ours = f"{our_tp_size}" if our_tp_size is not None else "a positive integer"
-        raise BadTransferParams(
-            f"kv_transfer_params.tp_size is {tp!r} but this engine runs tensor parallel "
-            f"size {ours}: KvpushConnector moves KV between equal TP sizes only"
-        )
     return RemotePrefill(
         transfer_id=tid,
         remote_host=unbracket_host(host),
         remote_port=port,
         remote_engine_id=engine_id if isinstance(engine_id, str) else None,
-        tp_size=tp,
+        tp_size=_tp_size(params, "tp_size", "the prefill's tensor-parallel size"),
+        decode_tp_size=_tp_size(
+            params, "decode_tp_size", "the decode TP the prefill split the transfer for"
+        ),
     )
 
 
@@ -156,12 +157,26 @@ def parse_remote_decode(
     tid = None
     if params.get("transfer_id") is not None or require_transfer_id:
         tid = _text(params, "transfer_id", "the proxy sets it")
+    decode_tp = _tp_size(params, "decode_tp_size", "the decode server's tensor-parallel size")
     if params.get("decode_host") is None and params.get("decode_port") is None:
-        return RemoteDecode(transfer_id=tid)
+        return RemoteDecode(transfer_id=tid, decode_tp_size=decode_tp)
     hint = "the decode server's side-channel host, given with decode_port"
     host = _text(params, "decode_host", hint)
     return RemoteDecode(
-        transfer_id=tid, decode_host=unbracket_host(host), decode_port=_port(params, "decode_port")
+        transfer_id=tid,
+        decode_host=unbracket_host(host),
+        decode_port=_port(params, "decode_port"),
+        decode_tp_size=decode_tp,
+    )
+
+
+def _tp_size(params: Mapping[str, Any], key: str, hint: str) -> int | None:
+    value = params.get(key)
+    if value is None or (_is_int(value) and 0 < value <= MAX_TP_SIZE):
+        return value
+    raise BadTransferParams(
+        f"kv_transfer_params.{key} must be an integer in 1..{MAX_TP_SIZE} ({hint}), got "
+        f"{type(value).__name__} {value!r}"
     )
 
 

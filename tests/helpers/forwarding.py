@@ -33,9 +33,15 @@ class Forwarding(Transport):
         return self._inner.metadata()
 
     def add_peer(
-        self, peer: str, metadata: bytes, geometry: CacheGeometry, *, messages_only: bool = False
+        self,
+        peer: str,
+        metadata: bytes,
+        geometry: CacheGeometry,
+        *,
+        messages_only: bool = False,
+        ours: CacheGeometry | None = None,
     ) -> None:
-        self._inner.add_peer(peer, metadata, geometry, messages_only=messages_only)
+        self._inner.add_peer(peer, metadata, geometry, messages_only=messages_only, ours=ours)
 
     def remove_peer(self, peer: str) -> None:
         self._inner.remove_peer(peer)

@@ -31,7 +31,7 @@ from kvpush.errors import (
     RemoteProtocolError,
     TransportError,
 )
-from kvpush.geometry import CacheGeometry
+from kvpush.geometry import CacheGeometry, write_views
 from kvpush.protocol import (
     DropPeer,
     Effect,
@@ -51,6 +51,7 @@ from kvpush.runtime.probe import Probes
 from kvpush.runtime.scratch import ScratchBuffer
 from kvpush.runtime.values import RuntimeStatistics
 from kvpush.sidechannel import PeerMetadata
+from kvpush.topology import UnsupportedShape
 from kvpush.transports.base import (
     MessageReceived,
     PeerLost,
@@ -636,6 +637,14 @@ class Driver:
         )
         ours = meta.agent_name == self._transport.agent_name
         compatible = self._protocol.incompatibility(info.compat) is None
+        views = (self._geometry, meta.geometry)
+        if compatible and not ours:
+            try:
+                views = write_views(self._geometry, meta.geometry)
+            except UnsupportedShape as exc:
+                reason = FailureReason.INCOMPATIBLE_PEER
+                self._apply(self._protocol.handshake_failed(now, address, reason, str(exc)))
+                return
         if not ours:
             # An incompatible peer is loaded for messages only: never written to, but
             # told at once why its transfers fail, so it frees its blocks now.
@@ -644,8 +653,9 @@ class Driver:
                     self._transport.add_peer(
                         meta.agent_name,
                         meta.agent_metadata,
-                        meta.geometry,
+                        views[1],
                         messages_only=not compatible,
+                        ours=None if views[0] is self._geometry else views[0],
                     )
             except KVPushError as exc:
                 if compatible:
@@ -664,11 +674,19 @@ class Driver:
         if self._transport.has_peer(meta.agent_name):
             return
         compat = meta.geometry.compat_fields()
+        messages_only = self._protocol.incompatibility(compat) is not None
+        views = (self._geometry, meta.geometry)
+        if not messages_only:
+            try:
+                views = write_views(self._geometry, meta.geometry)
+            except UnsupportedShape:
+                messages_only = True  # the doctor's compatibility step names why
         self._transport.add_peer(
             meta.agent_name,
             meta.agent_metadata,
-            meta.geometry,
-            messages_only=self._protocol.incompatibility(compat) is not None,
+            views[1],
+            messages_only=messages_only,
+            ours=None if views[0] is self._geometry else views[0],
         )
         self._probe_peers.add(meta.agent_name)
 

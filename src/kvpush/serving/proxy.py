@@ -68,6 +68,9 @@ class _Instance:
     info: dict[str, Any] | None = None
     # Given up front (a vLLM server's /health tells no side channel): never refetched.
     fixed_info: dict[str, Any] | None = None
+    # A decode server's tensor-parallel size, when given: the prefill splits each
+    # transfer into one part per pair of ranks for it (None: the prefill's own TP).
+    tp_size: int | None = None
 
 
 @dataclass(slots=True)
@@ -131,12 +134,21 @@ def create_proxy_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     prefill_side_channels: Sequence[tuple[str, int]] | None = None,
     decode_side_channels: Sequence[tuple[str, int]] | None = None,
+    decode_tp_sizes: Sequence[int] | None = None,
     token: str | None = None,
 ) -> FastAPI:
     if not prefill_urls or not decode_urls:
         raise ValueError("a proxy needs at least one prefill and one decode server")
     prefill = _pool("prefill", prefill_urls, prefill_side_channels)
     decode = _pool("decode", decode_urls, decode_side_channels)
+    if decode_tp_sizes is not None:
+        if len(decode_tp_sizes) != len(decode_urls):
+            raise ValueError(
+                f"{len(decode_tp_sizes)} decode TP sizes for {len(decode_urls)} decode "
+                "servers: give one per server, in the same order"
+            )
+        for inst, tp in zip(decode.instances, decode_tp_sizes, strict=True):
+            inst.tp_size = tp
     routes = ProxyRoutes(
         prefill, decode, timeout_s=timeout_s, max_body_bytes=max_body_bytes, token=token
     )
@@ -328,7 +340,12 @@ class ProxyRoutes:
         if p_inst.fixed_info is not None:
             p_body["max_tokens"] = 1  # a vLLM prefill server computes what it is asked
         decode_host, decode_port = to_decode or (None, None)
-        named = RemoteDecode(transfer_id=tid, decode_host=decode_host, decode_port=decode_port)
+        named = RemoteDecode(
+            transfer_id=tid,
+            decode_host=decode_host,
+            decode_port=decode_port,
+            decode_tp_size=d_inst.tp_size,
+        )
         p_body["kv_transfer_params"] = named.to_params()
         lease = _Lease(p_inst, d_inst)
         legs = _Legs(self, request, path, tid, body.get("stream") is True, lease)
@@ -630,6 +647,7 @@ def run_proxy(
     *,
     prefill_side_channels: Sequence[tuple[str, int]] | None = None,
     decode_side_channels: Sequence[tuple[str, int]] | None = None,
+    decode_tp_sizes: Sequence[int] | None = None,
     token: str | None = None,
 ) -> int:
     import uvicorn
@@ -641,6 +659,7 @@ def run_proxy(
         decode_urls,
         prefill_side_channels=prefill_side_channels,
         decode_side_channels=decode_side_channels,
+        decode_tp_sizes=decode_tp_sizes,
         token=token,
     )
     server = uvicorn.Server(

@@ -89,9 +89,22 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def add_peer(
-        self, peer: str, metadata: bytes, geometry: CacheGeometry, *, messages_only: bool = False
+        self,
+        peer: str,
+        metadata: bytes,
+        geometry: CacheGeometry,
+        *,
+        messages_only: bool = False,
+        ours: CacheGeometry | None = None,
     ) -> None:
         """Load a peer and prepare descriptors for its regions, once per incarnation.
+
+        `geometry` says where writes to the peer land, `ours` what they read (None: our
+        registered cache): where ranks of different tensor parallelism exchange parts
+        of blocks, both are views whose blocks are exactly those bytes
+        (`kvpush.geometry.write_views`), inside the memory each side registered. Blocks
+        of 0 bytes (a rank pair that shares no heads) move nothing; their writes still
+        notify.
 
         `messages_only`: load it only to send it control messages, because the protocol
         refused its cache (so that it hears why at once); nothing is prepared for writes,

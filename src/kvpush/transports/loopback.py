@@ -445,6 +445,7 @@ class _Peer:
     name: str
     incarnation: str
     geometry: CacheGeometry
+    source: CacheGeometry  # what writes to it read: our cache, or a view of it
     writable: bool = True  # False: added for messages only
 
 
@@ -596,7 +597,13 @@ class LoopbackTransport(Transport):
         return _METADATA_PREFIX + f"{self._name}\n{ep.incarnation}".encode()
 
     def add_peer(
-        self, peer: str, metadata: bytes, geometry: CacheGeometry, *, messages_only: bool = False
+        self,
+        peer: str,
+        metadata: bytes,
+        geometry: CacheGeometry,
+        *,
+        messages_only: bool = False,
+        ours: CacheGeometry | None = None,
     ) -> None:
         self._check_open()
         if self._geometry is None:
@@ -626,8 +633,16 @@ class LoopbackTransport(Transport):
                 FailureReason.HANDSHAKE_FAILED,
                 f"agent {peer} is not reachable on the loopback fabric (gone or restarted)",
             )
+        source = self._geometry if ours is None else ours
         if not messages_only:
-            check_region_fits(self._geometry, geometry, peer)
+            check_region_fits(source, geometry, peer)
+            for region in source.regions:
+                if not _region_inside(region, self._geometry):
+                    raise TransportError(
+                        FailureReason.LOCAL_ERROR,
+                        f"region {region.name} of the view we would write to {peer} from is "
+                        "not inside the memory we registered",
+                    )
             for region in geometry.regions:
                 if not _region_inside(region, ep.geometry):
                     raise TransportError(
@@ -636,7 +651,7 @@ class LoopbackTransport(Transport):
                     )
         if peer in self._peers:
             self.remove_peer(peer)
-        self._peers[peer] = _Peer(peer, incarnation, geometry, writable=not messages_only)
+        self._peers[peer] = _Peer(peer, incarnation, geometry, source, writable=not messages_only)
         self._fabric._note_added(self._name, peer, True)
 
     def remove_peer(self, peer: str) -> None:
@@ -756,7 +771,7 @@ class LoopbackTransport(Transport):
             )
         nbytes = 0
         for r in w.regions:
-            ours, theirs = self._geometry.regions[r], peer.geometry.regions[r]
+            ours, theirs = peer.source.regions[r], peer.geometry.regions[r]
             for run in runs:
                 nbytes += _copy_run(ours, theirs, run)
         if fault is not None:

@@ -134,6 +134,17 @@ class _Peer:
     region_rows: npt.NDArray[np.int32] = dataclasses.field(
         default_factory=lambda: np.zeros(0, dtype=np.int32)
     )
+    # What writes to it read, where that is a view of our cache (parts of blocks, for a
+    # rank of another TP size): its own descriptors and prepared list; None: the cache's.
+    source_descriptors: npt.NDArray[np.uint64] | None = None
+    source_dlist: Any = None
+    # Bytes each region's block moves (the view's); empty: our regions' whole blocks.
+    region_bytes: tuple[int, ...] = ()
+
+    @property
+    def moves_nothing(self) -> bool:
+        """Its blocks are 0 bytes: the rank pair shares no heads."""
+        return bool(self.region_bytes) and not any(self.region_bytes)
 
 
 class _WriteCalls:
@@ -257,7 +268,6 @@ class NixlTransport(Transport):
         self._region_bytes: tuple[int, ...] = ()
         self._num_blocks = 0
         self._region_rows: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)
-        self._bytes_per_block = 0
         self._regions_adjacent = False
         self._scratch: ScratchRegion | None = None
         self._peers: dict[str, _Peer] = {}
@@ -373,7 +383,6 @@ class NixlTransport(Transport):
             geometry.num_blocks
         )
         self._region_bytes = tuple(r.block_bytes for r in geometry.regions)
-        self._bytes_per_block = sum(self._region_bytes)
         # Whether one block's descriptors could ever merge across regions: only if the
         # spans of two regions touch or interleave (K and V in one tensor, say). Separate
         # allocations never do, and a one-block write then skips the merge count.
@@ -409,15 +418,22 @@ class NixlTransport(Transport):
         return bytes(agent.get_agent_metadata())
 
     def add_peer(
-        self, peer: str, metadata: bytes, geometry: CacheGeometry, *, messages_only: bool = False
+        self,
+        peer: str,
+        metadata: bytes,
+        geometry: CacheGeometry,
+        *,
+        messages_only: bool = False,
+        ours: CacheGeometry | None = None,
     ) -> None:
         agent = self._live_agent()
         if self._geometry is None:
             raise LocalProtocolError(
                 f"NIXL endpoint {self._name}: register_memory() before add_peer()"
             )
+        source = self._geometry if ours is None else ours
         if not messages_only:
-            check_region_fits(self._geometry, geometry, peer)
+            check_region_fits(source, geometry, peer)
         if peer in self._peers:
             self.remove_peer(peer)
         try:
@@ -438,6 +454,14 @@ class NixlTransport(Transport):
         if messages_only:
             self._peers[peer] = _Peer(peer, geometry, None, None)
             return
+        rows = np.arange(len(geometry.regions), dtype=np.int32) * np.int32(geometry.num_blocks)
+        region_bytes = tuple(r.block_bytes for r in source.regions)
+        if region_bytes and not any(region_bytes):
+            # A rank pair that shares no heads: nothing to describe, writes only notify.
+            self._peers[peer] = _Peer(
+                peer, geometry, np.zeros((0, 3), np.uint64), None, rows, region_bytes=region_bytes
+            )
+            return
         descriptors = block_descriptors(geometry)
         try:
             their_type = geometry_memory_type(geometry)
@@ -448,8 +472,22 @@ class NixlTransport(Transport):
                 FailureReason.HANDSHAKE_FAILED,
                 f"the regions {peer} published are not memory it registered with NIXL: {exc!r}",
             ) from exc
-        rows = np.arange(len(geometry.regions), dtype=np.int32) * np.int32(geometry.num_blocks)
-        self._peers[peer] = _Peer(peer, geometry, descriptors, dlist, rows)
+        state = _Peer(peer, geometry, descriptors, dlist, rows, region_bytes=region_bytes)
+        if ours is not None:
+            state.source_descriptors = block_descriptors(ours)
+            try:
+                state.source_dlist = agent.prep_xfer_dlist(
+                    _LOCAL, state.source_descriptors, self._mem_type, [self._backend]
+                )
+            except Exception as exc:
+                _release_quietly(dlist)
+                _quietly(agent.remove_remote_agent, peer)
+                raise TransportError(
+                    FailureReason.LOCAL_ERROR,
+                    f"the part of our blocks we would write to {peer} is not memory we "
+                    f"registered with NIXL: {exc!r}",
+                ) from exc
+        self._peers[peer] = state
 
     def remove_peer(self, peer: str) -> None:
         state = self._peers.pop(peer, None)
@@ -463,8 +501,9 @@ class NixlTransport(Transport):
                 self._events.append(
                     WriteFailed(write_id, FailureReason.PEER_GONE, f"peer {peer} was removed")
                 )
-        if state.dlist is not None:
-            _release_quietly(state.dlist)
+        for dlist in (state.dlist, state.source_dlist):
+            if dlist is not None:
+                _release_quietly(dlist)
         if self._agent is not None:
             _quietly(self._agent.remove_remote_agent, peer)
 
@@ -487,6 +526,23 @@ class NixlTransport(Transport):
             raise TransportError(
                 FailureReason.UNKNOWN_PEER, f"write to {peer}: peer was not added (add_peer)"
             )
+        if target.moves_nothing:
+            # The rank pair shares no heads: the write moves nothing, and still notifies.
+            validate_write(
+                self._geometry,
+                target.geometry,
+                peer,
+                our_blocks,
+                their_blocks,
+                regions,
+                notification,
+            )
+            if notification is not None:
+                self._send_notif(peer, bytes(notification))
+            self._writes_posted += 1
+            self._writes_done += 1
+            self._events.append(WriteDone(write_id))
+            return
         if target.dlist is None or target.descriptors is None:
             raise TransportError(
                 FailureReason.UNKNOWN_PEER,
@@ -550,7 +606,8 @@ class NixlTransport(Transport):
         calls = self._calls
         assert calls is not None  # set with the agent
         try:
-            handle = calls.make(self._our_dlist, our_index, target.dlist, their_index, notif)
+            ours = self._our_dlist if target.source_dlist is None else target.source_dlist
+            handle = calls.make(ours, our_index, target.dlist, their_index, notif)
         except Exception as exc:
             # The arguments were checked above: what fails here is the data plane.
             self._writes_posted += 1
@@ -566,10 +623,10 @@ class NixlTransport(Transport):
             self._events.append(WriteFailed(write_id, reason, f"NIXL refused the write: {exc!r}"))
             return
         self._writes_posted += 1
-        if len(our_index) == len(self._region_bytes) * num_blocks:
-            self._bytes_posted += self._bytes_per_block * num_blocks
+        rb, nb = target.region_bytes or self._region_bytes, self._num_blocks
+        if len(our_index) == len(rb) * num_blocks:
+            self._bytes_posted += sum(rb) * num_blocks
         else:
-            rb, nb = self._region_bytes, self._num_blocks
             self._bytes_posted += sum(rb[int(i) // nb] for i in our_index)
         self._last_block_descriptors = len(our_index)
         # Descriptors of one block are in separate allocations unless regions touch: a
@@ -577,9 +634,12 @@ class NixlTransport(Transport):
         merged = len(our_index)
         if self._merge and (num_blocks > 1 or self._regions_adjacent):
             assert target.descriptors is not None
-            merged = merged_descriptor_count(
-                self._our_descriptors, target.descriptors, our_index, their_index
+            source = (
+                self._our_descriptors
+                if target.source_descriptors is None
+                else target.source_descriptors
             )
+            merged = merged_descriptor_count(source, target.descriptors, our_index, their_index)
         self._last_descriptors = merged
         self._descriptors_posted += merged
         if state == "ERR":

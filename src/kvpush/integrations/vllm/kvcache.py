@@ -20,8 +20,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from kvpush.errors import KVLayoutError
-from kvpush.geometry import CacheGeometry, Region
+from kvpush.geometry import CacheGeometry, KVHeads, Region
 from kvpush.kvcache import KVLayout, dtype_name, register_kv_cache, storage_shortfall
 
 if TYPE_CHECKING:
@@ -33,20 +35,24 @@ LAYOUT_PREFIX = "vllm_packed/"
 
 
 def register_vllm_kv_caches(
-    kv_caches: Mapping[str, torch.Tensor], block_size_tokens: int
+    kv_caches: Mapping[str, torch.Tensor],
+    block_size_tokens: int,
+    heads: KVHeads | None = None,
 ) -> CacheGeometry:
     """The geometry of vLLM's KV cache, from the tensors' own shapes, strides and storage.
 
     Packed per-layer tensors (`[B, H, N, C]`) become one region per layer; tensors of
     kvpush's 5-D layouts (`[2, B, N, H, D]`, `[B, 2, ...]`) go to
-    `kvpush.kvcache.register_kv_cache`."""
+    `kvpush.kvcache.register_kv_cache`. `heads`: how this rank's blocks hold the model's
+    KV heads (from vLLM's config), checked against the tensors' head axis."""
     if not kv_caches:
         raise KVLayoutError("vLLM handed an empty KV cache: expected at least one layer")
     first = next(iter(kv_caches.values()))
     if first.dim() == 5:
-        return register_kv_cache(
-            kv_caches, _five_d_layout(first, block_size_tokens), block_size_tokens
-        )
+        layout = _five_d_layout(first, block_size_tokens)
+        geometry = register_kv_cache(kv_caches, layout, block_size_tokens)
+        head_axis = 3 if layout.token_order == "NHD" else 2
+        return _with_heads(geometry, heads, int(first.shape[head_axis]), next(iter(kv_caches)))
     regions: list[Region] = []
     reference: _Packed | None = None
     for index, (name, tensor) in enumerate(kv_caches.items()):
@@ -55,12 +61,27 @@ def register_vllm_kv_caches(
         reference = reference or facts
         regions.append(facts.region())
     assert reference is not None
-    return CacheGeometry(
+    geometry = CacheGeometry(
         layout=LAYOUT_PREFIX + reference.physical_order(),
         block_size_tokens=block_size_tokens,
         dtype=dtype_name(reference.tensor.dtype),
         regions=tuple(regions),
     )
+    return _with_heads(geometry, heads, int(reference.tensor.shape[1]), reference.name)
+
+
+def _with_heads(
+    geometry: CacheGeometry, heads: KVHeads | None, tensor_heads: int, layer: str
+) -> CacheGeometry:
+    if heads is None:
+        return geometry
+    if tensor_heads != heads.per_rank:
+        raise KVLayoutError(
+            f"layer {layer!r}: its blocks hold {tensor_heads} KV heads, but this rank "
+            f"(TP rank {heads.tp_rank} of {heads.tp_size}, {heads.total} KV heads in the "
+            f"model{', replicated' if heads.replicated else ''}) should hold {heads.per_rank}"
+        )
+    return msgspec.structs.replace(geometry, heads=heads)
 
 
 def _five_d_layout(tensor: torch.Tensor, block_size_tokens: int) -> KVLayout:

@@ -43,6 +43,10 @@ class ConnectorConfig:
     token: str | None
     timing: TimingConfig
     tp_size: int
+    # The model's KV heads (all ranks together), and whether every rank holds them all
+    # (MLA's latent cache): with tp_size, how a rank's blocks hold heads.
+    total_kv_heads: int
+    use_mla: bool
     pp_size: int
     dcp_size: int
     block_size_tokens: int
@@ -127,6 +131,8 @@ class ConnectorConfig:
             token=load_token(Path(token_file) if token_file else None),
             timing=timing,
             tp_size=int(parallel.tensor_parallel_size),
+            total_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
+            use_mla=bool(getattr(vllm_config.model_config, "use_mla", False)),
             pp_size=int(parallel.pipeline_parallel_size),
             dcp_size=int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
             block_size_tokens=int(vllm_config.cache_config.block_size),
@@ -172,19 +178,29 @@ class ConnectorConfig:
         return self.role in ("receiver", "both")
 
 
-def prefill_transfer(
-    params: Mapping[str, Any], engine_id: str
-) -> tuple[str, tuple[str, int] | None]:
-    """A prefill request's transfer id (the proxy's, or a fresh one we answer with) and
-    the decode server's side channel the proxy named, if it did. Params that cannot be
-    read (vLLM cannot refuse a request at this point) give a fresh id and no decode."""
+@dataclass(frozen=True, slots=True)
+class PrefillTransfer:
+    """What a prefill request's params say of its transfer."""
+
+    transfer_id: str  # the proxy's, or a fresh one the prefill answers with
+    decode: tuple[str, int] | None  # the decode server's side channel, if named
+    decode_tp_size: int  # the decode TP to split the transfer for (default: ours)
+
+
+def prefill_transfer(params: Mapping[str, Any], config: ConnectorConfig) -> PrefillTransfer:
+    """A prefill request's transfer, from its params. Params that cannot be read (vLLM
+    cannot refuse a request at this point) give a fresh id, no decode and our TP: the
+    decode server refuses a transfer split for another TP than its own, saying so."""
     try:
         params_read = parse_remote_decode(params)
     except BadTransferParams as exc:
         log.warning("%s: the transfer gets a fresh id", exc)
         params_read = RemoteDecode()
-    tid = params_read.transfer_id or f"{engine_id}-{uuid.uuid4().hex}"
-    return tid, params_read.decode_server()
+    return PrefillTransfer(
+        params_read.transfer_id or f"{config.engine_id}-{uuid.uuid4().hex}",
+        params_read.decode_server(),
+        params_read.decode_tp_size or config.tp_size,
+    )
 
 
 def prefill_answer(
@@ -194,6 +210,7 @@ def prefill_answer(
     request_id: str,
     block_ids: list[int],
     num_tokens: int,
+    decode_tp_size: int,
 ) -> dict[str, Any]:
     """What the prefill server returns: the NIXL connectors' fields, plus transfer_id."""
     return PrefillAnswer(
@@ -210,7 +227,8 @@ def prefill_answer(
         remote_num_tokens=num_tokens,
         transfer_mode="push",
         transfer_id=transfer_id,
+        decode_tp_size=decode_tp_size,
     ).to_params()
 
 
-__all__ = ["ConnectorConfig", "prefill_answer", "prefill_transfer"]
+__all__ = ["ConnectorConfig", "PrefillTransfer", "prefill_answer", "prefill_transfer"]

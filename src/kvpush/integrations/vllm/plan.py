@@ -2,7 +2,8 @@
 
 - `StepPlan` (scheduler -> every worker, once per engine step): the transfers to start,
   refuse or abort on this step. Each worker rank carries out the same plan with its own
-  runtime, towards the same rank of the peer.
+  runtime, towards the ranks of the peer it pairs with (`kvpush.topology.rank_pairs`:
+  the rank of the same number where the TP sizes are equal), one part per pair.
 - `StepResults` (worker -> vLLM, every step): the requests whose transfers ended.
 
 `kvpush.integrations.vllm.metadata` wraps the plan into vLLM's own connector metadata
@@ -26,6 +27,9 @@ class Receive:
     port: int
     blocks: tuple[int, ...]
     sender_offset: int
+    # The prefill's TP, and the decode TP it split the transfer for (None: ours).
+    sender_tp_size: int | None = None
+    split_for_tp: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +42,8 @@ class Refuse:
     host: str
     port: int
     detail: str
+    sender_tp_size: int | None = None  # as in `Receive`
+    split_for_tp: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +64,7 @@ class Send:
     cancel: bool = False
     layerwise: bool = False
     decode: tuple[str, int] | None = None
+    decode_tp_size: int | None = None  # the decode TP to split it for (None: ours)
 
 
 @dataclass

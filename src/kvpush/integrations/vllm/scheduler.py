@@ -78,6 +78,8 @@ class SchedulerSide:
         self._planned: set[str] = set()
         # Prefill: requests whose blocks are held for a transfer, request id -> transfer id.
         self._sending: dict[str, str] = {}
+        # Prefill: the decode TP each of those transfers was split for (its answer says).
+        self._split_for: dict[str, int] = {}
         # Prefill, layer-wise: requests that may be pushed layer by layer once the step
         # computing their last prompt tokens is scheduled; then those opened early,
         # request id -> their blocks; and those whose transfer ended before the request
@@ -158,7 +160,7 @@ class SchedulerSide:
         assert params is not None
         self._planned.add(rid)
         try:
-            remote = parse_remote_prefill(params, self._config.tp_size)
+            remote = parse_remote_prefill(params)
         except BadTransferParams as exc:
             # vLLM has no way to refuse a request here; it waits for KV that never
             # comes unless the worker reports it failed: it does, on the next step.
@@ -175,13 +177,29 @@ class SchedulerSide:
         total = _cdiv(len(request.prompt_token_ids or ()), bs)
         ours = tuple(blocks.get_block_ids()[0][offset:total])
         self._plan.receives.append(
-            Receive(rid, remote.transfer_id, remote.remote_host, remote.remote_port, ours, offset)
+            Receive(
+                rid,
+                remote.transfer_id,
+                remote.remote_host,
+                remote.remote_port,
+                ours,
+                offset,
+                remote.tp_size,
+                remote.decode_tp_size,
+            )
         )
         self._receiving[rid] = remote.transfer_id
 
     def _refuse(self, remote: RemotePrefill, detail: str) -> None:
         self._plan.refusals.append(
-            Refuse(remote.transfer_id, remote.remote_host, remote.remote_port, detail)
+            Refuse(
+                remote.transfer_id,
+                remote.remote_host,
+                remote.remote_port,
+                detail,
+                remote.tp_size,
+                remote.decode_tp_size,
+            )
         )
 
     # ----------------------------------------------------------------- both
@@ -208,7 +226,7 @@ class SchedulerSide:
             # Never scheduled: tell the sender now instead of letting it wait.
             assert params is not None
             try:
-                remote = parse_remote_prefill(params, self._config.tp_size)
+                remote = parse_remote_prefill(params)
             except BadTransferParams:
                 return False, None
             self._refuse(remote, "the decode request ended before it was scheduled")
@@ -224,20 +242,31 @@ class SchedulerSide:
         early = self._opened_early.pop(rid, None)
         if early is not None:
             return self._finished_early(rid, early, num_tokens, computed)
-        tid, decode = prefill_transfer(params, self._config.engine_id)
+        xfer = prefill_transfer(params, self._config)
         ours = tuple(block_ids[: _cdiv(num_tokens, self._config.block_size_tokens)])
         if not ours:
             return False, None
-        self._plan.sends.append(Send(rid, tid, ours, cancel=not computed, decode=decode))
-        self._sending[rid] = tid
+        self._plan.sends.append(
+            Send(
+                rid,
+                xfer.transfer_id,
+                ours,
+                cancel=not computed,
+                decode=xfer.decode,
+                decode_tp_size=xfer.decode_tp_size,
+            )
+        )
+        self._sending[rid] = xfer.transfer_id
+        self._split_for[rid] = xfer.decode_tp_size
         if not computed:
             return True, None
         return True, prefill_answer(
             self._config,
-            transfer_id=tid,
+            transfer_id=xfer.transfer_id,
             request_id=rid,
             block_ids=list(ours),
             num_tokens=num_tokens,
+            decode_tp_size=xfer.decode_tp_size,
         )
 
     def _finished_early(
@@ -249,10 +278,12 @@ class SchedulerSide:
             # free the blocks now. Computed, its KV went (or failed) as reported.
             self._ended_early.discard(rid)
             tid = self._sending.pop(rid)
+            split = self._split_for.pop(rid, self._config.tp_size)
             if not computed:
                 return False, None
         else:
             tid = self._sending[rid]
+            split = self._split_for.get(rid, self._config.tp_size)
             if not computed:
                 self._plan.aborts.append(tid)
                 return True, None
@@ -262,6 +293,7 @@ class SchedulerSide:
             request_id=rid,
             block_ids=list(blocks),
             num_tokens=num_tokens,
+            decode_tp_size=split,
         )
         return rid in self._sending, answer
 
@@ -288,9 +320,19 @@ class SchedulerSide:
             if not blocks:
                 continue  # offered whole when it finishes, as without layer-wise push
             assert request.kv_transfer_params is not None
-            tid, decode = prefill_transfer(request.kv_transfer_params, self._config.engine_id)
-            plan.sends.append(Send(rid, tid, blocks, layerwise=True, decode=decode))
-            self._sending[rid] = tid
+            xfer = prefill_transfer(request.kv_transfer_params, self._config)
+            plan.sends.append(
+                Send(
+                    rid,
+                    xfer.transfer_id,
+                    blocks,
+                    layerwise=True,
+                    decode=xfer.decode,
+                    decode_tp_size=xfer.decode_tp_size,
+                )
+            )
+            self._sending[rid] = xfer.transfer_id
+            self._split_for[rid] = xfer.decode_tp_size
             self._opened_early[rid] = blocks
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -302,6 +344,7 @@ class SchedulerSide:
             self._ended_early |= early
         for rid in output.finished_sending or ():
             self._sending.pop(rid, None)
+            self._split_for.pop(rid, None)
         for rid in output.finished_recving or ():
             self._receiving.pop(rid, None)
 

@@ -1,18 +1,26 @@
 """The worker half of `KvpushConnector`: one `PushRuntime` per worker rank.
 
 Each vLLM worker process (one per tensor-parallel rank) registers its own KV cache and
-runs its own runtime over its own NIXL agent (a `kvpush.node.Rank`); rank r of a decode
-engine registers with rank r of the prefill engine (homogeneous TP), through the prefill
-engine's one side channel, which answers by rank. The worker carries out the scheduler's
-`StepPlan` on the runtime at the start of each step and turns what the runtime reports
-into vLLM's transfer results:
+runs its own runtime over its own NIXL agent (a `kvpush.node.Rank`), through the prefill
+engine's one side channel, which answers by rank. A request's transfer is one part per
+pair of ranks that exchange its KV (`kvpush.topology.rank_pairs`): with equal TP sizes
+rank r with rank r, the part being the transfer itself; with a prefill at TP 2 and a
+decode at TP 1, the decode rank receives two parts, one from each prefill rank, each
+filling its half of the heads of every block (`kvpush.geometry.write_views`). Each part
+is a runtime transfer of its own (`kvpush.topology.part_id`), with all its guarantees.
+The worker carries out the scheduler's `StepPlan` on the runtime at the start of each
+step and turns what the runtime reports into vLLM's transfer results, once per request:
 
-- a receive that ended is in `finished_recving`; a failed one also in `failed_recving`
-  (vLLM then applies `kv_load_failure_policy`). Exactly once, because the runtime
-  reports every transfer exactly once, and only when kvpush no longer touches the
-  blocks (a receiver that gave up waits for the sender's acknowledgement or the fence).
-- a send that ended, either way, is in `finished_sending`: vLLM frees the prefill's
-  blocks then, never while a write still reads them.
+- a receive that ended is in `finished_recving` once every part of it ended; a failed
+  one also in `failed_recving` (vLLM then applies `kv_load_failure_policy`). The first
+  part that fails aborts the others at once, and the request is reported only when all
+  have ended: the runtime reports each part exactly once, and only when kvpush no longer
+  touches its blocks (a receiver that gave up waits for the sender's acknowledgement or
+  the fence), so no part writes into a block after its request's result.
+- a send that ended, either way, is in `finished_sending`, once every part ended: vLLM
+  frees the prefill's blocks then, never while a write of any part still reads them.
+- a transfer the prefill split for another decode TP than this engine's is refused at
+  once, each of its parts (the prefill frees its blocks), and fails, saying so.
 
 Layer-wise push: a `Send(layerwise=True)` is opened with no layer ready on the step that
 computes the request's last prompt tokens, before its first layer is saved (vLLM may call
@@ -36,12 +44,15 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from kvpush.errors import FailureReason, KVPushError
+from kvpush.geometry import KVHeads
 from kvpush.integrations.vllm.kvcache import register_vllm_kv_caches
-from kvpush.integrations.vllm.plan import Send, StepPlan, StepResults
+from kvpush.integrations.vllm.plan import Receive, Refuse, Send, StepPlan, StepResults
 from kvpush.node import NodeIdentity, Rank, RankSettings, TransportFactory, nixl_transport
+from kvpush.topology import part_id, rank_heads, rank_pairs
 
 if TYPE_CHECKING:
     import torch
@@ -58,6 +69,19 @@ def _receiver(snd: Send) -> PeerAddress | None:
     from kvpush.runtime import PeerAddress
 
     return None if snd.decode is None else PeerAddress(*snd.decode)
+
+
+@dataclass(slots=True)
+class _Request:
+    """One request's transfer on this rank: its parts (one per rank pair), not ended
+    yet; it ends once all have, failed if any did."""
+
+    request_id: str
+    started: float
+    parts: set[str]
+    num_parts: int
+    failure: str | None = None  # the first part's failure, if any
+    ended: list[TransferResult] = field(default_factory=list)
 
 
 class WorkerStats(Protocol):
@@ -96,10 +120,11 @@ class WorkerSide(Generic[S]):
         self._node_rank: Rank | None = None
         self._runtime: PushRuntime | None = None
         self._bytes_per_block = 0
-        # transfer id -> (request id, when it started, blocks), per side
-        # transfer id -> (request id, when it started)
-        self._receiving: dict[str, tuple[str, float]] = {}
-        self._sending: dict[str, tuple[str, float]] = {}
+        # Per side: transfer id -> the request's transfer; and each part's transfer id
+        # -> the transfer id it is a part of.
+        self._receiving: dict[str, _Request] = {}
+        self._sending: dict[str, _Request] = {}
+        self._part_of: dict[tuple[str, str], str] = {}
         # Ended at the call, reported with the next results: request id -> reason.
         self._failed_at_once: dict[str, str] = {}
         self._sent_at_once: set[str] = set()
@@ -117,7 +142,15 @@ class WorkerSide(Generic[S]):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         cfg = self._config
-        geometry = register_vllm_kv_caches(kv_caches, cfg.block_size_tokens)
+        held = rank_heads(self._rank, cfg.tp_size, cfg.total_kv_heads, cfg.use_mla)
+        heads = KVHeads(
+            total=cfg.total_kv_heads,
+            per_rank=held.num_heads,
+            tp_size=cfg.tp_size,
+            tp_rank=self._rank,
+            replicated=cfg.use_mla,
+        )
+        geometry = register_vllm_kv_caches(kv_caches, cfg.block_size_tokens, heads)
         if cfg.switch_interval_ms is not None:
             sys.setswitchinterval(cfg.switch_interval_ms / 1000)
         self._bytes_per_block = geometry.bytes_per_block
@@ -165,55 +198,142 @@ class WorkerSide(Generic[S]):
 
     def start_step(self, plan: StepPlan) -> None:
         """Carry out the scheduler's plan for this step (called once per step)."""
-        from kvpush.runtime import PeerAddress
-
-        runtime = self._require_runtime()
+        self._require_runtime()
         self._idle = plan.idle
         self._open_layerwise(plan)
         now = time.monotonic()
         for rcv in plan.receives:
-            if not rcv.transfer_id:
-                self._failed_at_once[rcv.request_id] = "unusable kv_transfer_params"
-                continue
-            sender = PeerAddress(rcv.host, rcv.port, self._rank)
-            try:
-                runtime.receive(
-                    rcv.transfer_id, sender, rcv.blocks, sender_offset=rcv.sender_offset
-                )
-            except KVPushError as exc:
-                log.error("request %s: cannot receive %s: %s", rcv.request_id, rcv.transfer_id, exc)
-                self._failed_at_once[rcv.request_id] = f"{type(exc).__name__}: {exc}"
-                continue
-            self._receiving[rcv.transfer_id] = (rcv.request_id, now)
+            self._receive(rcv, now)
         for ref in plan.refusals:
-            try:
-                runtime.reject(
-                    ref.transfer_id, PeerAddress(ref.host, ref.port, self._rank), ref.detail
-                )
-            except KVPushError as exc:
-                log.warning("could not refuse transfer %s: %s", ref.transfer_id, exc)
+            self._refuse(ref)
         for snd in plan.sends:
             if snd.layerwise:
                 continue  # opened by _open_layerwise
-            try:
-                runtime.send(
-                    snd.transfer_id,
-                    snd.blocks,
-                    ready_layers=[] if snd.cancel else None,
-                    receiver=_receiver(snd),
-                )
-                if snd.cancel:
-                    runtime.abort(snd.transfer_id)
-            except KVPushError as exc:
-                log.error("request %s: cannot send %s: %s", snd.request_id, snd.transfer_id, exc)
-                self._sent_at_once.add(snd.request_id)
+            if not self._send(snd, [] if snd.cancel else None, now):
                 continue
-            self._sending[snd.transfer_id] = (snd.request_id, now)
-            if not snd.cancel:
+            if snd.cancel:
+                self._abort(self._sending, snd.transfer_id)
+            else:
                 self._stats.opened("whole")
         for tid in plan.aborts:
-            if tid in self._receiving or tid in self._sending:
-                runtime.abort(tid)
+            for book in (self._receiving, self._sending):
+                self._abort(book, tid)
+
+    def _receive(self, rcv: Receive, now: float) -> None:
+        """Register for every part of a transfer that comes to this rank."""
+        from kvpush.runtime import PeerAddress
+
+        if not rcv.transfer_id:
+            self._failed_at_once[rcv.request_id] = "unusable kv_transfer_params"
+            return
+        ours = self._config.tp_size
+        sender_tp = rcv.sender_tp_size or ours
+        split_for = rcv.split_for_tp or sender_tp
+        if split_for != ours:
+            detail = (
+                f"the prefill (TP {sender_tp}) split transfer {rcv.transfer_id} for a decode "
+                f"at TP {split_for}, but this decode runs TP {ours}: expected the proxy to "
+                f"name this decode's TP (kvpush proxy --decode-tp-size {ours})"
+            )
+            log.error("request %s: %s", rcv.request_id, detail)
+            self._refuse_parts(rcv.transfer_id, rcv.host, rcv.port, sender_tp, split_for, detail)
+            self._failed_at_once[rcv.request_id] = detail
+            return
+        parts = [
+            (part_id(rcv.transfer_id, p, d, rank_to_rank=sender_tp == ours), p)
+            for p, d in rank_pairs(sender_tp, ours)
+            if d == self._rank
+        ]
+
+        def register(pid: str, p: int) -> None:
+            self._require_runtime().receive(
+                pid, PeerAddress(rcv.host, rcv.port, p), rcv.blocks, sender_offset=rcv.sender_offset
+            )
+
+        self._open("receiver", rcv.request_id, rcv.transfer_id, parts, register, now)
+
+    def _refuse(self, ref: Refuse) -> None:
+        sender_tp = ref.sender_tp_size or self._config.tp_size
+        split_for = ref.split_for_tp or sender_tp
+        self._refuse_parts(ref.transfer_id, ref.host, ref.port, sender_tp, split_for, ref.detail)
+
+    def _refuse_parts(
+        self, tid: str, host: str, port: int, sender_tp: int, split_for: int, detail: str
+    ) -> None:
+        """Tell each prefill rank at once that its parts of `tid` will never be received
+        (the parts it opened, for the decode TP it split the transfer for), each by one
+        rank of ours."""
+        from kvpush.runtime import PeerAddress
+
+        runtime = self._require_runtime()
+        for p, d in rank_pairs(sender_tp, split_for):
+            if d % self._config.tp_size != self._rank:
+                continue
+            pid = part_id(tid, p, d, rank_to_rank=sender_tp == split_for)
+            try:
+                runtime.reject(pid, PeerAddress(host, port, p), detail)
+            except KVPushError as exc:
+                log.warning("could not refuse transfer %s: %s", pid, exc)
+
+    def _send(self, snd: Send, ready_layers: list[int] | None, now: float) -> bool:
+        """Offer our blocks to every part of a transfer that goes from this rank; False
+        if none could be opened (the request is then reported sent at once)."""
+        ours = self._config.tp_size
+        decode_tp = snd.decode_tp_size or ours
+        parts = [
+            (part_id(snd.transfer_id, p, d, rank_to_rank=decode_tp == ours), d)
+            for p, d in rank_pairs(ours, decode_tp)
+            if p == self._rank
+        ]
+
+        def offer(pid: str, _d: int) -> None:
+            self._require_runtime().send(
+                pid, snd.blocks, ready_layers=ready_layers, receiver=_receiver(snd)
+            )
+
+        return self._open("sender", snd.request_id, snd.transfer_id, parts, offer, now)
+
+    def _open(
+        self,
+        side: str,
+        rid: str,
+        tid: str,
+        parts: list[tuple[str, int]],
+        start: Callable[[str, int], None],
+        now: float,
+    ) -> bool:
+        """Start every part; a part the runtime refuses at the call aborts those already
+        started, and the request ends when they have (at once if none had)."""
+        book = self._receiving if side == "receiver" else self._sending
+        request = _Request(rid, now, set(), len(parts))
+        for pid, peer_rank in parts:
+            try:
+                start(pid, peer_rank)
+            except KVPushError as exc:
+                log.error("request %s: cannot %s %s: %s", rid, side[:-2] + "e", pid, exc)
+                request.failure = f"{type(exc).__name__}: {exc}"
+                break
+            request.parts.add(pid)
+            self._part_of[(side, pid)] = tid
+        if not request.parts:
+            if side == "receiver":
+                self._failed_at_once[rid] = request.failure or "no part to receive"
+            else:
+                self._sent_at_once.add(rid)
+            return False
+        book[tid] = request
+        if request.failure is not None:
+            self._abort(book, tid)
+        return True
+
+    def _abort(self, book: dict[str, _Request], tid: str) -> None:
+        """Abort every part of `tid` not ended yet (its result still comes, once)."""
+        request = book.get(tid)
+        if request is None:
+            return
+        runtime = self._require_runtime()
+        for pid in sorted(request.parts):
+            runtime.abort(pid)
 
     # ----------------------------------------------------------------- layer-wise push
 
@@ -226,19 +346,12 @@ class WorkerSide(Generic[S]):
             self._announce(self._all_layers, "wait_for_save")
         self._opened_plan = plan
         self._announcing = {}
-        runtime = self._require_runtime()
         now = time.monotonic()
         for snd in plan.sends:
-            if not snd.layerwise:
+            if not snd.layerwise or not self._send(snd, [], now):
                 continue
-            try:
-                runtime.send(snd.transfer_id, snd.blocks, ready_layers=[], receiver=_receiver(snd))
-            except KVPushError as exc:
-                log.error("request %s: cannot send %s: %s", snd.request_id, snd.transfer_id, exc)
-                self._sent_at_once.add(snd.request_id)
-                continue
-            self._sending[snd.transfer_id] = (snd.request_id, now)
-            self._announcing[snd.transfer_id] = set(self._all_layers)
+            for pid in self._sending[snd.transfer_id].parts:
+                self._announcing[pid] = set(self._all_layers)
             self._stats.opened("layerwise")
 
     def layer_saved(self, plan: StepPlan, layer_name: str, kv_layer: torch.Tensor) -> None:
@@ -319,33 +432,39 @@ class WorkerSide(Generic[S]):
         return out
 
     def _ended(self, result: TransferResult, out: StepResults) -> None:
+        tid = self._part_of.pop((result.side, result.transfer_id), None)
         book = self._receiving if result.side == "receiver" else self._sending
-        entry = book.pop(result.transfer_id, None)
-        if entry is None:
+        request = None if tid is None else book.get(tid)
+        if tid is None or request is None:
             return
-        rid, started = entry
-        self._stats.ended(result, time.monotonic() - started, self._bytes_per_block)
-        if result.side == "sender":
-            out.finished_sending.add(rid)
-            if not result.ok and result.reason is not FailureReason.CANCELLED:
+        request.parts.discard(result.transfer_id)
+        # Each part moved its share of our blocks (the heads it exchanges).
+        self._stats.ended(
+            result,
+            time.monotonic() - request.started,
+            self._bytes_per_block // max(1, request.num_parts),
+        )
+        if not result.ok and request.failure is None:
+            request.failure = f"{result.reason}: {result.detail}"
+            if result.reason is not FailureReason.CANCELLED:
                 log.warning(
-                    "request %s: sending %s failed (%s): %s",
-                    rid,
+                    "request %s: %s part %s failed (%s): %s",
+                    request.request_id,
+                    "sending" if result.side == "sender" else "receiving",
                     result.transfer_id,
                     result.reason,
                     result.detail,
                 )
+            self._abort(book, tid)  # the others cannot make the request whole now
+        if request.parts:
+            return  # reported once every part has ended
+        del book[tid]
+        if result.side == "sender":
+            out.finished_sending.add(request.request_id)
             return
-        out.finished_recving.add(rid)
-        if not result.ok:
-            out.failed_recving.add(rid)
-            log.warning(
-                "request %s: receiving %s failed (%s): %s",
-                rid,
-                result.transfer_id,
-                result.reason,
-                result.detail,
-            )
+        out.finished_recving.add(request.request_id)
+        if request.failure is not None:
+            out.failed_recving.add(request.request_id)
 
     def take_stats(self) -> S | None:
         if self._stats.is_empty():

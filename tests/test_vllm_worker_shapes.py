@@ -1,0 +1,267 @@
+"""The vLLM connector's worker side across engines of different tensor parallelism,
+without vLLM, over the loopback transport: every rank its own `WorkerSide`, runtime and
+KV cache, each engine one real side channel serving all its ranks.
+
+The model's KV is made once per engine (every byte random, per layer, block and head);
+each rank's cache holds the heads that rank holds (`kvpush.topology.rank_heads`), in
+vLLM's packed per-layer layout (`[blocks, heads, tokens, K|V]`, heads outermost in a
+block). After a transfer, every decode rank's blocks must hold exactly the prefill
+model's bytes of its own heads: every part landed, in the right place, nothing else
+was touched. Then the ways a request of several parts ends: one part failing fails the
+request once, after every part ended; a transfer split for another decode TP is refused.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import pytest
+import torch
+
+from kvpush.config import SideChannelConfig, TimingConfig
+from kvpush.integrations.vllm.params import ConnectorConfig
+from kvpush.integrations.vllm.plan import Receive, Send, StepPlan, StepResults
+from kvpush.integrations.vllm.worker import WorkerSide
+from kvpush.runtime import TransferResult
+from kvpush.sidechannel import MetadataServer, PeerMetadata
+from kvpush.topology import rank_heads
+from kvpush.transports.base import Transport
+from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
+
+pytestmark = pytest.mark.timeout(120)
+
+HOST = "127.0.0.1"
+BLOCKS, LAYERS, TOKENS, C = 8, 2, 16, 32  # C = head_size + head_size_v
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.failed_at_once: list[str] = []
+
+    def opened(self, push: str) -> None:
+        pass
+
+    def layers_announced(self, by: str, n: int) -> None:
+        pass
+
+    def ended_at_once(self, side: str, why: str) -> None:
+        self.failed_at_once.append(why)
+
+    def ended(self, result: TransferResult, seconds: float, bytes_per_block: int) -> None:
+        pass
+
+    def is_empty(self) -> bool:
+        return not self.failed_at_once
+
+
+def model_kv(seed: int, total_heads: int) -> torch.Tensor:
+    """The model's whole KV cache: [layers, blocks, heads, tokens, C] random bytes."""
+    kv = torch.empty((LAYERS, BLOCKS, total_heads, TOKENS, C), dtype=torch.bfloat16)
+    flat = kv.view(torch.uint8).reshape(-1)
+    gen = torch.Generator().manual_seed(seed)
+    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
+    return kv
+
+
+class Engine:
+    """One vLLM engine: its ranks' workers and caches, and the scheduler's side channel."""
+
+    def __init__(
+        self,
+        stack: ExitStack,
+        fabric: LoopbackFabric,
+        name: str,
+        role: str,
+        *,
+        tp: int,
+        total_heads: int,
+        seed: int,
+    ) -> None:
+        self.tp = tp
+        self.ranks: dict[int, PeerMetadata] = {}
+        self.server = stack.enter_context(MetadataServer(HOST, 0, SideChannelConfig(), self.ranks))
+        config = ConnectorConfig(
+            engine_id=f"vllm-{name}",
+            role=role,
+            side_channel_host=HOST,
+            side_channel_port=self.server.port,
+            token=None,
+            timing=TimingConfig(heartbeat_interval_s=0.2, liveness_timeout_s=2.0, lease_s=3.0),
+            tp_size=tp,
+            total_kv_heads=total_heads,
+            use_mla=False,
+            pp_size=1,
+            dcp_size=1,
+            block_size_tokens=TOKENS,
+            handshake_timeout_ms=1000,
+        )
+
+        def loopback(agent_name: str) -> Transport:
+            return LoopbackTransport(fabric, agent_name)
+
+        self.model = model_kv(seed, total_heads)
+        self.workers: list[WorkerSide[Stats]] = []
+        self.caches: list[torch.Tensor] = []
+        for rank in range(tp):
+            held = rank_heads(rank, tp, total_heads, False)
+            cache = self.model[:, :, held.first_head : held.stop].clone()
+            worker: WorkerSide[Stats] = WorkerSide(
+                config, rank, new_stats=Stats, transport_factory=loopback
+            )
+            stack.callback(worker.shutdown)
+            worker.register_kv_caches(
+                {f"model.layers.{i}.self_attn.attn": cache[i] for i in range(LAYERS)}
+            )
+            meta = worker.handshake_metadata()
+            assert meta is not None
+            self.ranks[rank] = meta
+            self.workers.append(worker)
+            self.caches.append(cache)
+        self.ended = [StepResults() for _ in range(tp)]
+        # How often each rank reported each request: exactly once is the contract.
+        self.reports: list[dict[str, int]] = [{} for _ in range(tp)]
+
+    def step(self, plans: list[StepPlan] | StepPlan | None = None) -> None:
+        """One engine step on every rank: the plan (one for all, or one per rank)."""
+        for rank, worker in enumerate(self.workers):
+            plan = plans[rank] if isinstance(plans, list) else plans or StepPlan(idle=True)
+            worker.start_step(plan)
+            worker.step_saved(plan)
+            out = worker.transfer_results()
+            ended = self.ended[rank]
+            ended.finished_recving |= out.finished_recving
+            ended.failed_recving |= out.failed_recving
+            ended.finished_sending |= out.finished_sending
+            for rid in out.finished_recving | out.finished_sending:
+                self.reports[rank][rid] = self.reports[rank].get(rid, 0) + 1
+
+    def heads_of(self, rank: int, model: torch.Tensor, block: int) -> torch.Tensor:
+        """The bytes rank `rank` of this engine should hold for `block` of `model`."""
+        held = rank_heads(rank, self.tp, model.shape[2], False)
+        return model[:, block, held.first_head : held.stop]
+
+
+@pytest.fixture
+def stack() -> Iterator[ExitStack]:
+    with ExitStack() as s:
+        yield s
+
+
+def pair(stack: ExitStack, p_tp: int, d_tp: int, heads: int) -> tuple[Engine, Engine]:
+    fabric = LoopbackFabric()
+    prefill = Engine(stack, fabric, "prefill", "sender", tp=p_tp, total_heads=heads, seed=1)
+    decode = Engine(stack, fabric, "decode", "receiver", tp=d_tp, total_heads=heads, seed=2)
+    return prefill, decode
+
+
+def receive(prefill: Engine, decode: Engine, tid: str, blocks: tuple[int, ...]) -> StepPlan:
+    return StepPlan(
+        receives=[
+            Receive("req-d", tid, HOST, prefill.server.port, blocks, 0, prefill.tp, decode.tp)
+        ]
+    )
+
+
+def run_until_ended(prefill: Engine, decode: Engine) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if all("req-p" in e.finished_sending for e in prefill.ended) and all(
+            "req-d" in e.finished_recving for e in decode.ended
+        ):
+            return
+        prefill.step()
+        decode.step()
+        time.sleep(0.002)
+    raise AssertionError(f"not ended: prefill {prefill.ended}, decode {decode.ended}")
+
+
+SHAPES = [
+    # (prefill TP, decode TP, KV heads)
+    (2, 1, 4),  # two parts into each decode rank
+    (1, 2, 4),  # one prefill rank into two decode ranks
+    (4, 2, 4),
+    (2, 4, 4),
+    (4, 1, 8),
+    (1, 4, 8),
+    (4, 1, 2),  # prefill TP above the head count: ranks 1 and 3 hold copies, move nothing
+    (1, 4, 2),  # decode TP above the head count: ranks share a head each
+    (2, 2, 4),  # rank to rank, as before
+]
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "heads"), SHAPES, ids=[f"tp{p}-to-tp{d}-{h}heads" for p, d, h in SHAPES]
+)
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+def test_every_decode_rank_holds_exactly_the_prefill_models_bytes_of_its_heads(
+    stack: ExitStack, p_tp: int, d_tp: int, heads: int, layerwise: bool
+) -> None:
+    prefill, decode = pair(stack, p_tp, d_tp, heads)
+    before = [cache.clone() for cache in decode.caches]
+    decode.step(receive(prefill, decode, "t1", (5, 6, 7)))
+    prefill.step(
+        StepPlan(sends=[Send("req-p", "t1", (1, 2, 3), layerwise=layerwise, decode_tp_size=d_tp)])
+    )
+    run_until_ended(prefill, decode)
+    for rank in range(d_tp):
+        assert decode.ended[rank].failed_recving == set(), f"decode rank {rank} failed"
+        cache = decode.caches[rank]
+        for ours, theirs in zip((5, 6, 7), (1, 2, 3), strict=True):
+            want = decode.heads_of(rank, prefill.model, theirs)
+            assert torch.equal(cache[:, ours].view(torch.uint8), want.view(torch.uint8)), (
+                f"decode rank {rank} block {ours} is not the prefill's block {theirs} of its heads"
+            )
+        untouched = [b for b in range(BLOCKS) if b not in (5, 6, 7)]
+        assert torch.equal(
+            cache[:, untouched].view(torch.uint8), before[rank][:, untouched].view(torch.uint8)
+        ), f"decode rank {rank}: a block outside the request changed"
+    for engine in (prefill, decode):
+        for rank, reports in enumerate(engine.reports):
+            assert reports == {"req-p" if engine is prefill else "req-d": 1}, (
+                f"rank {rank} reported {reports}: expected the request once"
+            )
+
+
+def test_one_part_failing_fails_the_request_once_after_every_part_ended(
+    stack: ExitStack,
+) -> None:
+    """TP 2 -> TP 1: prefill rank 1's request ends without its KV (cancelled) while
+    rank 0 sends: the decode rank's part from rank 1 fails, the part from rank 0 is
+    aborted at once, and the request is reported once, failed, when both ended."""
+    prefill, decode = pair(stack, 2, 1, 4)
+    decode.step(receive(prefill, decode, "t2", (5, 6)))
+    send = Send("req-p", "t2", (1, 2), decode_tp_size=1)
+    cancel = Send("req-p", "t2", (1, 2), cancel=True, decode_tp_size=1)
+    prefill.step([StepPlan(sends=[send]), StepPlan(sends=[cancel])])
+    run_until_ended(prefill, decode)
+    assert decode.ended[0].failed_recving == {"req-d"}
+    assert decode.reports == [{"req-d": 1}]
+    assert prefill.reports == [{"req-p": 1}, {"req-p": 1}]
+
+
+def test_a_transfer_split_for_another_decode_tp_is_refused_at_once_on_both_sides(
+    stack: ExitStack,
+) -> None:
+    """The prefill (TP 2) split the transfer for a decode at TP 1 (the proxy did not name
+    the decode's TP), but the decode runs TP 2: the decode fails the request at once,
+    naming both TPs and what to set, and refuses the prefill's parts, which end at once
+    instead of at their deadline, freeing the prefill's blocks."""
+    prefill, decode = pair(stack, 2, 2, 4)
+    plan = StepPlan(receives=[Receive("req-d", "t3", HOST, prefill.server.port, (5,), 0, 2, 1)])
+    prefill.step(StepPlan(sends=[Send("req-p", "t3", (1,), decode_tp_size=1)]))
+    started = time.monotonic()
+    decode.step(plan)
+    assert [e.failed_recving for e in decode.ended] == [{"req-d"}, {"req-d"}]
+    stats = decode.workers[0].take_stats()
+    assert stats is not None
+    assert stats.failed_at_once == [
+        "the prefill (TP 2) split transfer t3 for a decode at TP 1, but this decode runs "
+        "TP 2: expected the proxy to name this decode's TP (kvpush proxy --decode-tp-size 2)"
+    ]
+    while not all("req-p" in e.finished_sending for e in prefill.ended):
+        assert time.monotonic() - started < 5, f"the prefill was not told: {prefill.ended}"
+        prefill.step()
+        decode.step()
+        time.sleep(0.002)
