@@ -37,17 +37,6 @@ def add_parser(subparsers: Any) -> None:
         ),
     )
     p.add_argument(
-        "--decode-tp-size",
-        nargs="+",
-        type=int,
-        metavar="N",
-        help=(
-            "the tensor-parallel size of each --decode server, in the same order (one "
-            "value: all of them), where it differs from the prefill's: vLLM prefill "
-            "servers split each transfer for it (default: the prefill's own)"
-        ),
-    )
-    p.add_argument(
         "--token-file",
         default=None,
         help=(
@@ -81,16 +70,6 @@ def run(args: argparse.Namespace) -> int:
             )
         return [parse_host_port(text) for text in given]
 
-    decode_tp_sizes = args.decode_tp_size
-    if decode_tp_sizes is not None:
-        if len(decode_tp_sizes) == 1:
-            decode_tp_sizes = decode_tp_sizes * len(args.decode)
-        if len(decode_tp_sizes) != len(args.decode) or min(decode_tp_sizes) < 1:
-            raise ConfigError(
-                f"--decode-tp-size {' '.join(map(str, args.decode_tp_size))}: expected one "
-                f"positive size, or one per --decode server ({len(args.decode)})"
-            )
-
     return run_proxy(
         args.prefill,
         args.decode,
@@ -98,6 +77,5 @@ def run(args: argparse.Namespace) -> int:
         check_port(args.port),
         prefill_side_channels=side_channels("prefill"),
         decode_side_channels=side_channels("decode"),
-        decode_tp_sizes=decode_tp_sizes,
         token=load_token(args.token_file),
     )

@@ -173,6 +173,10 @@ class VllmServer:
             VLLM_NO_USAGE_STATS="1",
             DO_NOT_TRACK="1",
         )
+        if "--tensor-parallel-size" in self.spec.extra_args:
+            # vLLM-CPU binds each rank's threads to a NUMA node of its own and refuses to
+            # start with fewer nodes than ranks (this host has one): leave them unbound.
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         if self.spec.connector in ("NixlConnector", "NixlPushConnector"):
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.spec.host
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.spec.side_channel_port)

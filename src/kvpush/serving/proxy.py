@@ -68,8 +68,8 @@ class _Instance:
     info: dict[str, Any] | None = None
     # Given up front (a vLLM server's /health tells no side channel): never refetched.
     fixed_info: dict[str, Any] | None = None
-    # A decode server's tensor-parallel size, when given: the prefill splits each
-    # transfer into one part per pair of ranks for it (None: the prefill's own TP).
+    # A vLLM server's tensor-parallel size, read from its side channel (rank 0's
+    # geometry) when first needed and again after a failure; None: not known.
     tp_size: int | None = None
 
 
@@ -134,21 +134,12 @@ def create_proxy_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     prefill_side_channels: Sequence[tuple[str, int]] | None = None,
     decode_side_channels: Sequence[tuple[str, int]] | None = None,
-    decode_tp_sizes: Sequence[int] | None = None,
     token: str | None = None,
 ) -> FastAPI:
     if not prefill_urls or not decode_urls:
         raise ValueError("a proxy needs at least one prefill and one decode server")
     prefill = _pool("prefill", prefill_urls, prefill_side_channels)
     decode = _pool("decode", decode_urls, decode_side_channels)
-    if decode_tp_sizes is not None:
-        if len(decode_tp_sizes) != len(decode_urls):
-            raise ValueError(
-                f"{len(decode_tp_sizes)} decode TP sizes for {len(decode_urls)} decode "
-                "servers: give one per server, in the same order"
-            )
-        for inst, tp in zip(decode.instances, decode_tp_sizes, strict=True):
-            inst.tp_size = tp
     routes = ProxyRoutes(
         prefill, decode, timeout_s=timeout_s, max_body_bytes=max_body_bytes, token=token
     )
@@ -292,6 +283,30 @@ class ProxyRoutes:
             return None
         return info["side_channel_host"], info["side_channel_port"]
 
+    async def _tp_size(self, inst: _Instance, side_channel: tuple[str, int] | None) -> int | None:
+        """A vLLM server's tensor-parallel size, from its side channel (once, kept until
+        a failure resets it). None where it is not a vLLM server given to us, or its side
+        channel does not say: the legs then name no TP, and both sides take their own."""
+        if inst.fixed_info is None or side_channel is None or inst.tp_size is not None:
+            return inst.tp_size
+        from kvpush.errors import KVPushError
+        from kvpush.sidechannel.client import fetch_metadata
+
+        host, port = side_channel
+        try:
+            meta = await asyncio.to_thread(fetch_metadata, host, port, 0, token=self.token)
+        except KVPushError as exc:
+            log.warning(
+                "%s: its side channel did not say its TP size (%s): transfers assume both "
+                "sides run the same",
+                inst.url,
+                exc,
+            )
+            return None
+        heads = meta.geometry.heads
+        inst.tp_size = None if heads is None else heads.tp_size
+        return inst.tp_size
+
     async def _read_body(self, request: Request) -> dict[str, Any] | Response:
         """The client's body, or the answer that refuses it."""
         try:
@@ -318,7 +333,7 @@ class ProxyRoutes:
         try:
             info = await self._info(p_inst, "prefill", named=True)
         except (httpx.HTTPError, ValueError, RuntimeError) as exc:
-            p_inst.info = None
+            p_inst.info = p_inst.tp_size = None
             self.done("prefill_failed")
             return error_response(502, f"prefill server {p_inst.url} is unavailable: {exc!s}")
         try:
@@ -327,11 +342,17 @@ class ProxyRoutes:
             self.done("decode_failed")
             return error_response(502, f"decode server {d_inst.url} is unavailable: {exc!s}")
         tid = f"xfer-{uuid.uuid4().hex}"
+        # Both legs name both TP sizes: each side splits the transfer into the same
+        # parts, one per pair of ranks (vLLM servers; kvpush serve runs TP 1).
+        p_tp = await self._tp_size(p_inst, (info["side_channel_host"], info["side_channel_port"]))
+        d_tp = await self._tp_size(d_inst, to_decode)
         remote = RemotePrefill(
             transfer_id=tid,
             remote_host=info["side_channel_host"],
             remote_port=info["side_channel_port"],
             remote_engine_id=info.get("engine_id"),
+            tp_size=p_tp,
+            decode_tp_size=d_tp,
         )
         d_body = {**body, "kv_transfer_params": remote.to_params()}
         # The prefill leg keeps the client's max_tokens: its checks (context length) then
@@ -344,7 +365,7 @@ class ProxyRoutes:
             transfer_id=tid,
             decode_host=decode_host,
             decode_port=decode_port,
-            decode_tp_size=d_inst.tp_size,
+            decode_tp_size=d_tp,
         )
         p_body["kv_transfer_params"] = named.to_params()
         lease = _Lease(p_inst, d_inst)
@@ -425,7 +446,8 @@ class _Legs:
         except httpx.HTTPError as exc:
             self.gone.cancel()
             self._abort_prefill()
-            d_inst.info = None  # a restarted server may have moved its side channel
+            # A restarted server may have moved its side channel, or changed its TP.
+            d_inst.info = d_inst.tp_size = None
             self._end("decode_failed")
             return error_response(502, f"decode server {d_inst.url} failed: {exc}")
         if d_resp.status_code != 200:
@@ -444,7 +466,7 @@ class _Legs:
         try:
             resp = await self.client.post(f"{p_inst.url}{self.path}", json=p_body)
         except httpx.HTTPError as exc:
-            p_inst.info = None
+            p_inst.info = p_inst.tp_size = None
             return 502, f"prefill server {p_inst.url} failed: {type(exc).__name__}: {exc}"
         finally:
             self.lease.release(p_inst)
@@ -647,7 +669,6 @@ def run_proxy(
     *,
     prefill_side_channels: Sequence[tuple[str, int]] | None = None,
     decode_side_channels: Sequence[tuple[str, int]] | None = None,
-    decode_tp_sizes: Sequence[int] | None = None,
     token: str | None = None,
 ) -> int:
     import uvicorn
@@ -659,7 +680,6 @@ def run_proxy(
         decode_urls,
         prefill_side_channels=prefill_side_channels,
         decode_side_channels=decode_side_channels,
-        decode_tp_sizes=decode_tp_sizes,
         token=token,
     )
     server = uvicorn.Server(

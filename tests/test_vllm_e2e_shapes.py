@@ -1,0 +1,342 @@
+"""kvpush inside real vLLM between engines of different tensor parallelism: a prefill at
+TP 2 into a decode at TP 1, and a prefill at TP 1 into a decode at TP 2, each against a
+single vLLM instance, token for token (issue 20).
+
+The model is the tiny GQA Llama of the other end-to-end tests (4 query heads, 2 KV
+heads): at TP 2 each rank holds one KV head, so a TP 1 decode rank takes one head from
+each prefill rank, and a TP 1 prefill rank writes one head into each decode rank. Tensor
+parallelism runs on CPU through gloo; each TP 2 server is several processes (the API
+server, the engine core, one worker per rank) and starts in about 75 s here, so the
+servers of one shape are shared by its tests (module-scoped, one shape at a time).
+
+The kill test stops one prefill rank's worker process with SIGKILL mid-batch: every
+request whose KV it had not pushed fails within the liveness bound, on every decode
+rank, and the decode server is left holding nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvpush.errors import ConfigError
+from kvpush.lab.vllm_servers import (
+    Outcome,
+    ServerSpec,
+    VllmServer,
+    batch,
+    client,
+    complete,
+    completion_body,
+    make_tiny_model,
+    metric,
+    vllm_python,
+)
+from kvpush.net import http_url
+from kvpush.procs.readiness import free_port, wait_ready
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+HOST = "127.0.0.1"
+MAX_TOKENS = 12
+TIMING = {"heartbeat_interval_s": 0.5, "liveness_timeout_s": 8.0, "lease_s": 5.0}
+LIVENESS_BOUND_S = 8.0 + 5.0 + 2 * 8.0 + 10.0
+_SHARED = "In the beginning the engine computed every key and value of the prompt, "
+PROMPTS = [
+    "hello world, this is a test of the kvpush connector inside vllm",
+    "short",
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    # Shared prefixes longer than a block (32 tokens): decode-side prefix-cache hits.
+    _SHARED + "then pushed them to the decoder.",
+    _SHARED + "and the decoder went on from there, token after token, to the end.",
+    _SHARED * 3 + "a long one, spanning several blocks of thirty-two tokens each.",
+    "0123456789" * 20,
+    "x",
+]
+ROUNDS = 5
+# (prefill TP, decode TP)
+SHAPES = [(2, 1), (1, 2)]
+
+_REFERENCE: dict[str, Outcome] = {}
+
+
+@dataclass
+class Deployment:
+    prefill_tp: int
+    decode_tp: int
+    model: str
+    prefill: VllmServer
+    decode: VllmServer
+    proxy_url: str
+
+
+def _require_vllm() -> Path:
+    try:
+        return vllm_python()
+    except ConfigError as exc:
+        pytest.fail(f"the vLLM end-to-end test cannot run: {exc}", pytrace=False)
+
+
+def _tp_args(tp: int) -> tuple[str, ...]:
+    return ("--tensor-parallel-size", str(tp)) if tp > 1 else ()
+
+
+def _spec(name: str, role: str, tp: int) -> ServerSpec:
+    return ServerSpec(
+        name=name,
+        host=HOST,
+        port=free_port(HOST),
+        connector="KvpushConnector",
+        kv_role=role,
+        side_channel_port=free_port(HOST),
+        extra_config={**TIMING, "handshake_timeout_ms": 10000},
+        extra_args=_tp_args(tp),
+    )
+
+
+def _start_proxy(
+    prefill: VllmServer, decode: VllmServer, decode_tp: int, log_dir: Path
+) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port(HOST)
+    log = (log_dir / "proxy.log").open("ab")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvpush",
+            "proxy",
+            "--prefill",
+            prefill.url,
+            "--decode",
+            decode.url,
+            "--prefill-side-channel",
+            f"{HOST}:{prefill.spec.side_channel_port}",
+            "--decode-side-channel",
+            f"{HOST}:{decode.spec.side_channel_port}",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    log.close()
+    url = http_url(HOST, port)
+    wait_ready(proc, http_url=f"{url}/health", timeout_s=30)
+    return proc, url
+
+
+async def _one_at_a_time(http: httpx.AsyncClient, url: str, model: str) -> list[Outcome]:
+    return [await complete(http, url, completion_body(p, model, MAX_TOKENS)) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("vllm-model") / "tiny-llama")
+
+
+@pytest.fixture(scope="module", params=SHAPES, ids=[f"tp{p}-to-tp{d}" for p, d in SHAPES])
+def deployment(
+    request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
+    python = _require_vllm()
+    p_tp, d_tp = request.param
+    log_dir = tmp_path_factory.mktemp(f"vllm-tp{p_tp}-to-tp{d_tp}")
+    prefill = VllmServer(
+        _spec("prefill", "kv_producer", p_tp), model=model, log_dir=log_dir, python=python
+    )
+    decode = VllmServer(
+        _spec("decode", "kv_consumer", d_tp), model=model, log_dir=log_dir, python=python
+    )
+    servers = [prefill, decode]
+    single = None
+    if not _REFERENCE:
+        single = VllmServer(
+            ServerSpec("single", HOST, free_port(HOST)), model=model, log_dir=log_dir, python=python
+        )
+        servers.append(single)
+    proxy: subprocess.Popen[bytes] | None = None
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready()
+        if single is not None:
+
+            async def reference() -> list[Outcome]:
+                async with client() as http:
+                    return await _one_at_a_time(http, single.url, str(model))
+
+            for outcome in asyncio.run(reference()):
+                assert outcome.ok, f"the single instance failed {outcome.prompt!r}"
+                _REFERENCE[outcome.prompt] = outcome
+            single.stop()
+            servers.remove(single)
+        proxy, url = _start_proxy(prefill, decode, d_tp, log_dir)
+        yield Deployment(p_tp, d_tp, str(model), prefill, decode, url)
+    finally:
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait(10)
+        for server in servers:
+            server.stop()
+
+
+def _servers_said(dep: Deployment, lines: int = 20) -> str:
+    out = []
+    for server in (dep.prefill, dep.decode):
+        text = server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
+        said = [
+            line
+            for line in text.splitlines()
+            if "kvpush" in line or "ERROR" in line or "Error" in line or "failed" in line
+        ]
+        out.append(f"--- {server.log_path.name}, last of {len(said)} such lines ---")
+        out += said[-lines:]
+    return "\n".join(out)
+
+
+def _check_identical(dep: Deployment, outcomes: list[Outcome], what: str) -> None:
+    for got in outcomes:
+        assert got.ok, f"{what}: {got.prompt!r} failed: {got.error}\n{_servers_said(dep)}"
+        want = _REFERENCE[got.prompt]
+        assert got.token_ids == want.token_ids, (
+            f"{what}: {got.prompt!r}: tokens {got.token_ids} differ from the single "
+            f"instance's {want.token_ids}"
+        )
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert math.isclose(a, b, abs_tol=1e-3), (
+                f"{what}: {got.prompt!r}: logprobs {got.logprobs} vs single {want.logprobs}"
+            )
+
+
+async def _decode_metrics(dep: Deployment, http: httpx.AsyncClient) -> dict[str, float]:
+    url = dep.decode.url
+    return {
+        "hits": await metric(http, url, "vllm:prefix_cache_hits_total"),
+        "received": await metric(http, url, "vllm:kvpush_transfers_total"),
+        "waiting": await metric(http, url, "vllm:num_requests_waiting"),
+        "running": await metric(http, url, "vllm:num_requests_running"),
+    }
+
+
+def test_rounds_match_a_single_instance(deployment: Deployment) -> None:
+    """One round a request at a time, then rounds of the whole batch at once, through
+    `kvpush proxy`: every token (and logprob) identical to the single instance's."""
+    dep = deployment
+
+    async def run() -> tuple[dict[str, float], dict[str, float]]:
+        async with client() as http:
+            before = await _decode_metrics(dep, http)
+            _check_identical(
+                dep, await _one_at_a_time(http, dep.proxy_url, dep.model), "one at a time"
+            )
+            for i in range(ROUNDS):
+                outcomes = await batch(
+                    [
+                        complete(http, dep.proxy_url, completion_body(p, dep.model, MAX_TOKENS))
+                        for p in PROMPTS
+                    ]
+                )
+                _check_identical(dep, outcomes, f"round {i + 1}, all at once")
+            return before, await _decode_metrics(dep, http)
+
+    before, after = asyncio.run(run())
+    d = {k: after[k] - before[k] for k in after}
+    assert d["received"] > 0, f"no transfer came through kvpush: {d}"
+    assert d["hits"] > 0, f"no decode-side prefix-cache hit happened: {d}"
+
+
+def _worker_pids(server: VllmServer) -> list[int]:
+    """The server's processes whose command line names a worker rank (vLLM's CPU
+    workers are `VllmWorker-<rank>` processes), in rank order."""
+    found: list[tuple[int, int]] = []
+    for pid in server.pids():
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if name.startswith("VllmWorker"):
+            found.append((int(name.rsplit("-", 1)[-1]), pid))
+    return [pid for _, pid in sorted(found)]
+
+
+def test_one_prefill_rank_killed_mid_batch_fails_the_waiting_requests_in_bound(
+    deployment: Deployment,
+) -> None:
+    """Decode legs registered for a batch; the prefill serves the first half, then one
+    of its ranks is killed (SIGKILL: the last worker at TP 2, the whole server at TP 1):
+    the rest fail within the liveness bound on every decode rank, and the decode server
+    holds no request afterwards."""
+    dep = deployment
+    half = len(PROMPTS) // 2
+    sc_port = dep.prefill.spec.side_channel_port
+
+    async def run() -> tuple[list[Outcome], float]:
+        async with client() as http:
+            decode_legs, prefill_legs = [], []
+            for i, prompt in enumerate(PROMPTS):
+                body = completion_body(prompt, dep.model, MAX_TOKENS)
+                tid = f"kill-test-{i}-{time.monotonic_ns()}"
+                d_params = {
+                    "do_remote_prefill": True,
+                    "remote_host": HOST,
+                    "remote_port": sc_port,
+                    "tp_size": dep.prefill_tp,
+                    "decode_tp_size": dep.decode_tp,
+                    "transfer_id": tid,
+                }
+                decode_legs.append(
+                    asyncio.ensure_future(
+                        complete(http, dep.decode.url, {**body, "kv_transfer_params": d_params})
+                    )
+                )
+                if i < half:
+                    p_params = {
+                        "do_remote_decode": True,
+                        "transfer_id": tid,
+                        "decode_tp_size": dep.decode_tp,
+                    }
+                    prefill_legs.append(
+                        complete(
+                            http,
+                            dep.prefill.url,
+                            {**body, "max_tokens": 1, "kv_transfer_params": p_params},
+                        )
+                    )
+            for p in await batch(prefill_legs):
+                assert p.ok, f"prefill leg before the kill failed: {p.error}"
+            _check_identical(dep, await batch(decode_legs[:half]), "before the kill")
+            workers = _worker_pids(dep.prefill)
+            if dep.prefill_tp > 1:
+                assert len(workers) == dep.prefill_tp, f"prefill workers: {workers}"
+                os.kill(workers[-1], signal.SIGKILL)
+            else:
+                await asyncio.to_thread(dep.prefill.kill)
+            killed_at = time.monotonic()
+            rest = await batch(decode_legs[half:])
+            return rest, time.monotonic() - killed_at
+
+    rest, waited = asyncio.run(run())
+    for outcome in rest:
+        assert not outcome.ok, f"{outcome.prompt!r} succeeded without its prefill rank"
+    assert waited < LIVENESS_BOUND_S, f"the waiting requests took {waited:.1f}s to fail"
+
+    async def drained() -> dict[str, float]:
+        async with client() as http:
+            return await _decode_metrics(dep, http)
+
+    m = asyncio.run(drained())
+    assert m["waiting"] + m["running"] == 0, f"decode server still holds requests: {m}"
