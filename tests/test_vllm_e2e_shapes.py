@@ -260,16 +260,16 @@ def test_rounds_match_a_single_instance(deployment: Deployment) -> None:
 
 
 def _worker_pids(server: VllmServer) -> list[int]:
-    """The server's processes whose command line names a worker rank (vLLM's CPU
-    workers are `VllmWorker-<rank>` processes), in rank order."""
+    """The server's worker processes, in rank order (vLLM names them `VLLM::Worker_TP<r>`
+    in their command line)."""
     found: list[tuple[int, int]] = []
     for pid in server.pids():
         try:
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
-        except OSError:
+            name = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        except (OSError, UnicodeDecodeError):
             continue
-        if name.startswith("VllmWorker"):
-            found.append((int(name.rsplit("-", 1)[-1]), pid))
+        if name.startswith("VLLM::Worker_TP"):
+            found.append((int(name.removeprefix("VLLM::Worker_TP")), pid))
     return [pid for _, pid in sorted(found)]
 
 
@@ -340,3 +340,33 @@ def test_one_prefill_rank_killed_mid_batch_fails_the_waiting_requests_in_bound(
 
     m = asyncio.run(drained())
     assert m["waiting"] + m["running"] == 0, f"decode server still holds requests: {m}"
+
+
+def test_pipeline_parallelism_is_refused_at_start_up_saying_why(
+    model: Path, tmp_path: Path
+) -> None:
+    """vLLM-CPU runs two pipeline stages here; the connector, which pairs ranks by their
+    tensor-parallel rank (shared by the stages), refuses to start, and says so."""
+    python = _require_vllm()
+    spec = ServerSpec(
+        "pipeline",
+        HOST,
+        free_port(HOST),
+        "KvpushConnector",
+        "kv_producer",
+        free_port(HOST),
+        extra_args=("--pipeline-parallel-size", "2"),
+    )
+    server = VllmServer(spec, model=model, log_dir=tmp_path, python=python)
+    server.start()
+    try:
+        with pytest.raises(RuntimeError):
+            server.wait_ready(timeout_s=240)
+    finally:
+        server.stop()
+    said = server.log_path.read_text(errors="replace")
+    assert (
+        "kvpush.errors.ConfigError: pipeline_parallel_size is 2: KvpushConnector pairs ranks "
+        "by their tensor-parallel rank, which the stages of a pipeline share; expected 1 "
+        "(pipeline parallelism is not supported yet)"
+    ) in said

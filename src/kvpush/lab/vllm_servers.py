@@ -173,7 +173,7 @@ class VllmServer:
             VLLM_NO_USAGE_STATS="1",
             DO_NOT_TRACK="1",
         )
-        if "--tensor-parallel-size" in self.spec.extra_args:
+        if {"--tensor-parallel-size", "--pipeline-parallel-size"} & set(self.spec.extra_args):
             # vLLM-CPU binds each rank's threads to a NUMA node of its own and refuses to
             # start with fewer nodes than ranks (this host has one): leave them unbound.
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

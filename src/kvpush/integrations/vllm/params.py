@@ -117,6 +117,13 @@ class ConnectorConfig:
             )
         timing = TimingConfig(**{k: float(extra[k]) for k in TIMING_KEYS if k in extra})
         parallel = vllm_config.parallel_config
+        pp_size = int(parallel.pipeline_parallel_size)
+        if pp_size > 1:
+            raise ConfigError(
+                f"pipeline_parallel_size is {pp_size}: KvpushConnector pairs ranks by their "
+                "tensor-parallel rank, which the stages of a pipeline share; expected 1 "
+                "(pipeline parallelism is not supported yet)"
+            )
         # vLLM's NIXL connectors take the side channel from these variables; so do we,
         # so a deployment keeps its ports when it switches connector. Each data-parallel
         # engine gets its own port, as there.
@@ -133,7 +140,7 @@ class ConnectorConfig:
             tp_size=int(parallel.tensor_parallel_size),
             total_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
             use_mla=bool(getattr(vllm_config.model_config, "use_mla", False)),
-            pp_size=int(parallel.pipeline_parallel_size),
+            pp_size=pp_size,
             dcp_size=int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
             block_size_tokens=int(vllm_config.cache_config.block_size),
             idle_wait_s=float(extra.get("idle_wait_s", 0.02)),
