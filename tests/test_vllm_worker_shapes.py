@@ -258,7 +258,8 @@ def test_a_transfer_split_for_another_decode_tp_is_refused_at_once_on_both_sides
     assert stats is not None
     assert stats.failed_at_once == [
         "the prefill (TP 2) split transfer t3 for a decode at TP 1, but this decode runs "
-        "TP 2: expected the proxy to name this decode's TP (kvpush proxy --decode-tp-size 2)"
+        "TP 2: expected the prefill leg's kv_transfer_params to name it (decode_tp_size: 2; "
+        "kvpush proxy reads it from --decode-side-channel)"
     ]
     while not all("req-p" in e.finished_sending for e in prefill.ended):
         assert time.monotonic() - started < 5, f"the prefill was not told: {prefill.ended}"

@@ -138,8 +138,9 @@ class _Peer:
     # rank of another TP size): its own descriptors and prepared list; None: the cache's.
     source_descriptors: npt.NDArray[np.uint64] | None = None
     source_dlist: Any = None
-    # Bytes each region's block moves (the view's); empty: our regions' whole blocks.
+    # Bytes each region's block moves (the view's), and their sum; empty: messages only.
     region_bytes: tuple[int, ...] = ()
+    bytes_per_block: int = 0
 
     @property
     def moves_nothing(self) -> bool:
@@ -472,7 +473,15 @@ class NixlTransport(Transport):
                 FailureReason.HANDSHAKE_FAILED,
                 f"the regions {peer} published are not memory it registered with NIXL: {exc!r}",
             ) from exc
-        state = _Peer(peer, geometry, descriptors, dlist, rows, region_bytes=region_bytes)
+        state = _Peer(
+            peer,
+            geometry,
+            descriptors,
+            dlist,
+            rows,
+            region_bytes=region_bytes,
+            bytes_per_block=sum(region_bytes),
+        )
         if ours is not None:
             state.source_descriptors = block_descriptors(ours)
             try:
@@ -623,9 +632,9 @@ class NixlTransport(Transport):
             self._events.append(WriteFailed(write_id, reason, f"NIXL refused the write: {exc!r}"))
             return
         self._writes_posted += 1
-        rb, nb = target.region_bytes or self._region_bytes, self._num_blocks
+        rb, nb = target.region_bytes, self._num_blocks
         if len(our_index) == len(rb) * num_blocks:
-            self._bytes_posted += sum(rb) * num_blocks
+            self._bytes_posted += target.bytes_per_block * num_blocks
         else:
             self._bytes_posted += sum(rb[int(i) // nb] for i in our_index)
         self._last_block_descriptors = len(our_index)

@@ -44,7 +44,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from kvpush.errors import FailureReason, KVPushError
@@ -81,7 +81,6 @@ class _Request:
     parts: set[str]
     num_parts: int
     failure: str | None = None  # the first part's failure, if any
-    ended: list[TransferResult] = field(default_factory=list)
 
 
 class WorkerStats(Protocol):
@@ -232,8 +231,9 @@ class WorkerSide(Generic[S]):
         if split_for != ours:
             detail = (
                 f"the prefill (TP {sender_tp}) split transfer {rcv.transfer_id} for a decode "
-                f"at TP {split_for}, but this decode runs TP {ours}: expected the proxy to "
-                f"name this decode's TP (kvpush proxy --decode-tp-size {ours})"
+                f"at TP {split_for}, but this decode runs TP {ours}: expected the prefill "
+                f"leg's kv_transfer_params to name it (decode_tp_size: {ours}; kvpush proxy "
+                f"reads it from --decode-side-channel)"
             )
             log.error("request %s: %s", rcv.request_id, detail)
             self._refuse_parts(rcv.transfer_id, rcv.host, rcv.port, sender_tp, split_for, detail)
