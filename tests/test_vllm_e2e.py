@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,6 +40,7 @@ from kvpush.lab.vllm_servers import (
     ServerSpec,
     VllmServer,
     batch,
+    check_identical,
     client,
     complete,
     completion_body,
@@ -50,10 +49,11 @@ from kvpush.lab.vllm_servers import (
     ngram_speculation,
     sequential,
     speculation,
+    start_kvpush_proxy,
     vllm_python,
 )
-from kvpush.net import bracket_host, http_url
-from kvpush.procs.readiness import free_port, wait_ready
+from kvpush.net import bracket_host
+from kvpush.procs.readiness import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -150,40 +150,6 @@ def _kvpush_spec(
     )
 
 
-def _start_proxy(
-    host: str, prefill: VllmServer, decode: VllmServer, log_dir: Path
-) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port(host)
-    sc = f"[{host}]" if ":" in host else host
-    log = (log_dir / "proxy.log").open("ab")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvpush",
-            "proxy",
-            "--prefill",
-            prefill.url,
-            "--decode",
-            decode.url,
-            "--prefill-side-channel",
-            f"{sc}:{prefill.spec.side_channel_port}",
-            "--decode-side-channel",  # the prefill sends each transfer to that decode only
-            f"{sc}:{decode.spec.side_channel_port}",
-            "--host",
-            host,
-            "--port",
-            str(port),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    log.close()
-    url = http_url(host, port)
-    wait_ready(proc, http_url=f"{url}/health", timeout_s=30)
-    return proc, url
-
-
 def _reference(model: Path, server: VllmServer) -> None:
     """Each prompt alone (so the speculation counters around it are its own)."""
 
@@ -261,7 +227,7 @@ def family(
         if single is not None:
             _reference(model, single)
             single.stop()
-        proxy, proxy_url = _start_proxy(host, prefill, decode, log_dir)
+        proxy, proxy_url = start_kvpush_proxy(prefill, decode, log_dir)
         yield Family(
             host,
             str(model),
@@ -282,35 +248,7 @@ def family(
 
 
 def _check_identical(fam: Family, outcomes: list[Outcome], what: str) -> None:
-    for got in outcomes:
-        assert got.ok, f"{what}: {got.prompt!r} failed: {got.error}\n{_servers_said(fam)}"
-        want = _REFERENCE[got.prompt]
-        assert got.token_ids == want.token_ids, (
-            f"{what}: {got.prompt!r}: tokens {got.token_ids} differ from the single "
-            f"instance's {want.token_ids}"
-        )
-        # Logprobs see every KV byte the decode read: wrong KV shows here even where the
-        # argmax survives it. Batch composition moves them in the last digits only.
-        for a, b in zip(got.logprobs, want.logprobs, strict=True):
-            assert math.isclose(a, b, abs_tol=1e-3), (
-                f"{what}: {got.prompt!r}: logprobs {got.logprobs} vs single {want.logprobs}"
-            )
-
-
-def _servers_said(fam: Family, lines: int = 15) -> str:
-    """The last errors and kvpush lines of the prefill's and the decode's logs: why a
-    request failed (a transfer's reason, a traceback) is there, not in the HTTP 500."""
-    out = []
-    for server in (fam.prefill, fam.decode):
-        text = server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
-        said = [
-            line
-            for line in text.splitlines()
-            if "kvpush" in line or "ERROR" in line or "Error" in line or "failed" in line
-        ]
-        out.append(f"--- {server.log_path.name}, last of {len(said)} such lines ---")
-        out += said[-lines:]
-    return "\n".join(out)
+    check_identical(outcomes, _REFERENCE, what, [fam.prefill, fam.decode])
 
 
 def _bodies(fam: Family) -> list[dict[str, object]]:

@@ -17,11 +17,9 @@ rank, and the decode server is left holding nothing.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,15 +34,16 @@ from kvpush.lab.vllm_servers import (
     ServerSpec,
     VllmServer,
     batch,
+    check_identical,
     client,
     complete,
     completion_body,
     make_tiny_model,
     metric,
+    start_kvpush_proxy,
     vllm_python,
 )
-from kvpush.net import http_url
-from kvpush.procs.readiness import free_port, wait_ready
+from kvpush.procs.readiness import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -105,39 +104,6 @@ def _spec(name: str, role: str, tp: int) -> ServerSpec:
     )
 
 
-def _start_proxy(
-    prefill: VllmServer, decode: VllmServer, decode_tp: int, log_dir: Path
-) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port(HOST)
-    log = (log_dir / "proxy.log").open("ab")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvpush",
-            "proxy",
-            "--prefill",
-            prefill.url,
-            "--decode",
-            decode.url,
-            "--prefill-side-channel",
-            f"{HOST}:{prefill.spec.side_channel_port}",
-            "--decode-side-channel",
-            f"{HOST}:{decode.spec.side_channel_port}",
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    log.close()
-    url = http_url(HOST, port)
-    wait_ready(proc, http_url=f"{url}/health", timeout_s=30)
-    return proc, url
-
-
 async def _one_at_a_time(http: httpx.AsyncClient, url: str, model: str) -> list[Outcome]:
     return [await complete(http, url, completion_body(p, model, MAX_TOKENS)) for p in PROMPTS]
 
@@ -184,7 +150,7 @@ def deployment(
                 _REFERENCE[outcome.prompt] = outcome
             single.stop()
             servers.remove(single)
-        proxy, url = _start_proxy(prefill, decode, d_tp, log_dir)
+        proxy, url = start_kvpush_proxy(prefill, decode, log_dir)
         yield Deployment(p_tp, d_tp, str(model), prefill, decode, url)
     finally:
         if proxy is not None:
@@ -194,32 +160,8 @@ def deployment(
             server.stop()
 
 
-def _servers_said(dep: Deployment, lines: int = 20) -> str:
-    out = []
-    for server in (dep.prefill, dep.decode):
-        text = server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
-        said = [
-            line
-            for line in text.splitlines()
-            if "kvpush" in line or "ERROR" in line or "Error" in line or "failed" in line
-        ]
-        out.append(f"--- {server.log_path.name}, last of {len(said)} such lines ---")
-        out += said[-lines:]
-    return "\n".join(out)
-
-
 def _check_identical(dep: Deployment, outcomes: list[Outcome], what: str) -> None:
-    for got in outcomes:
-        assert got.ok, f"{what}: {got.prompt!r} failed: {got.error}\n{_servers_said(dep)}"
-        want = _REFERENCE[got.prompt]
-        assert got.token_ids == want.token_ids, (
-            f"{what}: {got.prompt!r}: tokens {got.token_ids} differ from the single "
-            f"instance's {want.token_ids}"
-        )
-        for a, b in zip(got.logprobs, want.logprobs, strict=True):
-            assert math.isclose(a, b, abs_tol=1e-3), (
-                f"{what}: {got.prompt!r}: logprobs {got.logprobs} vs single {want.logprobs}"
-            )
+    check_identical(outcomes, _REFERENCE, what, [dep.prefill, dep.decode])
 
 
 async def _decode_metrics(dep: Deployment, http: httpx.AsyncClient) -> dict[str, float]:

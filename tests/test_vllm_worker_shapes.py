@@ -78,6 +78,7 @@ class Engine:
         tp: int,
         total_heads: int,
         seed: int,
+        mla: bool = False,
     ) -> None:
         self.tp = tp
         self.ranks: dict[int, PeerMetadata] = {}
@@ -88,10 +89,12 @@ class Engine:
             side_channel_host=HOST,
             side_channel_port=self.server.port,
             token=None,
-            timing=TimingConfig(heartbeat_interval_s=0.2, liveness_timeout_s=2.0, lease_s=3.0),
+            # Liveness 10 s: a loaded 2-core host (vLLM servers beside it) starves these
+            # in-process ranks' threads for seconds; no test here waits on liveness.
+            timing=TimingConfig(heartbeat_interval_s=0.2, liveness_timeout_s=10.0, lease_s=3.0),
             tp_size=tp,
             total_kv_heads=total_heads,
-            use_mla=False,
+            use_mla=mla,
             pp_size=1,
             dcp_size=1,
             block_size_tokens=TOKENS,
@@ -101,19 +104,23 @@ class Engine:
         def loopback(agent_name: str) -> Transport:
             return LoopbackTransport(fabric, agent_name)
 
+        self.mla = mla
         self.model = model_kv(seed, total_heads)
         self.workers: list[WorkerSide[Stats]] = []
         self.caches: list[torch.Tensor] = []
         for rank in range(tp):
-            held = rank_heads(rank, tp, total_heads, False)
+            held = rank_heads(rank, tp, total_heads, mla)
             cache = self.model[:, :, held.first_head : held.stop].clone()
             worker: WorkerSide[Stats] = WorkerSide(
                 config, rank, new_stats=Stats, transport_factory=loopback
             )
             stack.callback(worker.shutdown)
-            worker.register_kv_caches(
-                {f"model.layers.{i}.self_attn.attn": cache[i] for i in range(LAYERS)}
-            )
+            # MLA's cache is vLLM's [blocks, tokens, latent] per layer: no head axis.
+            layers = {
+                f"model.layers.{i}.self_attn.attn": cache[i, :, 0] if mla else cache[i]
+                for i in range(LAYERS)
+            }
+            worker.register_kv_caches(layers)
             meta = worker.handshake_metadata()
             assert meta is not None
             self.ranks[rank] = meta
@@ -139,7 +146,7 @@ class Engine:
 
     def heads_of(self, rank: int, model: torch.Tensor, block: int) -> torch.Tensor:
         """The bytes rank `rank` of this engine should hold for `block` of `model`."""
-        held = rank_heads(rank, self.tp, model.shape[2], False)
+        held = rank_heads(rank, self.tp, model.shape[2], self.mla)
         return model[:, block, held.first_head : held.stop]
 
 
@@ -149,10 +156,16 @@ def stack() -> Iterator[ExitStack]:
         yield s
 
 
-def pair(stack: ExitStack, p_tp: int, d_tp: int, heads: int) -> tuple[Engine, Engine]:
+def pair(
+    stack: ExitStack, p_tp: int, d_tp: int, heads: int, *, mla: bool = False
+) -> tuple[Engine, Engine]:
     fabric = LoopbackFabric()
-    prefill = Engine(stack, fabric, "prefill", "sender", tp=p_tp, total_heads=heads, seed=1)
-    decode = Engine(stack, fabric, "decode", "receiver", tp=d_tp, total_heads=heads, seed=2)
+    prefill = Engine(
+        stack, fabric, "prefill", "sender", tp=p_tp, total_heads=heads, seed=1, mla=mla
+    )
+    decode = Engine(
+        stack, fabric, "decode", "receiver", tp=d_tp, total_heads=heads, seed=2, mla=mla
+    )
     return prefill, decode
 
 
@@ -198,7 +211,25 @@ SHAPES = [
 def test_every_decode_rank_holds_exactly_the_prefill_models_bytes_of_its_heads(
     stack: ExitStack, p_tp: int, d_tp: int, heads: int, layerwise: bool
 ) -> None:
-    prefill, decode = pair(stack, p_tp, d_tp, heads)
+    check_every_decode_rank(pair(stack, p_tp, d_tp, heads), layerwise)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (4, 2), (2, 2)], ids=str)
+def test_mla_every_decode_rank_holds_the_whole_latent_from_one_prefill_rank(
+    stack: ExitStack, p_tp: int, d_tp: int
+) -> None:
+    """MLA: every rank holds the whole latent cache (one "head", replicated); each
+    decode rank takes it whole from prefill rank `d * P // D`, the other prefill ranks'
+    parts move nothing, and still end."""
+    prefill, decode = pair(stack, p_tp, d_tp, 1, mla=True)
+    for cache in prefill.caches:
+        assert torch.equal(cache.view(torch.uint8), prefill.model.view(torch.uint8))
+    check_every_decode_rank((prefill, decode), layerwise=False)
+
+
+def check_every_decode_rank(engines: tuple[Engine, Engine], layerwise: bool) -> None:
+    prefill, decode = engines
+    d_tp = decode.tp
     before = [cache.clone() for cache in decode.caches]
     decode.step(receive(prefill, decode, "t1", (5, 6, 7)))
     prefill.step(
@@ -262,7 +293,8 @@ def test_a_transfer_split_for_another_decode_tp_is_refused_at_once_on_both_sides
         "kvpush proxy reads it from --decode-side-channel)"
     ]
     while not all("req-p" in e.finished_sending for e in prefill.ended):
-        assert time.monotonic() - started < 5, f"the prefill was not told: {prefill.ended}"
+        # Well inside its 60 s deadline, which is what it would wait untold.
+        assert time.monotonic() - started < 20, f"the prefill was not told: {prefill.ended}"
         prefill.step()
         decode.step()
         time.sleep(0.002)

@@ -19,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +34,7 @@ import httpx
 
 from kvpush.errors import ConfigError
 from kvpush.net import http_url
-from kvpush.procs.readiness import wait_ready
+from kvpush.procs.readiness import free_port, wait_ready
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_VLLM_VENV = REPO_ROOT / ".venv-vllm"
@@ -56,6 +58,84 @@ def make_tiny_model(path: Path) -> Path:
 
     if not (path / "config.json").exists():
         make_model(path, num_layers=2, hidden_size=128, intermediate_size=256, num_heads=4)
+    return path
+
+
+# vLLM-CPU's MLA kernel takes only this latent size (kv_lora_rank 512 + rope 64) and
+# 16-token blocks.
+MLA_KV_LORA_RANK, MLA_ROPE_DIM, MLA_BLOCK_SIZE = 512, 64, 16
+
+
+def make_tiny_mla_model(path: Path, *, seed: int = 0) -> Path:
+    """A seeded tiny DeepSeek-V2 (MLA, dense MLP, no q LoRA) vLLM-CPU serves: hidden
+    size 128, two layers, four heads; its KV cache is one latent of 576 per token."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kvpush.serving.checkpoint import write_tokenizer
+
+    if (path / "config.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    hidden, inter, layers, heads, nope, v_dim, max_len = 128, 256, 2, 4, 32, 32, 2048
+    vocab, bos, eos = write_tokenizer(path, max_len)
+    latent = MLA_KV_LORA_RANK + MLA_ROPE_DIM
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (vocab, hidden),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (heads * (nope + MLA_ROPE_DIM), hidden),
+            p + "self_attn.kv_a_proj_with_mqa.weight": (latent, hidden),
+            p + "self_attn.kv_a_layernorm.weight": (MLA_KV_LORA_RANK,),
+            p + "self_attn.kv_b_proj.weight": (heads * (nope + v_dim), MLA_KV_LORA_RANK),
+            p + "self_attn.o_proj.weight": (hidden, heads * v_dim),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+        }
+    gen = torch.Generator().manual_seed(seed)
+    weights = {
+        name: torch.ones(shape) if "norm" in name else torch.randn(shape, generator=gen) * 0.1
+        for name, shape in shapes.items()
+    }
+    save_file(weights, str(path / "model.safetensors"))
+    config = {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "moe_intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "n_shared_experts": None,
+        "n_routed_experts": None,
+        "first_k_dense_replace": layers,
+        "moe_layer_freq": 1,
+        "kv_lora_rank": MLA_KV_LORA_RANK,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": MLA_ROPE_DIM,
+        "qk_nope_head_dim": nope,
+        "v_head_dim": v_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_len,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
 
 
@@ -505,3 +585,79 @@ def ngram_speculation(*, unpadded: bool = False) -> tuple[str, str]:
 
 
 NGRAM_SPECULATION = ngram_speculation()
+
+
+def start_kvpush_proxy(
+    prefill: VllmServer, decode: VllmServer, log_dir: Path
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`kvpush proxy` in front of a vLLM pair on the prefill's host, given both side
+    channels (so each transfer goes to that decode only, split for both TP sizes): the
+    process and its URL, once its /health answers."""
+    host = prefill.spec.host
+    sc = f"[{host}]" if ":" in host else host
+    port = free_port(host)
+    log = (log_dir / "proxy.log").open("ab")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvpush",
+            "proxy",
+            "--prefill",
+            prefill.url,
+            "--decode",
+            decode.url,
+            "--prefill-side-channel",
+            f"{sc}:{prefill.spec.side_channel_port}",
+            "--decode-side-channel",
+            f"{sc}:{decode.spec.side_channel_port}",
+            "--host",
+            host,
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    log.close()
+    url = http_url(host, port)
+    wait_ready(proc, http_url=f"{url}/health", timeout_s=30)
+    return proc, url
+
+
+def servers_said(servers: Sequence[VllmServer], lines: int = 15) -> str:
+    """The last errors and kvpush lines of the servers' logs: why a request failed (a
+    transfer's reason, a traceback) is there, not in the HTTP 500."""
+    out = []
+    for server in servers:
+        text = server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
+        said = [
+            line
+            for line in text.splitlines()
+            if "kvpush" in line or "ERROR" in line or "Error" in line or "failed" in line
+        ]
+        out.append(f"--- {server.log_path.name}, last of {len(said)} such lines ---")
+        out += said[-lines:]
+    return "\n".join(out)
+
+
+def check_identical(
+    outcomes: Sequence[Outcome],
+    reference: Mapping[str, Outcome],
+    what: str,
+    servers: Sequence[VllmServer],
+) -> None:
+    """Every outcome succeeded with the reference's tokens, and its logprobs: wrong KV
+    shows there even where the argmax survives it (batch composition moves them in the
+    last digits only). A failure quotes what the servers logged."""
+    for got in outcomes:
+        assert got.ok, f"{what}: {got.prompt!r} failed: {got.error}\n{servers_said(servers)}"
+        want = reference[got.prompt]
+        assert got.token_ids == want.token_ids, (
+            f"{what}: {got.prompt!r}: tokens {got.token_ids} differ from the single "
+            f"instance's {want.token_ids}"
+        )
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert math.isclose(a, b, abs_tol=1e-3), (
+                f"{what}: {got.prompt!r}: logprobs {got.logprobs} vs single {want.logprobs}"
+            )

@@ -162,9 +162,7 @@ def make_model(
 
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    tok = _build_tokenizer()
-    vocab_size = int(tok.get_vocab_size(with_added_tokens=True))  # type: ignore[attr-defined]
-    bos, eos = vocab_size - 2, vocab_size - 1
+    vocab_size, bos, eos = write_tokenizer(root, max_position_embeddings)
     config = ModelConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -208,6 +206,14 @@ def make_model(
 
     save_file({k: v.contiguous() for k, v in weights.items()}, str(root / "model.safetensors"))
     (root / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+    return config
+
+
+def write_tokenizer(root: Path, max_position_embeddings: int) -> tuple[int, int, int]:
+    """The tiny models' byte-level tokenizer, written into `root`: (vocabulary size, BOS
+    id, EOS id)."""
+    tok = _build_tokenizer()
+    vocab_size = int(tok.get_vocab_size(with_added_tokens=True))  # type: ignore[attr-defined]
     tok.save(str(root / "tokenizer.json"))  # type: ignore[attr-defined]
     (root / "tokenizer_config.json").write_text(
         json.dumps(
@@ -220,4 +226,4 @@ def make_model(
         )
         + "\n"
     )
-    return config
+    return vocab_size, vocab_size - 2, vocab_size - 1

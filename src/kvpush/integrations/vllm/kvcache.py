@@ -4,7 +4,9 @@ vLLM hands `register_kv_caches` one tensor per attention layer. Its logical shap
 `[blocks, heads, tokens, head_size + head_size_v]` (K and V packed side by side in the
 last axis, as the CPU backend and the layouts of vLLM's `KVCacheLayout` have it); its
 physical order is whatever the resolved layout made of it (`LBHNC` on CPU: each layer
-compact, each block one run of `[heads, tokens, K|V]`). Other backends hand
+compact, each block one run of `[heads, tokens, K|V]`). MLA's latent cache is
+`[blocks, tokens, latent]`, one latent per token on every rank: registered the same way,
+as one head. Other backends hand
 `[2, blocks, ...]` or `[blocks, 2, ...]` tensors: those kvpush's own layouts cover.
 
 Nothing is assumed from the layout's name: the block axis is axis 0 of the view, and a
@@ -48,6 +50,11 @@ def register_vllm_kv_caches(
     if not kv_caches:
         raise KVLayoutError("vLLM handed an empty KV cache: expected at least one layer")
     first = next(iter(kv_caches.values()))
+    if first.dim() == 3:
+        # MLA's latent cache, `[B, N, C]`: one latent "head" per block, every rank the
+        # same (`heads.replicated`); registered as the packed layout with H = 1.
+        kv_caches = {name: t.unsqueeze(1) for name, t in kv_caches.items()}
+        first = next(iter(kv_caches.values()))
     if first.dim() == 5:
         layout = _five_d_layout(first, block_size_tokens)
         geometry = register_kv_cache(kv_caches, layout, block_size_tokens)
@@ -132,8 +139,8 @@ class _Packed:
         expected = None if first is None else int(first.tensor.shape[0])
         if t.dim() != 4:
             self.fail(
-                f"wrong rank: expected 4 dimensions [B, H, N, C] (or 5 for a split K/V "
-                f"layout), got {t.dim()}",
+                f"wrong rank: expected 4 dimensions [B, H, N, C] like the first layer (3 "
+                f"for MLA's [B, N, C], 5 for a split K/V layout), got {t.dim()}",
                 expected,
             )
         if any(int(s) <= 0 for s in t.shape):

@@ -130,6 +130,7 @@ class ConnectorConfig:
         port = int(extra.get("side_channel_port", envs.VLLM_NIXL_SIDE_CHANNEL_PORT))
         port += int(getattr(parallel, "data_parallel_index", 0) or 0)
         token_file = extra.get("token_file")
+        use_mla = bool(getattr(vllm_config.model_config, "use_mla", False))
         return cls(
             engine_id=str(kv.engine_id),
             role=ROLES[kv.kv_role],
@@ -138,8 +139,9 @@ class ConnectorConfig:
             token=load_token(Path(token_file) if token_file else None),
             timing=timing,
             tp_size=int(parallel.tensor_parallel_size),
-            total_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
-            use_mla=bool(getattr(vllm_config.model_config, "use_mla", False)),
+            # MLA's cache is one latent per token, whatever the model's head count.
+            total_kv_heads=1 if use_mla else int(vllm_config.model_config.get_total_num_kv_heads()),
+            use_mla=use_mla,
             pp_size=pp_size,
             dcp_size=int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
             block_size_tokens=int(vllm_config.cache_config.block_size),
