@@ -72,7 +72,7 @@ def make_tiny_mla_model(path: Path, *, seed: int = 0) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from kvpush.serving.checkpoint import write_tokenizer
+    from kvpush.serving.checkpoint import cyclic_lm_head, write_tokenizer
 
     if (path / "config.json").exists():
         return path
@@ -100,10 +100,17 @@ def make_tiny_mla_model(path: Path, *, seed: int = 0) -> Path:
             p + "mlp.down_proj.weight": (hidden, inter),
         }
     gen = torch.Generator().manual_seed(seed)
+    # As the tiny Llama, a head that follows cycles over the embedding, with layers
+    # smaller still: MLA's prefill and decode paths (decompressed and absorbed) round
+    # differently, and wider layers let that flip a greedy token between engines.
     weights = {
-        name: torch.ones(shape) if "norm" in name else torch.randn(shape, generator=gen) * 0.1
+        name: torch.ones(shape) if "norm" in name else torch.randn(shape, generator=gen) * 0.03
         for name, shape in shapes.items()
     }
+    weights["model.embed_tokens.weight"] = torch.randn(
+        shapes["model.embed_tokens.weight"], generator=gen
+    )
+    weights["lm_head.weight"] = cyclic_lm_head(weights["model.embed_tokens.weight"], bos, gen)
     save_file(weights, str(path / "model.safetensors"))
     config = {
         "architectures": ["DeepseekV2ForCausalLM"],
@@ -115,8 +122,11 @@ def make_tiny_mla_model(path: Path, *, seed: int = 0) -> Path:
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": heads,
-        "n_shared_experts": None,
-        "n_routed_experts": None,
+        # Experts are named (transformers wants ints) but no layer uses them: every
+        # layer is below first_k_dense_replace, so dense.
+        "n_shared_experts": 1,
+        "n_routed_experts": 2,
+        "num_experts_per_tok": 1,
         "first_k_dense_replace": layers,
         "moe_layer_freq": 1,
         "kv_lora_rank": MLA_KV_LORA_RANK,
@@ -127,8 +137,7 @@ def make_tiny_mla_model(path: Path, *, seed: int = 0) -> Path:
         "hidden_act": "silu",
         "max_position_embeddings": max_len,
         "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "rope_scaling": None,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
         "attention_bias": False,
         "tie_word_embeddings": False,
         "bos_token_id": bos,

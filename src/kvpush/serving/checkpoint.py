@@ -176,8 +176,30 @@ def make_model(
         eos_token_id=eos,
     )
     gen = torch.Generator().manual_seed(seed)
+    next_of = _cycles(vocab_size, bos, cycle_lengths, gen)
 
-    # next_of[t]: the token the LM head favours after t; short cycles over the byte tokens.
+    weights: dict[str, torch.Tensor] = {}
+    for name, shape in config.parameter_shapes().items():
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(shape)
+        elif name == "model.embed_tokens.weight":
+            weights[name] = torch.randn(shape, generator=gen)
+        else:
+            weights[name] = torch.randn(shape, generator=gen) * layer_scale
+    weights["lm_head.weight"] = cyclic_lm_head(
+        weights["model.embed_tokens.weight"], bos, gen, next_of
+    )
+
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(root / "model.safetensors"))
+    (root / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+    return config
+
+
+def _cycles(
+    vocab_size: int, bos: int, cycle_lengths: tuple[int, int], gen: torch.Generator
+) -> list[int]:
+    """next_of[t]: the token the LM head favours after t; short cycles over the byte
+    tokens (those below `bos`)."""
     order = torch.randperm(bos, generator=gen).tolist()
     next_of = list(range(vocab_size))
     i = 0
@@ -188,25 +210,26 @@ def make_model(
         for a, b in zip(cycle, cycle[1:] + cycle[:1], strict=True):
             next_of[a] = b
         i += n
+    return next_of
 
-    weights: dict[str, torch.Tensor] = {}
-    for name, shape in config.parameter_shapes().items():
-        if name.endswith("norm.weight"):
-            weights[name] = torch.ones(shape)
-        elif name == "model.embed_tokens.weight":
-            weights[name] = torch.randn(shape, generator=gen)
-        else:
-            weights[name] = torch.randn(shape, generator=gen) * layer_scale
-    embed = weights["model.embed_tokens.weight"]
-    # Row `next_of[t]` of the head is t's embedding: after t, the head favours next_of[t].
-    head = torch.randn((vocab_size, hidden_size), generator=gen) * 0.05
+
+def cyclic_lm_head(
+    embed: torch.Tensor,
+    bos: int,
+    gen: torch.Generator,
+    next_of: list[int] | None = None,
+    cycle_lengths: tuple[int, int] = (4, 12),
+) -> torch.Tensor:
+    """An LM head under which a tiny model's greedy output follows short cycles with
+    wide margins (so other engines' rounding never flips a token): row `next_of[t]` is
+    t's embedding, so after t the head favours next_of[t]."""
+    vocab_size, hidden_size = embed.shape
+    if next_of is None:
+        next_of = _cycles(int(vocab_size), bos, cycle_lengths, gen)
+    head = torch.randn((int(vocab_size), int(hidden_size)), generator=gen) * 0.05
     for t in range(bos):
         head[next_of[t]] = embed[t]
-    weights["lm_head.weight"] = head
-
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(root / "model.safetensors"))
-    (root / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
-    return config
+    return head
 
 
 def write_tokenizer(root: Path, max_position_embeddings: int) -> tuple[int, int, int]:
