@@ -15,12 +15,14 @@ are shared by its tests (module-scoped, one shape at a time).
 
 The kill test stops one prefill rank's worker process with SIGKILL mid-batch: every
 request whose KV it had not pushed fails within the liveness bound, on every decode
-rank, and the decode server is left holding nothing.
+rank, and the decode server is left holding no request and no KV block. The doctor's
+compatibility step is checked on each pair too, rank pair by rank pair.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -32,6 +34,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvpush.cli import main as cli_main
 from kvpush.errors import ConfigError
 from kvpush.lab.vllm_servers import (
     MLA_BLOCK_SIZE,
@@ -48,8 +51,10 @@ from kvpush.lab.vllm_servers import (
     metric,
     start_kvpush_proxy,
     vllm_python,
+    wait_quiescent,
 )
 from kvpush.procs.readiness import free_port
+from kvpush.topology import rank_pairs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -196,8 +201,6 @@ async def _decode_metrics(dep: Deployment, http: httpx.AsyncClient) -> dict[str,
     return {
         "hits": await metric(http, url, "vllm:prefix_cache_hits_total"),
         "received": await metric(http, url, "vllm:kvpush_transfers_total"),
-        "waiting": await metric(http, url, "vllm:num_requests_waiting"),
-        "running": await metric(http, url, "vllm:num_requests_running"),
     }
 
 
@@ -229,6 +232,27 @@ def test_rounds_match_a_single_instance(deployment: Deployment) -> None:
     # platform; forcing chunked prefill and prefix caching to be disabled").
     if dep.kind != "mla":
         assert d["hits"] > 0, f"no decode-side prefix-cache hit happened: {d}"
+
+
+def test_the_doctor_pairs_the_ranks_of_different_tp_sizes(
+    deployment: Deployment, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvpush doctor` on the pair: the compatibility step checks each rank pair the
+    transfers use (TP 2 and TP 1: two pairs, each compatible) instead of failing on
+    the rank counts."""
+    dep = deployment
+    args = ["doctor"]
+    for role, server in (("prefill", dep.prefill), ("decode", dep.decode)):
+        args += [f"--{role}", f"{HOST}:{server.spec.side_channel_port}"]
+    cli_main([*args, "--json"])
+    report = json.loads(capsys.readouterr().out)
+    step = next(s for s in report["steps"] if s["name"] == "compatibility")
+    texts = [f["text"] for f in step["findings"]]
+    assert step["verdict"] == "ok", texts
+    pairs = [t.split(":")[0] for t in texts if "compatible" in t]
+    p_tp, d_tp = dep.prefill_tp, dep.decode_tp
+    want = [f"prefill rank {p} -> decode rank {d}" for p, d in rank_pairs(p_tp, d_tp)]
+    assert pairs == want, texts
 
 
 def _worker_pids(server: VllmServer) -> list[int]:
@@ -310,12 +334,14 @@ def test_one_prefill_rank_killed_mid_batch_fails_the_waiting_requests_in_bound(
         assert not outcome.ok, f"{outcome.prompt!r} succeeded without its prefill rank"
     assert waited < LIVENESS_BOUND_S, f"the waiting requests took {waited:.1f}s to fail"
 
-    async def drained() -> dict[str, float]:
+    async def drained() -> tuple[bool, float, dict[str, dict[str, float]]]:
         async with client() as http:
-            return await _decode_metrics(dep, http)
+            return await wait_quiescent(http, [dep.decode.url], timeout_s=30)
 
-    m = asyncio.run(drained())
-    assert m["waiting"] + m["running"] == 0, f"decode server still holds requests: {m}"
+    # No request and no KV block in use on the decode (every rank's blocks are vLLM's
+    # one pool): nothing stays held for the parts that could not finish.
+    quiet, waited, state = asyncio.run(drained())
+    assert quiet, f"decode server still holds requests or KV blocks after {waited:.0f}s: {state}"
 
 
 def test_pipeline_parallelism_is_refused_at_start_up_saying_why(

@@ -36,9 +36,10 @@ from kvpush.errors import (
     SideChannelError,
     UnknownRank,
 )
-from kvpush.geometry import PROTOCOL_VERSION, CacheGeometry
+from kvpush.geometry import PROTOCOL_VERSION, CacheGeometry, write_views
 from kvpush.net import is_wildcard
 from kvpush.sidechannel.client import FetchResult, fetch_metadata_timed
+from kvpush.topology import UnsupportedShape, rank_pairs
 
 MAX_RANKS = 64  # ranks asked for before giving up on finding the last one
 SLOW_ROUND_TRIP_MS = 100.0
@@ -543,33 +544,67 @@ _FIELD_ACTION = {
 
 def _compatibility(options: DoctorOptions, seen: _Observed, step: StepResult) -> None:
     p_ranks, d_ranks = seen.ranks["prefill"], seen.ranks["decode"]
-    if len(p_ranks) != len(d_ranks):
-        step.add(
-            Verdict.FAIL,
-            f"prefill serves {len(p_ranks)} ranks, decode {len(d_ranks)}: a transfer pairs "
-            "rank r with rank r, so one side would have ranks without a peer",
-            next_action="run both servers with the same tensor-parallel size",
-        )
-    for p, d in zip(p_ranks, d_ranks, strict=False):
-        rank = p.metadata.rank
+    for p, d in _paired_ranks(p_ranks, d_ranks, step):
+        pair = f"rank {p.metadata.rank}"
+        if len(p_ranks) != len(d_ranks):
+            pair = f"prefill rank {p.metadata.rank} -> decode rank {d.metadata.rank}"
         differences = geometry_differences(p.metadata.geometry, d.metadata.geometry)
         if not differences:
-            step.add(Verdict.OK, f"rank {rank}: compatible (hash {p.compat_hash})")
+            try:
+                write_views(p.metadata.geometry, d.metadata.geometry)
+            except UnsupportedShape as exc:
+                step.add(
+                    Verdict.FAIL,
+                    f"{pair}: {exc}",
+                    next_action="run TP sizes of which one is a whole multiple of the other, "
+                    "with a KV cache layout that holds heads one after another (LBHNC)",
+                )
+                continue
+            step.add(Verdict.OK, f"{pair}: compatible (hash {p.compat_hash})")
             continue
         for key, text in differences:
             step.add(
                 Verdict.FAIL,
-                f"rank {rank}: {text}",
+                f"{pair}: {text}",
                 next_action=_FIELD_ACTION.get(key, "make the two servers' caches agree"),
             )
         step.add(
             Verdict.FAIL,
-            f"rank {rank}: a transfer would be refused (compat hash prefill {p.compat_hash}, "
+            f"{pair}: a transfer would be refused (compat hash prefill {p.compat_hash}, "
             f"decode {d.compat_hash})",
             next_action="fix the fields above; kvpush refuses the pair before any write",
         )
     for role, ranks in (("prefill", p_ranks), ("decode", d_ranks)):
         step.figures[role] = [_geometry_figures(r.metadata.geometry) for r in ranks]
+
+
+def _paired_ranks(
+    p_ranks: list[FetchResult], d_ranks: list[FetchResult], step: StepResult
+) -> list[tuple[FetchResult, FetchResult]]:
+    """The rank pairs a transfer between the two servers uses: rank r with rank r, or,
+    where every rank says how it holds KV heads (vLLM engines), `rank_pairs` of the two
+    TP sizes when one is a whole multiple of the other. What cannot pair is a fail."""
+    if len(p_ranks) == len(d_ranks):
+        return list(zip(p_ranks, d_ranks, strict=True))
+    knows_heads = all(r.metadata.geometry.heads is not None for r in (*p_ranks, *d_ranks))
+    small, large = sorted((len(p_ranks), len(d_ranks)))
+    if knows_heads and small and large % small == 0:
+        return [(p_ranks[p], d_ranks[d]) for p, d in rank_pairs(len(p_ranks), len(d_ranks))]
+    why = (
+        "neither TP size is a whole multiple of the other"
+        if knows_heads
+        else "their caches do not say how they hold KV heads, so a transfer pairs rank r "
+        "with rank r"
+    )
+    step.add(
+        Verdict.FAIL,
+        f"prefill serves {len(p_ranks)} ranks, decode {len(d_ranks)}: {why}, so some ranks "
+        "would have no peer",
+        next_action="run both servers with the same tensor-parallel size"
+        if not knows_heads
+        else "run TP sizes of which one is a whole multiple of the other",
+    )
+    return list(zip(p_ranks, d_ranks, strict=False))
 
 
 def geometry_differences(prefill: CacheGeometry, decode: CacheGeometry) -> list[tuple[str, str]]:

@@ -8,8 +8,9 @@ fed with the ranks' metadata that vLLM collects from the workers at start-up.
 
 Decode side (`do_remote_prefill`): the request waits for remote KV (`get_num_new_matched_tokens`
 answers "the rest of the prompt, asynchronously"); once vLLM allocated its blocks, the
-blocks after its own prefix-cache hit are registered with the prefill's rank of the same
-number (`Receive`, `sender_offset` = the blocks it already had). vLLM frees them when the
+blocks after its own prefix-cache hit are registered with the prefill's ranks each worker
+rank pairs with (`Receive`, `sender_offset` = the blocks it already had; its params name
+both TP sizes, see `kvpush.integrations.vllm.worker`). vLLM frees them when the
 worker reports the request in `finished_recving` (failed ones also in `failed_recving`,
 so vLLM's `kv_load_failure_policy` decides: fail the request or recompute it). A decode
 request aborted while it waits has its transfer aborted; vLLM keeps its blocks until
