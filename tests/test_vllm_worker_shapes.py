@@ -39,6 +39,7 @@ BLOCKS, LAYERS, TOKENS, C = 8, 2, 16, 32  # C = head_size + head_size_v
 class Stats:
     def __init__(self) -> None:
         self.failed_at_once: list[str] = []
+        self.parts_ended: list[str] = []  # each part's transfer id, as it ended
 
     def opened(self, push: str) -> None:
         pass
@@ -50,10 +51,10 @@ class Stats:
         self.failed_at_once.append(why)
 
     def ended(self, result: TransferResult, seconds: float, bytes_per_block: int) -> None:
-        pass
+        self.parts_ended.append(result.transfer_id)
 
     def is_empty(self) -> bool:
-        return not self.failed_at_once
+        return not (self.failed_at_once or self.parts_ended)
 
 
 def model_kv(seed: int, total_heads: int) -> torch.Tensor:
@@ -270,6 +271,34 @@ def test_one_part_failing_fails_the_request_once_after_every_part_ended(
     assert decode.ended[0].failed_recving == {"req-d"}
     assert decode.reports == [{"req-d": 1}]
     assert prefill.reports == [{"req-p": 1}, {"req-p": 1}]
+
+
+def test_a_request_is_reported_only_once_its_last_part_ended(stack: ExitStack) -> None:
+    """TP 2 -> TP 1: prefill rank 0 sends at once, rank 1 only later. The decode rank's
+    part from rank 0 ends first; the request is not reported then (its other heads have
+    not arrived), but once the part from rank 1 ended, once, with every head in place."""
+    prefill, decode = pair(stack, 2, 1, 4)
+    decode.step(receive(prefill, decode, "t4", (5, 6)))
+    send = Send("req-p", "t4", (1, 2), decode_tp_size=1)
+    prefill.step([StepPlan(sends=[send]), StepPlan()])
+    ended: list[str] = []
+    deadline = time.monotonic() + 30
+    while "t4#0>0" not in ended:
+        assert time.monotonic() < deadline, f"part 0>0 did not end: {ended}"
+        prefill.step()
+        decode.step()
+        stats = decode.workers[0].take_stats()
+        ended += stats.parts_ended if stats is not None else []
+        time.sleep(0.002)
+    assert "req-d" not in decode.ended[0].finished_recving, (
+        "the request was reported when only its part from prefill rank 0 had ended"
+    )
+    prefill.step([StepPlan(), StepPlan(sends=[send])])
+    run_until_ended(prefill, decode)
+    assert decode.ended[0].failed_recving == set() and decode.reports == [{"req-d": 1}]
+    for ours, theirs in zip((5, 6), (1, 2), strict=True):
+        want = decode.heads_of(0, prefill.model, theirs)
+        assert torch.equal(decode.caches[0][:, ours].view(torch.uint8), want.view(torch.uint8))
 
 
 def test_a_transfer_split_for_another_decode_tp_is_refused_at_once_on_both_sides(
