@@ -360,3 +360,15 @@ def part_id(transfer_id: str, prefill_rank: int, decode_rank: int, *, rank_to_ra
     if rank_to_rank:
         return transfer_id
     return f"{transfer_id}#{prefill_rank}>{decode_rank}"
+
+
+def transfer_parts(
+    transfer_id: str, prefill_tp: int, decode_tp: int
+) -> tuple[tuple[int, int, str], ...]:
+    """Every part of `transfer_id` between the two TP sizes: (prefill rank, decode rank,
+    the part's transfer id), one per `rank_pairs` pair."""
+    same = prefill_tp == decode_tp
+    return tuple(
+        (p, d, part_id(transfer_id, p, d, rank_to_rank=same))
+        for p, d in rank_pairs(prefill_tp, decode_tp)
+    )

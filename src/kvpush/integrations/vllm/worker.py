@@ -52,7 +52,7 @@ from kvpush.geometry import KVHeads
 from kvpush.integrations.vllm.kvcache import register_vllm_kv_caches
 from kvpush.integrations.vllm.plan import Receive, Refuse, Send, StepPlan, StepResults
 from kvpush.node import NodeIdentity, Rank, RankSettings, TransportFactory, nixl_transport
-from kvpush.topology import part_id, rank_heads, rank_pairs
+from kvpush.topology import rank_heads, transfer_parts
 
 if TYPE_CHECKING:
     import torch
@@ -240,8 +240,8 @@ class WorkerSide(Generic[S]):
             self._failed_at_once[rcv.request_id] = detail
             return
         parts = [
-            (part_id(rcv.transfer_id, p, d, rank_to_rank=sender_tp == ours), p)
-            for p, d in rank_pairs(sender_tp, ours)
+            (pid, p)
+            for p, d, pid in transfer_parts(rcv.transfer_id, sender_tp, ours)
             if d == self._rank
         ]
 
@@ -266,10 +266,9 @@ class WorkerSide(Generic[S]):
         from kvpush.runtime import PeerAddress
 
         runtime = self._require_runtime()
-        for p, d in rank_pairs(sender_tp, split_for):
+        for p, d, pid in transfer_parts(tid, sender_tp, split_for):
             if d % self._config.tp_size != self._rank:
                 continue
-            pid = part_id(tid, p, d, rank_to_rank=sender_tp == split_for)
             try:
                 runtime.reject(pid, PeerAddress(host, port, p), detail)
             except KVPushError as exc:
@@ -281,8 +280,8 @@ class WorkerSide(Generic[S]):
         ours = self._config.tp_size
         decode_tp = snd.decode_tp_size or ours
         parts = [
-            (part_id(snd.transfer_id, p, d, rank_to_rank=decode_tp == ours), d)
-            for p, d in rank_pairs(ours, decode_tp)
+            (pid, d)
+            for p, d, pid in transfer_parts(snd.transfer_id, ours, decode_tp)
             if p == self._rank
         ]
 
