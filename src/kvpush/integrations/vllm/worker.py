@@ -44,7 +44,6 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from kvpush.errors import FailureReason, KVPushError
@@ -52,12 +51,14 @@ from kvpush.geometry import KVHeads
 from kvpush.integrations.vllm.kvcache import register_vllm_kv_caches
 from kvpush.integrations.vllm.plan import Receive, Refuse, Send, StepPlan, StepResults
 from kvpush.node import NodeIdentity, Rank, RankSettings, TransportFactory, nixl_transport
+from kvpush.protocol.parts import RequestEnded, RequestParts
 from kvpush.topology import rank_heads, transfer_parts
 
 if TYPE_CHECKING:
     import torch
 
     from kvpush.integrations.vllm.params import ConnectorConfig
+    from kvpush.protocol import Side
     from kvpush.runtime import PeerAddress, PushRuntime, TransferResult
     from kvpush.sidechannel import PeerMetadata
 
@@ -69,18 +70,6 @@ def _receiver(snd: Send) -> PeerAddress | None:
     from kvpush.runtime import PeerAddress
 
     return None if snd.decode is None else PeerAddress(*snd.decode)
-
-
-@dataclass(slots=True)
-class _Request:
-    """One request's transfer on this rank: its parts (one per rank pair), not ended
-    yet; it ends once all have, failed if any did."""
-
-    request_id: str
-    started: float
-    parts: set[str]
-    num_parts: int
-    failure: str | None = None  # the first part's failure, if any
 
 
 class WorkerStats(Protocol):
@@ -119,14 +108,15 @@ class WorkerSide(Generic[S]):
         self._node_rank: Rank | None = None
         self._runtime: PushRuntime | None = None
         self._bytes_per_block = 0
-        # Per side: transfer id -> the request's transfer; and each part's transfer id
-        # -> the transfer id it is a part of.
-        self._receiving: dict[str, _Request] = {}
-        self._sending: dict[str, _Request] = {}
-        self._part_of: dict[tuple[str, str], str] = {}
-        # Ended at the call, reported with the next results: request id -> reason.
-        self._failed_at_once: dict[str, str] = {}
-        self._sent_at_once: set[str] = set()
+        # Per side, the requests whose parts have not all ended (the one rule that turns
+        # parts into a request's result), and when each request was opened.
+        self._books: dict[Side, RequestParts] = {
+            "receiver": RequestParts("receiver"),
+            "sender": RequestParts("sender"),
+        }
+        self._opened_at: dict[tuple[Side, str], float] = {}
+        # Requests that ended at the call, reported with the next results.
+        self._ended_at_once: list[RequestEnded] = []
         self._idle = False
         self._stats = new_stats()
         self._layer_of: dict[str, int] = {}  # vLLM's layer name -> the geometry's layer
@@ -211,19 +201,19 @@ class WorkerSide(Generic[S]):
             if not self._send(snd, [] if snd.cancel else None, now):
                 continue
             if snd.cancel:
-                self._abort(self._sending, snd.transfer_id)
+                self._abort(self._books["sender"].open_parts(snd.transfer_id))
             else:
                 self._stats.opened("whole")
         for tid in plan.aborts:
-            for book in (self._receiving, self._sending):
-                self._abort(book, tid)
+            for book in self._books.values():
+                self._abort(book.open_parts(tid))
 
     def _receive(self, rcv: Receive, now: float) -> None:
         """Register for every part of a transfer that comes to this rank."""
         from kvpush.runtime import PeerAddress
 
         if not rcv.transfer_id:
-            self._failed_at_once[rcv.request_id] = "unusable kv_transfer_params"
+            self._end_at_once("receiver", rcv.request_id, "unusable kv_transfer_params")
             return
         ours = self._config.tp_size
         sender_tp = rcv.sender_tp_size or ours
@@ -237,7 +227,7 @@ class WorkerSide(Generic[S]):
             )
             log.error("request %s: %s", rcv.request_id, detail)
             self._refuse_parts(rcv.transfer_id, rcv.host, rcv.port, sender_tp, split_for, detail)
-            self._failed_at_once[rcv.request_id] = detail
+            self._end_at_once("receiver", rcv.request_id, detail)
             return
         parts = [
             (pid, p)
@@ -294,44 +284,41 @@ class WorkerSide(Generic[S]):
 
     def _open(
         self,
-        side: str,
+        side: Side,
         rid: str,
         tid: str,
         parts: list[tuple[str, int]],
         start: Callable[[str, int], None],
         now: float,
     ) -> bool:
-        """Start every part; a part the runtime refuses at the call aborts those already
-        started, and the request ends when they have (at once if none had)."""
-        book = self._receiving if side == "receiver" else self._sending
-        request = _Request(rid, now, set(), len(parts))
+        """Start every part; a part the runtime refuses at the call fails the request
+        (`RequestParts.open`). False if no part started (the request ended at once)."""
+        started: list[str] = []
+        refused: str | None = None
         for pid, peer_rank in parts:
             try:
                 start(pid, peer_rank)
             except KVPushError as exc:
                 log.error("request %s: cannot %s %s: %s", rid, side[:-2] + "e", pid, exc)
-                request.failure = f"{type(exc).__name__}: {exc}"
+                refused = f"{type(exc).__name__}: {exc}"
                 break
-            request.parts.add(pid)
-            self._part_of[(side, pid)] = tid
-        if not request.parts:
-            if side == "receiver":
-                self._failed_at_once[rid] = request.failure or "no part to receive"
-            else:
-                self._sent_at_once.add(rid)
+            started.append(pid)
+        outcome = self._books[side].open(rid, tid, started, refused)
+        if outcome.ended is not None:
+            self._ended_at_once.append(outcome.ended)
             return False
-        book[tid] = request
-        if request.failure is not None:
-            self._abort(book, tid)
+        self._opened_at[(side, tid)] = now
+        self._abort(outcome.abort)
         return True
 
-    def _abort(self, book: dict[str, _Request], tid: str) -> None:
-        """Abort every part of `tid` not ended yet (its result still comes, once)."""
-        request = book.get(tid)
-        if request is None:
-            return
+    def _end_at_once(self, side: Side, rid: str, detail: str) -> None:
+        """A request with no part to open: it fails (it ends, on a sender) at once."""
+        self._ended_at_once.append(self._books[side].ended_at_once(rid, detail))
+
+    def _abort(self, parts: Iterable[str]) -> None:
+        """Abort these parts (each one's result still comes, once)."""
         runtime = self._require_runtime()
-        for pid in sorted(request.parts):
+        for pid in parts:
             runtime.abort(pid)
 
     # ----------------------------------------------------------------- layer-wise push
@@ -349,7 +336,7 @@ class WorkerSide(Generic[S]):
         for snd in plan.sends:
             if not snd.layerwise or not self._send(snd, [], now):
                 continue
-            for pid in self._sending[snd.transfer_id].parts:
+            for pid in self._books["sender"].open_parts(snd.transfer_id):
                 self._announcing[pid] = set(self._all_layers)
             self._stats.opened("layerwise")
 
@@ -414,55 +401,53 @@ class WorkerSide(Generic[S]):
     def transfer_results(self) -> StepResults:
         runtime = self._require_runtime()
         ended = runtime.poll()
-        if not ended and self._idle and (self._receiving or self._sending):
+        if not ended and self._idle and any(self._books.values()):
             # Nothing to compute this step: wait a little for an end instead of letting
             # vLLM's loop come straight back (that loop would spin a core).
             ended = runtime.wait(self._config.idle_wait_s)
         out = StepResults()
-        for rid, why in self._failed_at_once.items():
-            out.finished_recving.add(rid)
-            out.failed_recving.add(rid)
-            self._stats.ended_at_once("receiver", why)
-        self._failed_at_once.clear()
-        out.finished_sending |= self._sent_at_once
-        self._sent_at_once.clear()
+        for request in self._ended_at_once:
+            if not request.ok:
+                self._stats.ended_at_once(request.side, request.detail)
+            self._report(request, out)
+        self._ended_at_once.clear()
         for result in ended:
             self._ended(result, out)
         return out
 
     def _ended(self, result: TransferResult, out: StepResults) -> None:
-        tid = self._part_of.pop((result.side, result.transfer_id), None)
-        book = self._receiving if result.side == "receiver" else self._sending
-        request = None if tid is None else book.get(tid)
-        if tid is None or request is None:
+        book = self._books[result.side]
+        tid = book.transfer_of(result.transfer_id)
+        if tid is None:
             return
-        request.parts.discard(result.transfer_id)
+        opened = self._opened_at[(result.side, tid)]
         # Each part moved its share of our blocks (the heads it exchanges).
-        self._stats.ended(
-            result,
-            time.monotonic() - request.started,
-            self._bytes_per_block // max(1, request.num_parts),
-        )
-        if not result.ok and request.failure is None:
-            request.failure = f"{result.reason}: {result.detail}"
-            if result.reason is not FailureReason.CANCELLED:
-                log.warning(
-                    "request %s: %s part %s failed (%s): %s",
-                    request.request_id,
-                    "sending" if result.side == "sender" else "receiving",
-                    result.transfer_id,
-                    result.reason,
-                    result.detail,
-                )
-            self._abort(book, tid)  # the others cannot make the request whole now
-        if request.parts:
-            return  # reported once every part has ended
-        del book[tid]
-        if result.side == "sender":
+        parts = max(1, book.num_parts(tid))
+        self._stats.ended(result, time.monotonic() - opened, self._bytes_per_block // parts)
+        if not result.ok and result.reason is not FailureReason.CANCELLED:
+            log.warning(
+                "request %s: %s part %s failed (%s): %s",
+                book.request_of(result.transfer_id),
+                "sending" if result.side == "sender" else "receiving",
+                result.transfer_id,
+                result.reason,
+                result.detail,
+            )
+        outcome = book.part_ended(result.transfer_id, result.reason, result.detail)
+        self._abort(outcome.abort)
+        if outcome.ended is not None:
+            del self._opened_at[(result.side, tid)]
+            self._report(outcome.ended, out)
+
+    @staticmethod
+    def _report(request: RequestEnded, out: StepResults) -> None:
+        """vLLM's view of a request's one result: a send ended either way frees the
+        prefill's blocks; a receive that failed is also in `failed_recving`."""
+        if request.side == "sender":
             out.finished_sending.add(request.request_id)
             return
         out.finished_recving.add(request.request_id)
-        if request.failure is not None:
+        if not request.ok:
             out.failed_recving.add(request.request_id)
 
     def take_stats(self) -> S | None:
