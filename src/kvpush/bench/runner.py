@@ -424,25 +424,57 @@ def finish_report(report: dict[str, Any]) -> dict[str, Any]:
     return report
 
 
+@dataclass(frozen=True, slots=True)
+class ModeRun:
+    """One entry of a report: its name, its progress steps, and how to run it
+    (`run(on_progress, step_offset, total_steps)`, which never raises for the run's own
+    failure: it reports it)."""
+
+    mode: str
+    steps: int
+    run: Callable[[ProgressFn | None, int, int], dict[str, Any]]
+
+
+def mode_runs(workload: Workload, modes: tuple[str, ...]) -> list[ModeRun]:
+    """The runs of `modes`, each in its own child processes."""
+
+    def runner(mode: str) -> Callable[[ProgressFn | None, int, int], dict[str, Any]]:
+        def run(on_progress: ProgressFn | None, step_offset: int, total: int) -> dict[str, Any]:
+            return run_mode(
+                mode,
+                workload,
+                on_progress=on_progress,
+                step_offset=step_offset,
+                total_steps=total,
+            )
+
+        return run
+
+    return [ModeRun(mode, steps_per_mode(workload), runner(mode)) for mode in modes]
+
+
 def run_bench(
     workload: Workload,
     modes: tuple[str, ...] = DEFAULT_MODES,
     on_progress: ProgressFn | None = None,
     skip: dict[str, str] | None = None,
+    instead: dict[str, list[ModeRun]] | None = None,
 ) -> dict[str, Any]:
-    """Every mode in turn on the same workload; the report as a JSON-ready dict."""
-    per = steps_per_mode(workload)
-    total = per * len(modes)
+    """Every mode in turn on the same workload; the report as a JSON-ready dict.
+    `instead` maps a mode to the runs that replace it (`--shapes` replaces kvpush)."""
+    runs: list[ModeRun] = []
+    for run in mode_runs(workload, modes):
+        runs += (instead or {}).get(run.mode, [run])
+    total = sum(r.steps for r in runs)
     report = new_report(workload)
-    for i, mode in enumerate(modes):
-        if skip and mode in skip:
-            report["modes"].append(empty_result(mode) | {"status": "skipped", "reason": skip[mode]})
-            continue
-        report["modes"].append(
-            run_mode(
-                mode, workload, on_progress=on_progress, step_offset=i * per, total_steps=total
-            )
-        )
+    step = 0
+    for run in runs:
+        if skip and run.mode in skip:
+            result = empty_result(run.mode) | {"status": "skipped", "reason": skip[run.mode]}
+        else:
+            result = run.run(on_progress, step, total)
+        report["modes"].append(result)
+        step += run.steps
     return finish_report(report)
 
 
@@ -460,8 +492,13 @@ def versions() -> dict[str, str | None]:
 
 
 def ratios(report: dict[str, Any]) -> dict[str, dict[str, list[float | None]]]:
-    """GB/s of each mode over memcpy's and nixl-raw's, size by size."""
+    """GB/s of each mode over memcpy's and nixl-raw's, size by size; and of each mode
+    that names a base (`vs`: a shape, over the first shape) over that base's."""
     by_mode = {m["mode"]: {s["bytes"]: s["gbps"] for s in m["sizes"]} for m in report["modes"]}
+
+    def row(sizes: dict[int, float], base: dict[int, float]) -> list[float | None]:
+        return [(sizes[b] / base[b]) if b in base else None for b in sorted(sizes)]
+
     out: dict[str, dict[str, list[float | None]]] = {}
     for base in ("memcpy", "nixl-raw"):
         if not by_mode.get(base):
@@ -469,8 +506,9 @@ def ratios(report: dict[str, Any]) -> dict[str, dict[str, list[float | None]]]:
         for mode, sizes in by_mode.items():
             if mode == base or not sizes:
                 continue
-            row = [
-                (sizes[b] / by_mode[base][b]) if b in by_mode[base] else None for b in sorted(sizes)
-            ]
-            out.setdefault(mode, {})[f"vs_{base}"] = row
+            out.setdefault(mode, {})[f"vs_{base}"] = row(sizes, by_mode[base])
+    for m in report["modes"]:
+        base = m.get("vs")
+        if base and by_mode.get(base) and by_mode[m["mode"]]:
+            out.setdefault(m["mode"], {})[f"vs_{base}"] = row(by_mode[m["mode"]], by_mode[base])
     return out
