@@ -185,6 +185,10 @@ def test_presets_span_one_block_to_a_gibibyte() -> None:
         (["--sizes", "8G"], "exceeds 4 GiB per side"),
         (["--target", "::1:5000"], "an IPv6 host must be bracketed"),
         (["--json", "/nonexistent-dir/x.json"], "its directory does not exist"),
+        (["--shapes", "2-1"], "expected comma-separated PREFILL_TP:DECODE_TP pairs"),
+        (["--shapes", "3:1"], "--shapes 3:1: prefill TP 3 (8 KV heads"),
+        (["--shapes", "2:1", "--modes", "memcpy"], "add kvpush to --modes"),
+        (["--shapes", "2:1", "--block-bytes", "64K"], "leave out --block-bytes"),
     ],
 )
 def test_bad_input_is_refused_with_the_reason(args: list[str], expected: str) -> None:
@@ -376,3 +380,48 @@ def test_the_mac_cost_is_measured_for_every_message_kind() -> None:
     for r in rows:
         assert r["bytes"] > 0 and r["seal_us"] > 0 and r["open_us"] > 0, r
         assert r["mac_us"] == r["seal_us"] + r["open_us"], r
+
+
+@pytest.mark.nixl
+def test_shapes_carry_the_same_bytes_from_two_prefill_ranks_into_one_decode_rank(
+    tmp_path: Path,
+) -> None:
+    """`--shapes 1:1,2:1`: a TP 1 -> TP 1 run and a TP 2 -> TP 1 run (three processes, both
+    prefill ranks writing their halves of the heads at once) of the same bytes, side by
+    side. Every head of every destination block holds the model's bytes, the decode's
+    blocks were zeroed before each batch (so nothing stale passes), NIXL was handed every
+    byte once, in twice the descriptors (a half block per part), and the ratio is given."""
+    report_path = tmp_path / "report.json"
+    proc = _kvpush(
+        "bench", "--quick", "--modes", "kvpush", "--shapes", "1:1,2:1", "--sizes", "1M,4M",
+        "--no-progress", "--json", str(report_path), timeout=110,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    report = json.loads(report_path.read_text())
+    one, two = report["modes"]
+    assert (one["mode"], two["mode"]) == ("kvpush tp1:1", "kvpush tp2:1")
+    assert one["shape"]["parts_per_transfer"] == 1 and two["shape"]["parts_per_transfer"] == 2
+    assert "vs" not in one and two["vs"] == "kvpush tp1:1"
+    w = report["workload"]
+    # The model's heads per layer, each one block of K and V.
+    head_bytes = w["block_size_tokens"] * 2 * 128 * 2
+    for m in (one, two):
+        assert m["status"] == "ok", m
+        assert [s["bytes"] for s in m["sizes"]] == w["sizes_bytes"]
+        for s in [*m["sizes"], m["latency"], m["rate"]]:
+            sums = s["checksums"]
+            assert sums["heads"] == sums["slots"] * 8, s  # every head of every slot
+            assert sums["src"] == sums["dst"] and sums["match"] is True, (m["mode"], s)
+            zeros = _zeros_crc(head_bytes * w["layers"] * s["blocks"])
+            assert zeros not in sums["dst"], (m["mode"], s["label"])
+            assert s["bytes_posted"] == s["total_bytes"], s
+            assert s["writes_per_transfer"] == m["shape"]["parts_per_transfer"]
+            assert math.isclose(s["gbps"], s["total_bytes"] / s["wall_s"] / 1e9, rel_tol=1e-9)
+            assert 0 < s["p50_us"] <= s["p99_us"] <= s["wall_s"] * 1e6
+    # Shuffled block ids merge nothing: one descriptor per block per layer per part.
+    for a, b in zip(one["sizes"], two["sizes"], strict=True):
+        assert a["descriptors"] == a["blocks"] * w["layers"]
+        assert b["descriptors"] == 2 * a["descriptors"]
+    ratio = report["ratios"]["kvpush tp2:1"]["vs_kvpush tp1:1"]
+    assert ratio == [b["gbps"] / a["gbps"] for a, b in zip(one["sizes"], two["sizes"], strict=True)]
+    assert "kvpush tp2:1 vs_kvpush tp1:1" in proc.stdout

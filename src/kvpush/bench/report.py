@@ -14,6 +14,16 @@ NIXL_RAW_CAVEAT = (
     "that kvpush is faster than NIXL."
 )
 
+# Under the table when `--shapes` ran.
+SHAPES_NOTE = (
+    "kvpush tpP:D: a prefill engine of P ranks into a decode engine of D ranks, every rank\n"
+    "its own process, vLLM's packed layout (one region per layer, heads outermost); the\n"
+    "prefill ranks send their parts at once. GB/s: bytes landed in the decode's cache /\n"
+    "(last part received - first blocks ready). Latency: each part from its own prefill\n"
+    "rank's blocks ready, a transfer's that of its slowest part. descs: NIXL descriptors\n"
+    "per transfer, every part, after merging. Bytes checked head by head."
+)
+
 # In the plot's legend, so that the figure alone cannot be read as kvpush beating NIXL.
 PLOT_LABELS = {"nixl-raw": "nixl-raw (simplest NIXL code; busy-polls)"}
 
@@ -68,7 +78,7 @@ def format_table(report: dict[str, Any]) -> str:
             continue
         for s in m["sizes"]:
             lines.append(
-                f"{m['mode']:<12} {human_bytes(s['bytes']):>10} {s['descriptors']:>7} "
+                f"{m['mode']:<12} {human_bytes(s['bytes']):>10} {s['descriptors']:>7.0f} "
                 f"{s['transfers']:>6} {s['gbps']:>8.2f} {s['p50_us']:>9.0f} "
                 f"{s['p99_us']:>9.0f} {_num(s['sender_cpu_s_per_gb'], '11.3f'):>11} "
                 f"{_num(s['receiver_cpu_s_per_gb'], '11.3f'):>11} "
@@ -76,6 +86,8 @@ def format_table(report: dict[str, Any]) -> str:
             )
         if m["status"] != "ok":
             lines.append(f"{m['mode']:<12} {m['status'].upper()}: {m['reason']}")
+    if any(m.get("shape") for m in report["modes"]):
+        lines.append(SHAPES_NOTE)
     lines += [
         "",
         "1-block transfers: latency with one in flight; rate with "
@@ -116,11 +128,12 @@ def format_table(report: dict[str, Any]) -> str:
         lines += ["", "GB/s ratios, size by size:"]
         sizes: list[dict[str, Any]] = next((m["sizes"] for m in report["modes"] if m["sizes"]), [])
         labels = " ".join(f"{human_bytes(s['bytes']):>9}" for s in sizes)
-        lines.append(f"{'':<22} {labels}")
+        width = max(22, *(len(f"{m} {b}") for m, bases in ratios.items() for b in bases))
+        lines.append(f"{'':<{width}} {labels}")
         for mode, bases in ratios.items():
             for base, row in bases.items():
                 cells = " ".join(f"{_num(v, '9.2f'):>9}" for v in row)
-                lines.append(f"{mode + ' ' + base:<22} {cells}")
+                lines.append(f"{mode + ' ' + base:<{width}} {cells}")
         if any("vs_nixl-raw" in bases for bases in ratios.values()):
             lines += ["", NIXL_RAW_CAVEAT]
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""`kvpush bench`: memcpy, raw NIXL, kvpush and Mooncake, side by side on the same bytes."""
+"""`kvpush bench`: memcpy, raw NIXL, kvpush and Mooncake, side by side on the same bytes
+(and kvpush between engines of different tensor parallelism, `--shapes`)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--modes",
         default=",".join(DEFAULT_MODES),
         help=f"comma-separated subset of {','.join(ALL_MODES)}",
+    )
+    p.add_argument(
+        "--shapes",
+        metavar="P:D,...",
+        help="run the kvpush mode once per deployment shape, PREFILL_TP:DECODE_TP (e.g. "
+        "1:1,2:1), every rank its own process, in vLLM's packed layout; each shape's GB/s "
+        "is also given over the first's",
     )
     p.add_argument("--quick", action="store_true", help="a small run, under a minute")
     p.add_argument(
@@ -90,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not modes:
         raise ConfigError(f"--modes {args.modes!r}: expected a subset of {','.join(ALL_MODES)}")
     if args.target is not None:
+        if args.shapes:
+            raise ConfigError("--shapes runs both engines here: leave out --target")
         return _run_remote(args, modes)
     workload = make_workload(
         preset=args.preset,
@@ -103,10 +113,17 @@ def run(args: argparse.Namespace) -> int:
         quick=args.quick,
         busy_engine=args.busy_engine,
     )
+    instead = None
+    if args.shapes:
+        from kvpush.bench.shapes import parse_shapes, shape_runs
+
+        if "kvpush" not in modes:
+            raise ConfigError("--shapes runs the kvpush mode once per shape: add kvpush to --modes")
+        instead = {"kvpush": shape_runs(parse_shapes(args.shapes, workload), workload)}
     _check_outputs(args)
     bar = _ProgressBar(enabled=not args.no_progress)
     try:
-        report = run_bench(workload, modes, on_progress=bar)
+        report = run_bench(workload, modes, on_progress=bar, instead=instead)
     finally:
         bar.finish()
     return _emit(report, args)
