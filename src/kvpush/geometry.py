@@ -64,6 +64,28 @@ class KVHeads(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         return {"total": self.total, "replicated": self.replicated}
 
 
+GROUP_KINDS = ("full_attention", "sliding_window")
+
+
+class KVCacheGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """One KV-cache group of a hybrid model (vLLM's hybrid KV-cache manager): layers
+    whose blocks one block table addresses. Every group's blocks come from one pool and
+    lie in the same regions (the layers of different groups share the memory), so a
+    block id names bytes of one group only, and moving a group is moving its block ids.
+    `kind`: "full_attention" (every token's KV is kept) or "sliding_window" (only the
+    last `sliding_window` tokens are attended: `kvpush.integrations.vllm.groups` says
+    which blocks move)."""
+
+    kind: str
+    block_size_tokens: int
+    sliding_window: int | None = None  # tokens, for "sliding_window"
+
+    def describe(self) -> str:
+        if self.kind == "sliding_window":
+            return f"sliding window of {self.sliding_window} tokens"
+        return self.kind.replace("_", " ")
+
+
 class CacheGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     layout: str  # e.g. "kv_separate/NHD" (kvcache.KVLayout names the legal values)
     block_size_tokens: int
@@ -72,6 +94,9 @@ class CacheGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     mode: str = "push"
     # None: blocks are moved whole, rank r to rank r, and must be equal in bytes.
     heads: KVHeads | None = None
+    # The KV-cache groups whose block ids share these regions, in the engine's order;
+    # empty: one full-attention group (every block id of a request moves).
+    groups: tuple[KVCacheGroup, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -101,8 +126,9 @@ class CacheGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     def compat_fields(self) -> dict[str, object]:
         """What two peers must agree on; addresses, block counts and (where the geometry
         knows its heads) tensor-parallel sizes may differ. Regions are compared by the
-        bytes of one head per block then, with `kv_heads` the model's head count."""
-        return {
+        bytes of one head per block then, with `kv_heads` the model's head count; a
+        hybrid model's KV-cache groups by kind, block size and window."""
+        fields: dict[str, object] = {
             "protocol_version": PROTOCOL_VERSION,
             "layout": self.layout,
             "block_size_tokens": self.block_size_tokens,
@@ -111,6 +137,12 @@ class CacheGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
             "kv_heads": None if self.heads is None else self.heads.compat(),
             "regions": [(r.name, r.layer, self.region_unit_bytes(r)) for r in self.regions],
         }
+        if self.groups:
+            # Only where there are groups, so that one-group engines keep their hash.
+            fields["kv_cache_groups"] = [
+                (g.kind, g.block_size_tokens, g.sliding_window) for g in self.groups
+            ]
+        return fields
 
     def compat_hash(self) -> str:
         encoded = msgspec.json.encode(self.compat_fields())

@@ -49,6 +49,11 @@ def register_vllm_kv_caches(
     KV heads (from vLLM's config), checked against the tensors' head axis."""
     if not kv_caches:
         raise KVLayoutError("vLLM handed an empty KV cache: expected at least one layer")
+    slots = layer_slots(kv_caches)
+    firsts: dict[int, str] = {}
+    for name, slot in slots.items():
+        firsts.setdefault(slot, name)
+    kv_caches = {name: kv_caches[name] for name in firsts.values()}
     first = next(iter(kv_caches.values()))
     if first.dim() == 3:
         # MLA's latent cache, `[B, N, C]`: one latent "head" per block, every rank the
@@ -75,6 +80,24 @@ def register_vllm_kv_caches(
         regions=tuple(regions),
     )
     return _with_heads(geometry, heads, int(reference.tensor.shape[1]), reference.name)
+
+
+def layer_slots(kv_caches: Mapping[str, object]) -> dict[str, int]:
+    """Each layer's region (its index, in the order the layers come): layers whose
+    tensors are the very same view of memory share one. vLLM's hybrid KV-cache manager
+    lays the layers of its KV-cache groups over each other (layer i of every group in
+    one view; a block belongs to one group at a time), so one region per distinct view
+    moves each group's blocks once."""
+    import torch
+
+    slots: dict[str, int] = {}
+    seen: dict[object, int] = {}
+    for name, tensor in kv_caches.items():
+        key: object = name  # not a tensor: its own region (registration names the problem)
+        if isinstance(tensor, torch.Tensor):
+            key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        slots[name] = seen.setdefault(key, len(seen))
+    return slots
 
 
 def _with_heads(

@@ -17,9 +17,21 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
+class GroupBlocks:
+    """A request's blocks of one more KV-cache group (a hybrid model's), as `Receive`
+    has them for the first: `blocks[i]` receives the sender's `sender_offset + i`-th
+    block of that group."""
+
+    blocks: tuple[int, ...]
+    sender_offset: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Receive:
     """Decode side: expect `transfer_id` from the sender's side channel into `blocks`;
-    `blocks[i]` receives the sender's block `sender_offset + i`."""
+    `blocks[i]` receives the sender's block `sender_offset + i`. A hybrid model's first
+    KV-cache group is in `blocks`, the others in `more_groups`, in vLLM's group order;
+    each group is a part of the transfer of its own (`kvpush.integrations.vllm.groups`)."""
 
     request_id: str
     transfer_id: str
@@ -30,6 +42,7 @@ class Receive:
     # The prefill's TP, and the decode TP it split the transfer for (None: ours).
     sender_tp_size: int | None = None
     split_for_tp: int | None = None
+    more_groups: tuple[GroupBlocks, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +69,9 @@ class Send:
     opened with no layer ready before the first layer's KV is saved, and each layer is
     announced once this step computed it (`save_kv_layer`; all by `wait_for_save`).
     `decode`: the decode server's side channel (host, port) that the proxy named, the
-    only one whose ranks may take the transfer; None: not named."""
+    only one whose ranks may take the transfer; None: not named. A hybrid model's
+    first KV-cache group is in `blocks`, the others in `more_groups`, in group order
+    (only the blocks that move: a sliding window's last ones)."""
 
     request_id: str
     transfer_id: str
@@ -65,6 +80,7 @@ class Send:
     layerwise: bool = False
     decode: tuple[str, int] | None = None
     decode_tp_size: int | None = None  # the decode TP to split it for (None: ours)
+    more_groups: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass

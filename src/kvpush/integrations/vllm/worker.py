@@ -8,6 +8,9 @@ rank r with rank r, the part being the transfer itself; with a prefill at TP 2 a
 decode at TP 1, the decode rank receives two parts, one from each prefill rank, each
 filling its half of the heads of every block (`kvpush.geometry.write_views`). Each part
 is a runtime transfer of its own (`kvpush.topology.part_id`), with all its guarantees.
+A hybrid model's KV-cache groups split each pair's part once more, one per group
+(`kvpush.integrations.vllm.groups`): the groups' layers share regions, and each group's
+part moves its own block ids through all of them.
 The worker carries out the scheduler's `StepPlan` on the runtime at the start of each
 step and turns what the runtime reports into vLLM's transfer results, once per request:
 
@@ -46,10 +49,20 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
+import msgspec
+
 from kvpush.errors import FailureReason, KVPushError
-from kvpush.geometry import KVHeads
-from kvpush.integrations.vllm.kvcache import register_vllm_kv_caches
-from kvpush.integrations.vllm.plan import Receive, Refuse, Send, StepPlan, StepResults
+from kvpush.geometry import KVCacheGroup, KVHeads
+from kvpush.integrations.vllm.groups import group_part_id
+from kvpush.integrations.vllm.kvcache import layer_slots, register_vllm_kv_caches
+from kvpush.integrations.vllm.plan import (
+    GroupBlocks,
+    Receive,
+    Refuse,
+    Send,
+    StepPlan,
+    StepResults,
+)
 from kvpush.node import NodeIdentity, Rank, RankSettings, TransportFactory, nixl_transport
 from kvpush.protocol.parts import RequestEnded, RequestParts
 from kvpush.topology import rank_heads, transfer_parts
@@ -100,8 +113,12 @@ class WorkerSide(Generic[S]):
         *,
         new_stats: Callable[[], S],
         transport_factory: TransportFactory = nixl_transport,
+        groups: tuple[KVCacheGroup, ...] = (),
     ) -> None:
         self._config = config
+        # A hybrid model's KV-cache groups (`kvpush.integrations.vllm.groups`); empty:
+        # one full-attention group.
+        self._groups = groups
         self._rank = rank
         self._new_stats = new_stats
         self._transport_factory = transport_factory
@@ -119,13 +136,18 @@ class WorkerSide(Generic[S]):
         self._ended_at_once: list[RequestEnded] = []
         self._idle = False
         self._stats = new_stats()
-        self._layer_of: dict[str, int] = {}  # vLLM's layer name -> the geometry's layer
+        # vLLM's layer name -> the geometry's layer (its region: the layers of a hybrid
+        # model's groups share one), and each region's layer names.
+        self._layer_of: dict[str, int] = {}
+        self._names_of: dict[int, frozenset[str]] = {}
         self._all_layers: frozenset[int] = frozenset()
+        # Layer-wise: the layer names computed on this step, of regions not complete.
+        self._saved_names: set[str] = set()
         # Layer-wise sends of the current step: the plan they came from, and per
         # transfer id the layers not announced yet; device events not yet complete.
         self._opened_plan: StepPlan | None = None
         self._announcing: dict[str, set[int]] = {}
-        self._events: list[tuple[int, torch.cuda.Event]] = []
+        self._events: list[tuple[str, torch.cuda.Event]] = []
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -140,11 +162,17 @@ class WorkerSide(Generic[S]):
             replicated=cfg.use_mla,
         )
         geometry = register_vllm_kv_caches(kv_caches, cfg.block_size_tokens, heads)
+        if self._groups:
+            geometry = msgspec.structs.replace(geometry, groups=self._groups)
         if cfg.switch_interval_ms is not None:
             sys.setswitchinterval(cfg.switch_interval_ms / 1000)
         self._bytes_per_block = geometry.bytes_per_block
         # Regions are numbered in the order vLLM hands the layers (as the peer does).
-        self._layer_of = {name: index for index, name in enumerate(kv_caches)}
+        self._layer_of = layer_slots(kv_caches)
+        names: dict[int, set[str]] = {}
+        for name, index in self._layer_of.items():
+            names.setdefault(index, set()).add(name)
+        self._names_of = {index: frozenset(n) for index, n in names.items()}
         self._all_layers = frozenset(r.layer for r in geometry.regions)
         # The side channel is the scheduler's (it serves every rank's handshake
         # metadata): the worker runs the rank alone.
@@ -229,15 +257,32 @@ class WorkerSide(Generic[S]):
             self._refuse_parts(rcv.transfer_id, rcv.host, rcv.port, sender_tp, split_for, detail)
             self._end_at_once("receiver", rcv.request_id, detail)
             return
-        parts = [
-            (pid, p)
-            for p, d, pid in transfer_parts(rcv.transfer_id, sender_tp, ours)
-            if d == self._rank
-        ]
+        groups = (GroupBlocks(rcv.blocks, rcv.sender_offset), *rcv.more_groups)
+        if len(groups) != self._num_groups:
+            detail = (
+                f"transfer {rcv.transfer_id} was planned for {len(groups)} KV-cache groups, "
+                f"but this rank registered {self._num_groups}"
+            )
+            self._refuse_parts(rcv.transfer_id, rcv.host, rcv.port, sender_tp, split_for, detail)
+            self._end_at_once("receiver", rcv.request_id, detail)
+            return
+        blocks_of: dict[str, GroupBlocks] = {}
+        parts = []
+        for p, d, pair_id in transfer_parts(rcv.transfer_id, sender_tp, ours):
+            if d != self._rank:
+                continue
+            for g, group in enumerate(groups):
+                pid = group_part_id(pair_id, g)
+                blocks_of[pid] = group
+                parts.append((pid, p))
 
         def register(pid: str, p: int) -> None:
+            group = blocks_of[pid]
             self._require_runtime().receive(
-                pid, PeerAddress(rcv.host, rcv.port, p), rcv.blocks, sender_offset=rcv.sender_offset
+                pid,
+                PeerAddress(rcv.host, rcv.port, p),
+                group.blocks,
+                sender_offset=group.sender_offset,
             )
 
         self._open("receiver", rcv.request_id, rcv.transfer_id, parts, register, now)
@@ -256,28 +301,39 @@ class WorkerSide(Generic[S]):
         from kvpush.runtime import PeerAddress
 
         runtime = self._require_runtime()
-        for p, d, pid in transfer_parts(tid, sender_tp, split_for):
+        for p, d, pair_id in transfer_parts(tid, sender_tp, split_for):
             if d % self._config.tp_size != self._rank:
                 continue
-            try:
-                runtime.reject(pid, PeerAddress(host, port, p), detail)
-            except KVPushError as exc:
-                log.warning("could not refuse transfer %s: %s", pid, exc)
+            for g in range(self._num_groups):
+                pid = group_part_id(pair_id, g)
+                try:
+                    runtime.reject(pid, PeerAddress(host, port, p), detail)
+                except KVPushError as exc:
+                    log.warning("could not refuse transfer %s: %s", pid, exc)
+
+    @property
+    def _num_groups(self) -> int:
+        return max(1, len(self._groups))
 
     def _send(self, snd: Send, ready_layers: list[int] | None, now: float) -> bool:
         """Offer our blocks to every part of a transfer that goes from this rank; False
         if none could be opened (the request is then reported sent at once)."""
         ours = self._config.tp_size
         decode_tp = snd.decode_tp_size or ours
-        parts = [
-            (pid, d)
-            for p, d, pid in transfer_parts(snd.transfer_id, ours, decode_tp)
-            if p == self._rank
-        ]
+        groups = (snd.blocks, *snd.more_groups)
+        blocks_of: dict[str, tuple[int, ...]] = {}
+        parts = []
+        for p, d, pair_id in transfer_parts(snd.transfer_id, ours, decode_tp):
+            if p != self._rank:
+                continue
+            for g, blocks in enumerate(groups):
+                pid = group_part_id(pair_id, g)
+                blocks_of[pid] = blocks
+                parts.append((pid, d))
 
         def offer(pid: str, _d: int) -> None:
             self._require_runtime().send(
-                pid, snd.blocks, ready_layers=ready_layers, receiver=_receiver(snd)
+                pid, blocks_of[pid], ready_layers=ready_layers, receiver=_receiver(snd)
             )
 
         return self._open("sender", snd.request_id, snd.transfer_id, parts, offer, now)
@@ -332,6 +388,7 @@ class WorkerSide(Generic[S]):
             self._announce(self._all_layers, "wait_for_save")
         self._opened_plan = plan
         self._announcing = {}
+        self._saved_names = set()
         now = time.monotonic()
         for snd in plan.sends:
             if not snd.layerwise or not self._send(snd, [], now):
@@ -345,18 +402,17 @@ class WorkerSide(Generic[S]):
         self._open_layerwise(plan)
         if not self._announcing:
             return
-        layer = self._layer_of.get(layer_name)
-        if layer is None:
+        if layer_name not in self._layer_of:
             return  # not a layer we registered: nothing of ours to announce
         if kv_layer.device.type == "cpu":
-            self._announce((layer,), "save_kv_layer")
+            self._computed((layer_name,), "save_kv_layer")
             return
         import torch
 
         # Kernels are queued, not done: announce once the stream got past this layer.
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(torch.cuda.current_stream(kv_layer.device))
-        self._events.append((layer, event))
+        self._events.append((layer_name, event))
         self._flush_events(wait=False)
 
     def step_saved(self, plan: StepPlan) -> None:
@@ -367,17 +423,29 @@ class WorkerSide(Generic[S]):
             self._announce(self._all_layers, "wait_for_save")
 
     def _flush_events(self, *, wait: bool) -> None:
-        done: list[int] = []
+        done: list[str] = []
         while self._events:
-            layer, event = self._events[0]
+            name, event = self._events[0]
             if wait:
                 event.synchronize()
             elif not event.query():  # type: ignore[no-untyped-call]
                 break
             self._events.pop(0)
-            done.append(layer)
+            done.append(name)
         if done:
-            self._announce(done, "save_kv_layer")
+            self._computed(done, "save_kv_layer")
+
+    def _computed(self, names: Iterable[str], by: str) -> None:
+        """These layers are computed: announce the regions all of whose layers are (a
+        hybrid model's region holds a layer of each group, any block one's KV)."""
+        self._saved_names.update(names)
+        complete = {
+            self._layer_of[name]
+            for name in names
+            if self._names_of[self._layer_of[name]] <= self._saved_names
+        }
+        if complete:
+            self._announce(complete, by)
 
     def _announce(self, layers: Iterable[int], by: str) -> None:
         runtime = self._require_runtime()

@@ -1,0 +1,80 @@
+"""A hybrid model's KV-cache groups: which of a request's blocks move, and as which parts.
+
+vLLM's hybrid KV-cache manager gives each kind of attention layer a KV-cache group of
+its own (Gemma-3, gpt-oss, a Llama with `layer_types`: full-attention and sliding-window
+layers), each with its own block table for a request. The groups share one block pool
+and lie over each other in memory (`kvcache.layer_slots`): a block id names the bytes of
+one group only, in every region, so a group moves by its block ids alone.
+
+- A full-attention group moves every block of the prompt (after the decode's own prefix
+  hit, as a one-group model does).
+- A sliding-window group moves only the blocks its window still holds. vLLM frees a
+  request's blocks before `num_tokens - window + 1` (`SlidingWindowManager.
+  get_num_skipped_tokens`) on both engines: the prefill when the request finishes, the
+  decode when it allocates the blocks the KV lands in. Those block positions hold vLLM's
+  null block on both sides; the blocks from the first one the window reaches to the
+  prompt's last are the ones the next token attends, and the ones that move.
+
+Each group is a part of the request's transfer of its own (its own block lists and
+offset, so a decode prefix hit is counted per group), with the part id of group 0
+unchanged: a one-group model's transfers are what they were. Pure: no vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvpush.geometry import KVCacheGroup
+from kvpush.integrations.vllm.plan import GroupBlocks
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def moved_span(group: KVCacheGroup, num_tokens: int) -> tuple[int, int]:
+    """Block positions `[first, stop)` of a request of `num_tokens` computed tokens
+    whose KV moves in `group`: all of them for full attention; from the first block the
+    window still holds for a sliding window (vLLM's skipped tokens:
+    `max(0, num_tokens - window + 1)`)."""
+    bs = group.block_size_tokens
+    stop = _cdiv(num_tokens, bs)
+    if group.kind != "sliding_window" or group.sliding_window is None:
+        return 0, stop
+    skipped_tokens = max(0, num_tokens - group.sliding_window + 1)
+    return min(skipped_tokens // bs, stop), stop
+
+
+def sent_blocks(
+    groups: Sequence[KVCacheGroup], block_ids: Sequence[Sequence[int]], num_tokens: int
+) -> tuple[tuple[int, ...], ...]:
+    """The prefill's blocks that move, per group (`block_ids`: vLLM's, one list per
+    group, as `request_finished_all_groups` has them)."""
+    out = []
+    for group, ids in zip(groups, block_ids, strict=True):
+        first, stop = moved_span(group, num_tokens)
+        out.append(tuple(ids[first:stop]))
+    return tuple(out)
+
+
+def received_blocks(
+    groups: Sequence[KVCacheGroup],
+    block_ids: Sequence[Sequence[int]],
+    num_tokens: int,
+    local_hit_tokens: int,
+) -> tuple[GroupBlocks, ...]:
+    """The decode's blocks that receive, per group, each with the offset of its first
+    one in the prefill's `sent_blocks` of that group: those after the decode's own
+    prefix hit, within what moves."""
+    out = []
+    for group, ids in zip(groups, block_ids, strict=True):
+        first, stop = moved_span(group, num_tokens)
+        start = max(first, min(local_hit_tokens // group.block_size_tokens, stop))
+        out.append(GroupBlocks(tuple(ids[start:stop]), start - first))
+    return tuple(out)
+
+
+def group_part_id(part_id: str, group: int) -> str:
+    """The transfer id of one group's part of a rank pair's part: group 0 keeps the
+    pair's id (a one-group model's ids are what they were), group g > 0 is `id@g`."""
+    return part_id if group == 0 else f"{part_id}@g{group}"

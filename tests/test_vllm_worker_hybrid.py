@@ -1,0 +1,325 @@
+"""The vLLM connector's worker side for a hybrid model (vLLM's hybrid KV-cache manager:
+a sliding-window group and a full-attention group), TP 1 into TP 1, without vLLM, over
+the loopback transport: real workers, runtimes and side channels.
+
+Each engine's KV cache is laid out as vLLM-CPU lays a hybrid model's: one backing
+tensor of `SLOTS` layer slots, and layer i of every group one view of slot i (vLLM's
+probe of a Llama with `layer_types` [sliding, full] handed both layers the same view).
+A block belongs to one group at a time; block 0 is vLLM's null block. Block ids per
+group come from the scheduler's own functions (`kvpush.integrations.vllm.groups`), so
+what moves is what the connector would move: a sliding-window group only the blocks its
+window still holds. After the transfer every moved block holds the prefill's bytes, in
+every slot, and every other block of the decode (the null block, the skipped and
+prefix-hit positions, blocks of no request) is untouched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import msgspec
+import pytest
+import torch
+
+from kvpush.config import SideChannelConfig, TimingConfig
+from kvpush.geometry import CacheGeometry, KVCacheGroup, Region, describe_compat_differences
+from kvpush.integrations.vllm.groups import moved_span, received_blocks, sent_blocks
+from kvpush.integrations.vllm.params import ConnectorConfig
+from kvpush.integrations.vllm.plan import Receive, Send, StepPlan, StepResults
+from kvpush.integrations.vllm.worker import WorkerSide
+from kvpush.runtime import TransferResult
+from kvpush.sidechannel import MetadataServer, PeerMetadata
+from kvpush.transports.base import Transport
+from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
+
+pytestmark = pytest.mark.timeout(120)
+
+HOST = "127.0.0.1"
+SLOTS, BLOCKS, HEADS, TOKENS, C = 2, 24, 2, 16, 32  # C = head_size + head_size_v
+WINDOW = 24  # tokens
+GROUPS = (
+    KVCacheGroup("sliding_window", TOKENS, sliding_window=WINDOW),
+    KVCacheGroup("full_attention", TOKENS),
+)
+# vLLM's layer order: layer 2k is sliding-window (group 0), 2k + 1 full (group 1), and
+# layers 2k and 2k + 1 share slot k.
+LAYERS = {f"model.layers.{i}.self_attn.attn": i // 2 for i in range(2 * SLOTS)}
+NUM_TOKENS = 70  # 5 blocks; the window's first token is 70 - 24 + 1 = 47, in block 2
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.details: list[str] = []
+
+    def opened(self, push: str) -> None:
+        pass
+
+    def layers_announced(self, by: str, n: int) -> None:
+        pass
+
+    def ended_at_once(self, side: str, why: str) -> None:
+        self.details.append(why)
+
+    def ended(self, result: TransferResult, seconds: float, bytes_per_block: int) -> None:
+        if not result.ok:
+            self.details.append(f"{result.reason}: {result.detail}")
+
+    def is_empty(self) -> bool:
+        return not self.details
+
+
+class Engine:
+    """One TP-1 vLLM engine of a hybrid model: its worker, cache and side channel."""
+
+    def __init__(
+        self,
+        stack: ExitStack,
+        fabric: LoopbackFabric,
+        name: str,
+        role: str,
+        *,
+        seed: int,
+        groups: tuple[KVCacheGroup, ...] = GROUPS,
+    ) -> None:
+        self.ranks: dict[int, PeerMetadata] = {}
+        self.server = stack.enter_context(MetadataServer(HOST, 0, SideChannelConfig(), self.ranks))
+        config = ConnectorConfig(
+            engine_id=f"vllm-{name}",
+            role=role,
+            side_channel_host=HOST,
+            side_channel_port=self.server.port,
+            token=None,
+            timing=TimingConfig(heartbeat_interval_s=0.2, liveness_timeout_s=10.0, lease_s=3.0),
+            tp_size=1,
+            total_kv_heads=HEADS,
+            use_mla=False,
+            pp_size=1,
+            dcp_size=1,
+            block_size_tokens=TOKENS,
+            handshake_timeout_ms=1000,
+        )
+
+        def loopback(agent_name: str) -> Transport:
+            return LoopbackTransport(fabric, agent_name)
+
+        # [slots, blocks, heads, tokens, C], every byte random.
+        self.cache = torch.empty((SLOTS, BLOCKS, HEADS, TOKENS, C), dtype=torch.bfloat16)
+        flat = self.cache.view(torch.uint8).reshape(-1)
+        gen = torch.Generator().manual_seed(seed)
+        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
+        self.worker: WorkerSide[Stats] = WorkerSide(
+            config, 0, new_stats=Stats, transport_factory=loopback, groups=groups
+        )
+        stack.callback(self.worker.shutdown)
+        self.worker.register_kv_caches({name: self.cache[slot] for name, slot in LAYERS.items()})
+        meta = self.worker.handshake_metadata()
+        assert meta is not None
+        self.ranks[0] = meta
+        self.ended = StepResults()
+        self.reports: dict[str, int] = {}
+        self.details: list[str] = []
+
+    def step(self, plan: StepPlan | None = None) -> None:
+        plan = plan or StepPlan(idle=True)
+        self.worker.start_step(plan)
+        self.worker.step_saved(plan)
+        self.collect()
+
+    def collect(self) -> None:
+        out = self.worker.transfer_results()
+        self.ended.finished_recving |= out.finished_recving
+        self.ended.failed_recving |= out.failed_recving
+        self.ended.finished_sending |= out.finished_sending
+        for rid in out.finished_recving | out.finished_sending:
+            self.reports[rid] = self.reports.get(rid, 0) + 1
+        stats = self.worker.take_stats()
+        if stats is not None:
+            self.details += stats.details
+
+
+@pytest.fixture
+def stack() -> Iterator[ExitStack]:
+    with ExitStack() as s:
+        yield s
+
+
+def pair(
+    stack: ExitStack, decode_groups: tuple[KVCacheGroup, ...] = GROUPS
+) -> tuple[Engine, Engine]:
+    fabric = LoopbackFabric()
+    prefill = Engine(stack, fabric, "prefill", "sender", seed=1)
+    decode = Engine(stack, fabric, "decode", "receiver", seed=2, groups=decode_groups)
+    return prefill, decode
+
+
+# A request's block ids per group, as vLLM hands them: the sliding-window group's
+# positions before the window hold the null block (0); the groups share the pool.
+PREFILL_IDS = ([0, 0, 3, 4, 9], [1, 2, 5, 6, 7])
+DECODE_IDS = ([0, 0, 12, 17, 15], [11, 13, 14, 16, 18])
+
+
+def plans(
+    prefill: Engine, local_hit_tokens: int, *, layerwise: bool = False
+) -> tuple[StepPlan, StepPlan]:
+    """The decode's Receive and the prefill's Send for one request, as the scheduler
+    builds them."""
+    got = received_blocks(GROUPS, DECODE_IDS, NUM_TOKENS, local_hit_tokens)
+    sent = sent_blocks(GROUPS, PREFILL_IDS, NUM_TOKENS)
+    receive = Receive(
+        "req-d",
+        "t1",
+        HOST,
+        prefill.server.port,
+        got[0].blocks,
+        got[0].sender_offset,
+        1,
+        1,
+        more_groups=got[1:],
+    )
+    send = Send("req-p", "t1", sent[0], layerwise=layerwise, decode_tp_size=1, more_groups=sent[1:])
+    return StepPlan(receives=[receive]), StepPlan(sends=[send])
+
+
+def run_until_ended(prefill: Engine, decode: Engine) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if "req-p" in prefill.ended.finished_sending and "req-d" in decode.ended.finished_recving:
+            return
+        prefill.step()
+        decode.step()
+        time.sleep(0.002)
+    raise AssertionError(f"not ended: prefill {prefill.ended}, decode {decode.ended}")
+
+
+def check_moved(
+    prefill: Engine, decode: Engine, before: torch.Tensor, local_hit_tokens: int
+) -> None:
+    """Exactly the blocks each group moves hold the prefill's bytes; nothing else changed."""
+    assert decode.ended.failed_recving == set(), decode.details
+    assert prefill.reports == {"req-p": 1} and decode.reports == {"req-d": 1}
+    changed: set[int] = set()
+    for group, theirs, ours in zip(GROUPS, PREFILL_IDS, DECODE_IDS, strict=True):
+        first, stop = moved_span(group, NUM_TOKENS)
+        start = max(first, local_hit_tokens // TOKENS)
+        for position in range(start, stop):
+            got = decode.cache[:, ours[position]].view(torch.uint8)
+            want = prefill.cache[:, theirs[position]].view(torch.uint8)
+            assert torch.equal(got, want), (
+                f"{group.kind} position {position}: decode block {ours[position]} is not "
+                f"the prefill's block {theirs[position]} in every slot"
+            )
+            changed.add(ours[position])
+    untouched = [b for b in range(BLOCKS) if b not in changed]
+    assert 0 in untouched, "the null block must never receive"
+    assert torch.equal(
+        decode.cache[:, untouched].view(torch.uint8), before[:, untouched].view(torch.uint8)
+    ), "a decode block outside what moves changed"
+
+
+def test_moved_span_is_the_window_vllm_keeps() -> None:
+    """A sliding window moves from the block holding token `n - window + 1` (vLLM frees
+    the blocks before it on both engines) to the last; full attention every block."""
+    sw, full = GROUPS
+    assert moved_span(full, NUM_TOKENS) == (0, 5)
+    assert moved_span(sw, NUM_TOKENS) == (2, 5)  # token 47 is in block 2
+    assert moved_span(sw, 24) == (0, 2)  # the window holds the whole prompt
+    assert moved_span(sw, 25) == (0, 2)  # token 1 is still in block 0
+    assert moved_span(sw, 40) == (1, 3)  # token 17: block 0 is freed
+    # vLLM's own probe (Llama, window 48, 32-token blocks): 105 tokens kept blocks 1..3
+    # ([0, 2, 3, 4]), 114 tokens blocks 2..3 ([0, 0, 3, 8]).
+    probe = KVCacheGroup("sliding_window", 32, sliding_window=48)
+    assert moved_span(probe, 105) == (1, 4)
+    assert moved_span(probe, 114) == (2, 4)
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+def test_each_group_moves_its_own_blocks_and_a_window_only_what_it_holds(
+    stack: ExitStack, layerwise: bool
+) -> None:
+    """No decode prefix hit: the full-attention group moves all 5 blocks, the
+    sliding-window group the 3 its window holds; the null block and the skipped
+    positions stay as they were."""
+    prefill, decode = pair(stack)
+    before = decode.cache.clone()
+    receive, send = plans(prefill, 0, layerwise=layerwise)
+    decode.step(receive)
+    prefill.step(send)
+    run_until_ended(prefill, decode)
+    check_moved(prefill, decode, before, 0)
+
+
+@pytest.mark.parametrize("hit_blocks", [1, 3], ids=["hit-before-window", "hit-in-window"])
+def test_a_decode_prefix_hit_is_counted_per_group(stack: ExitStack, hit_blocks: int) -> None:
+    """The decode had `hit_blocks` blocks in its own prefix cache: the full group receives
+    from there; the window from there or its first block, whichever is later, with the
+    offset into what the prefill sends for that group."""
+    prefill, decode = pair(stack)
+    before = decode.cache.clone()
+    receive, send = plans(prefill, hit_blocks * TOKENS)
+    decode.step(receive)
+    prefill.step(send)
+    run_until_ended(prefill, decode)
+    check_moved(prefill, decode, before, hit_blocks * TOKENS)
+
+
+def test_a_slot_is_announced_only_once_every_groups_layer_in_it_is_computed(
+    stack: ExitStack,
+) -> None:
+    """Layer-wise push: slot 1 holds layers 2 (sliding window) and 3 (full). With layers
+    0, 1 and 2 computed, slot 1 is not ready (the full group's blocks in it are not
+    written yet), so the transfer cannot end; it ends once layer 3 is computed."""
+    prefill, decode = pair(stack)
+    receive, send = plans(prefill, 0, layerwise=True)
+    decode.step(receive)
+    worker = prefill.worker
+    worker.start_step(send)
+    names = list(LAYERS)
+    for name in names[:3]:
+        worker.layer_saved(send, name, prefill.cache[LAYERS[name]])
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        prefill.collect()
+        decode.step()
+        time.sleep(0.01)
+    assert "req-d" not in decode.ended.finished_recving, (
+        "the transfer ended before layer 3, which shares slot 1 with layer 2, was computed"
+    )
+    worker.layer_saved(send, names[3], prefill.cache[LAYERS[names[3]]])
+    run_until_ended(prefill, decode)
+    check_moved(prefill, decode, decode.cache.clone(), 0)
+
+
+def test_engines_whose_groups_differ_are_refused(stack: ExitStack) -> None:
+    """A decode whose sliding window is another size is another model: its handshake
+    with the prefill is refused (the geometries' compatibility hashes differ), and the
+    request fails; what differs is named by the groups' kinds, block sizes and windows."""
+    other = (KVCacheGroup("sliding_window", TOKENS, sliding_window=32), GROUPS[1])
+    prefill, decode = pair(stack, decode_groups=other)
+    receive, _ = plans(prefill, 0)
+    decode.step(receive)
+    deadline = time.monotonic() + 30
+    while "req-d" not in decode.ended.finished_recving:
+        assert time.monotonic() < deadline, "the decode did not fail the request"
+        decode.step()
+        time.sleep(0.002)
+    assert decode.ended.failed_recving == {"req-d"}
+    assert decode.reports == {"req-d": 1}
+    assert any("compatibility hash differs" in d for d in decode.details), decode.details
+    ours = prefill.ranks[0].geometry
+    theirs = decode.ranks[0].geometry
+    assert describe_compat_differences(theirs.compat_fields(), ours.compat_fields()) == [
+        "kv_cache_groups: theirs [('sliding_window', 16, 32), ('full_attention', 16, None)], "
+        "ours [('sliding_window', 16, 24), ('full_attention', 16, None)]"
+    ]
+
+
+def test_a_one_group_model_keeps_its_compatibility_hash() -> None:
+    """Geometries without groups hash as before groups existed (a one-group engine of
+    this version and one of the last agree); a hybrid model's groups are compared."""
+    region = Region("l0.kv", 0, 4096, 512, 512, 8)
+    plain = CacheGeometry("vllm_packed/BHNC", 16, "bfloat16", (region,))
+    assert "kv_cache_groups" not in plain.compat_fields()
+    hybrid = msgspec.structs.replace(plain, groups=GROUPS)
+    assert hybrid.compat_hash() != plain.compat_hash()
