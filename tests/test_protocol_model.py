@@ -88,6 +88,8 @@ CAUGHT_IN = {
     "empty-layers": "layerwise-prefix",
     "wrong-receiver": "insider",
     "resend-past-deadline": "late-submit",
+    "receive-first-part": "two-parts",
+    "send-first-part": "one-to-two",
 }
 
 

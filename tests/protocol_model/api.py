@@ -26,7 +26,19 @@ def Api(state: ModuleType, scope: Scope, mutation: str | None) -> ApiBase:
 
 
 PORTS = {"R": 5000, "S1": 5001, "S2": 5002, "I": 5003}
-ENGINE_AT = {port: engine for engine, port in PORTS.items()}
+
+
+def place(engine: str) -> tuple[str, int]:
+    """A model engine's engine id and rank: "R.1" is rank 1 of engine R (one side
+    channel, answering by rank), "R" rank 0."""
+    base, _, rank = engine.partition(".")
+    return base, int(rank or 0)
+
+
+def engine_at(port: int, rank: int) -> str:
+    """The model engine whose side channel answers at `port` for `rank`."""
+    base = next(e for e, p in PORTS.items() if p == port)
+    return f"{base}.{rank}" if rank else base
 
 
 class ApiBase:
@@ -45,7 +57,16 @@ class ApiBase:
         self._describe_cache: dict[bytes, str] = {}
 
     def identity(self, engine: str, incarnation: int) -> Any:
-        return self.state.LocalIdentity(engine, str(incarnation), "127.0.0.1", PORTS[engine], 0)
+        base, rank = place(engine)
+        return self.state.LocalIdentity(base, str(incarnation), "127.0.0.1", PORTS[base], rank)
+
+    def parts_class(self, package: str) -> type:
+        """`RequestParts` of the protocol being checked (or the mutation's)."""
+        import importlib
+
+        from . import mutations
+
+        return mutations.parts_class(importlib.import_module(f"{package}.parts"), self.mutation)
 
     def endpoint(self, engine: str, agent: str, incarnation: int, role: str) -> Any:
         raise NotImplementedError
@@ -149,7 +170,8 @@ class ApiV2(ApiBase):
         )
 
     def address(self, engine: str) -> Any:
-        return self.state.PeerAddress("127.0.0.1", PORTS[engine], 0)
+        base, rank = place(engine)
+        return self.state.PeerAddress("127.0.0.1", PORTS[base], rank)
 
     def registered(self, proto: Any, tid: str) -> bool:
         """`proto`'s sender holds a Register for `tid`, not submitted yet."""
@@ -165,7 +187,7 @@ class ApiV2(ApiBase):
         )
 
     def handshake_target(self, eff: Any) -> str:
-        return ENGINE_AT[eff.address.port]
+        return engine_at(eff.address.port, eff.address.rank)
 
     def handshake_possible(self, w: World, target: str) -> bool:
         # A stalled process's side channel does not answer either (the lookup waits,
@@ -180,7 +202,8 @@ class ApiV2(ApiBase):
         inc = agent.split("#")[1]
         info = self._infos.get(agent)
         if info is None:  # one object per agent (the checker pickles it by identity)
-            info = self._infos[agent] = self.state.PeerInfo(agent, target, inc, self.compat(target))
+            base = place(target)[0]
+            info = self._infos[agent] = self.state.PeerInfo(agent, base, inc, self.compat(target))
         del e
         return list(end.proto.handshake_done(now, self.address(target), info))
 

@@ -79,6 +79,9 @@ KINDS = {
     "wrong-receiver": "a sender wrote KV to a receiver other than the one its engine named",
 }
 
+# A model engine named `ENGINE.RANK` is rank RANK of engine ENGINE: the same side
+# channel (port) and engine id, a process of its own ("R.1": decode rank 1).
+
 
 @dataclass(frozen=True)
 class TransferSpec:
@@ -87,6 +90,18 @@ class TransferSpec:
     n: int  # blocks the sender submits
     offset: int = 0  # prefix hit: the receiver registers blocks n - offset
     layerwise: bool = False  # submitted with no layer ready; layers come one by one
+    receiver: str = "R"  # the receiver engine (or rank: "R.1") it goes to
+    # A part of a request (`Scope.heads` > 1): the request it is part of, and the heads
+    # of each block it moves. The parts of a request at one engine share its blocks,
+    # which that engine hands back only with the request's one result
+    # (`kvpush.protocol.parts.RequestParts`), and are started there in one call.
+    request: str = ""
+    heads: tuple[int, ...] = ()  # () = every head
+
+    @property
+    def owner(self) -> str:
+        """What holds the blocks at an engine: the request, or the transfer itself."""
+        return self.request or self.tid
 
 
 @dataclass(frozen=True)
@@ -161,6 +176,12 @@ class Scope:
     # engines name R's side channel at submit (issue 22), so a write to the insider is a
     # [wrong-receiver] violation.
     insider: bool = False
+    # Heads per block: bytes of a block that different parts of a request move.
+    heads: int = 1
+
+    @property
+    def receivers(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(("R", *(t.receiver for t in self.transfers))))
 
 
 # ------------------------------------------------------------------------ world state
@@ -190,6 +211,7 @@ class Write:
     layers: tuple[int, ...] | None
     notification: bytes | None
     issued_at: float
+    heads: tuple[int, ...]
     landed: bool = False
 
 
@@ -197,7 +219,8 @@ class Write:
 class Tx:
     s_agent: str | None = None
     s_blocks: tuple[int, ...] = ()
-    submitted: tuple[str, ...] = ()  # the content of each (block, layer) at submit
+    # The content of each (block index, layer, head) it moves, at submit.
+    submitted: dict[tuple[int, int, int], str] = field(default_factory=dict)
     layers_left: list[int] = field(default_factory=list)
     r_agent: str | None = None
     r_blocks: tuple[int, ...] = ()
@@ -218,12 +241,18 @@ class World:
     net: list[tuple[str, str, bytes]] = field(default_factory=list)  # sorted, distinct
     writes: list[Write] = field(default_factory=list)
     handshakes: list[tuple[str, str]] = field(default_factory=list)  # (who, whom)
-    memory: dict[str, dict[tuple[int, int], str]] = field(default_factory=dict)
+    memory: dict[str, dict[tuple[int, int, int], str]] = field(default_factory=dict)
     versions: dict[str, dict[int, int]] = field(default_factory=dict)
     held: dict[str, dict[int, str]] = field(default_factory=dict)  # agent: block -> tid
     tx: dict[str, Tx] = field(default_factory=dict)
     used: dict[str, int] = field(default_factory=dict)  # budget spent, by kind
     noticed: list[tuple[str, str]] = field(default_factory=list)  # (observer, dead agent)
+    # Scopes with requests: each agent's `RequestParts` (the real one, or a mutant), the
+    # aborts it asked for that its runtime has not run yet, and each request's results
+    # per agent.
+    books: dict[str, Any] = field(default_factory=dict)
+    part_aborts: list[tuple[str, str]] = field(default_factory=list)  # (agent, part)
+    requests: dict[tuple[str, str], list[str]] = field(default_factory=dict)
 
 
 _SINGULAR = {
@@ -267,6 +296,10 @@ class Model:
         self.recording = True
         # A bounded completion (`checker.complete`): no new faults, no message cap.
         self.completing = False
+        # Scopes with requests: the class that turns their parts' ends into one result.
+        self.parts_class = (
+            self.api.parts_class(package) if any(t.request for t in scope.transfers) else None
+        )
 
     # ----- the first state
 
@@ -274,7 +307,8 @@ class Model:
         w = World()
         for t in self.scope.transfers:
             w.tx[t.tid] = Tx()
-        self._start_incarnation(w, "R", "receiver")
+        for r in self.scope.receivers:
+            self._start_incarnation(w, r, "receiver")
         if self.scope.insider:
             self._start_incarnation(w, INSIDER, "receiver")
         for s in self.scope.senders:
@@ -294,13 +328,35 @@ class Model:
         w.current[engine] = agent
         pool = self.scope.receiver_blocks if role == "receiver" else self.scope.sender_blocks
         w.versions[agent] = dict.fromkeys(range(pool), 0)
-        w.memory[agent] = {
-            (b, layer): f"{agent}:b{b}:L{layer}:init"
-            for b in range(pool)
-            for layer in range(self.scope.num_layers)
-        }
+        w.memory[agent] = {}
+        for b in range(pool):
+            self._fill(w, agent, b, "init")
         w.held[agent] = {}
+        if self.parts_class is not None:
+            w.books[agent] = self.parts_class(role)
         return agent
+
+    def _fill(self, w: World, agent: str, b: int, what: str, layers: Any = None) -> None:
+        """Block `b` of `agent` holds new content `what` (in these layers: all if None)."""
+        many = self.scope.heads > 1
+        for layer in range(self.scope.num_layers) if layers is None else layers:
+            for h in range(self.scope.heads):
+                head = f":h{h}" if many else ""
+                w.memory[agent][(b, layer, h)] = f"{agent}:b{b}:L{layer}{head}:{what}"
+
+    def heads_of(self, t: TransferSpec) -> tuple[int, ...]:
+        return t.heads or tuple(range(self.scope.heads))
+
+    def group(self, tid: str, side: str) -> tuple[str, ...]:
+        """The transfers an engine starts with one call along with `tid`: the parts of
+        its request at the same engine on that side (`tid` alone outside a request)."""
+        t = self.specs[tid]
+        if not t.request:
+            return (tid,)
+        where = (lambda u: u.receiver) if side == "receiver" else (lambda u: u.sender)
+        return tuple(
+            u.tid for u in self.scope.transfers if u.request == t.request and where(u) == where(t)
+        )
 
     # ----- helpers
 
@@ -324,9 +380,6 @@ class Model:
 
     def spend(self, w: World, kind: str) -> None:
         w.used[kind] = w.used.get(kind, 0) + 1
-
-    def receiver(self, w: World) -> End:
-        return w.ends[w.current["R"]]
 
     def free_blocks(self, w: World, agent: str, n: int) -> tuple[int, ...] | None:
         free = [b for b in sorted(w.versions[agent]) if b not in w.held[agent]]
@@ -382,15 +435,16 @@ class Model:
                     out.append(("forge", dst, payload))
         catching_up = any(e.alive and e.phase == "catchup" for e in w.ends.values())
         # Engine calls.
-        rv = self.receiver(w)
         for i, t in enumerate(self.scope.transfers):
             tx = w.tx[t.tid]
+            rv = w.ends[w.current[t.receiver]]
             sender_agent = w.current[t.sender]
             prev_expected = i == 0 or not self.scope.ordered or self._started(w, i - 1, "r")
             prev_submitted = i == 0 or not self.scope.ordered or self._started(w, i - 1, "s")
             if (
                 tx.r_agent is None
                 and prev_expected
+                and self.group(t.tid, "receiver")[0] == t.tid
                 and rv.alive
                 and rv.phase != "stalled"
                 and w.ends[sender_agent].alive
@@ -415,6 +469,7 @@ class Model:
             if (
                 tx.s_agent is None
                 and prev_submitted
+                and self.group(t.tid, "sender")[0] == t.tid
                 and w.ends[sender_agent].alive
                 and self.free_blocks(w, sender_agent, t.n) is not None
             ):
@@ -431,6 +486,10 @@ class Model:
                 and not self.spent(w, "aborts")
             ):
                 out.append(("abort", "receiver", t.tid))
+        # Aborts a request's parts asked for (its first failure), not run yet.
+        for agent, pid in w.part_aborts:
+            if self.running(w, agent):
+                out.append(("part_abort", agent, pid))
         # The network.
         for m in w.net:
             if self.running(w, m[1]):
@@ -514,6 +573,7 @@ class Model:
     _COMPLETION_ORDER = {
         "resume": 0,
         "inbox": 1,
+        "part_abort": 1,
         "deliver": 2,
         "land": 3,
         "complete": 4,
@@ -583,7 +643,7 @@ class Model:
         return ("; " + "; ".join(said)) if said else ""
 
     def _do_expect(self, w: World, tid: str) -> str:
-        return self._expect(w, tid, self.receiver(w), "receiver")
+        return self._expect(w, tid, w.ends[w.current[self.specs[tid].receiver]], "receiver")
 
     def _do_insider_expect(self, w: World, tid: str) -> str:
         return self._expect(w, tid, w.ends[w.current[INSIDER]], "insider")
@@ -594,53 +654,78 @@ class Model:
         t = self.specs[tid]
         blocks = self.free_blocks(w, rv.agent, t.n - t.offset)
         assert blocks is not None
-        sender_agent = w.current[t.sender]
-        tx = w.tx[tid]
-        if who == "insider":
-            tx.i_agent, tx.i_blocks = rv.agent, blocks
-        else:
-            tx.r_agent, tx.r_blocks = rv.agent, blocks
         for b in blocks:
-            w.held[rv.agent][b] = tid
-        effects = self._call(
-            w, rv.agent, lambda now: self.api.expect(rv.proto, now, tid, sender_agent, t, blocks)
-        )
-        hit = f" after a prefix hit of {t.offset}" if t.offset else ""
-        return (
-            f"{who} {rv.agent}: expect {tid} from {sender_agent} into blocks "
-            f"{_fmt_blocks(blocks)}{hit}" + self._apply(w, rv.agent, effects)
-        )
+            w.held[rv.agent][b] = t.owner
+        group = self.group(tid, "receiver") if who == "receiver" else (tid,)
+        if t.request:
+            w.books[rv.agent].open(t.request, t.request, group)
+        lines = []
+        for pid in group:
+            part = self.specs[pid]
+            tx = w.tx[pid]
+            if who == "insider":
+                tx.i_agent, tx.i_blocks = rv.agent, blocks
+            else:
+                tx.r_agent, tx.r_blocks = rv.agent, blocks
+            sender_agent = w.current[part.sender]
+            effects = self._call(
+                w,
+                rv.agent,
+                lambda now, p=part, s=sender_agent: self.api.expect(
+                    rv.proto, now, p.tid, s, p, blocks
+                ),
+            )
+            hit = f" after a prefix hit of {t.offset}" if t.offset else ""
+            lines.append(
+                f"expect {pid} from {sender_agent} into blocks {_fmt_blocks(blocks)}{hit}"
+                + self._apply(w, rv.agent, effects)
+            )
+        return f"{who} {rv.agent}: " + "; ".join(lines)
 
     def _do_submit(self, w: World, tid: str) -> str:
         t = self.specs[tid]
         agent = w.current[t.sender]
         blocks = self.free_blocks(w, agent, t.n)
         assert blocks is not None
-        tx = w.tx[tid]
-        tx.s_agent, tx.s_blocks = agent, blocks
         nl = self.scope.num_layers
-        if t.layerwise:
-            # Not computed yet: a block holds its final content only once its layer is
-            # ready (`_do_layer`), so a write issued earlier copies what is there now.
-            tx.submitted = tuple(
-                f"{agent}:b{b}:L{layer}:{tid}" for b in blocks for layer in range(nl)
-            )
-        else:
-            tx.submitted = tuple(w.memory[agent][(b, layer)] for b in blocks for layer in range(nl))
-        tx.layers_left = list(range(nl)) if t.layerwise else []
         for b in blocks:
-            w.held[agent][b] = tid
-        what = "no layer ready yet" if t.layerwise else "all layers ready"
-        line = f"sender {agent}: submit {tid} blocks {_fmt_blocks(blocks)}, {what}"
-        return line + self._engine_call(w, agent, ("submit", tid, blocks, t.layerwise))
+            w.held[agent][b] = t.owner
+        group = self.group(tid, "sender")
+        if t.request:
+            w.books[agent].open(t.request, t.request, group)
+        lines = []
+        for pid in group:
+            part = self.specs[pid]
+            tx = w.tx[pid]
+            tx.s_agent, tx.s_blocks = agent, blocks
+            many = self.scope.heads > 1
+            tx.submitted = {
+                # Not computed yet: a block holds its final content only once its layer
+                # is ready (`_do_layer`), so a write issued earlier copies what is there.
+                (i, layer, h): (
+                    f"{agent}:b{b}:L{layer}{f':h{h}' if many else ''}:{part.owner}"
+                    if part.layerwise
+                    else w.memory[agent][(b, layer, h)]
+                )
+                for i, b in enumerate(blocks)
+                for layer in range(nl)
+                for h in self.heads_of(part)
+            }
+            tx.layers_left = list(range(nl)) if part.layerwise else []
+            what = "no layer ready yet" if part.layerwise else "all layers ready"
+            lines.append(
+                f"submit {pid} blocks {_fmt_blocks(blocks)}, {what}"
+                + self._engine_call(w, agent, ("submit", pid, blocks, part.layerwise))
+            )
+        return f"sender {agent}: " + "; ".join(lines)
 
     def _do_layer(self, w: World, tid: str) -> str:
         tx = w.tx[tid]
         assert tx.s_agent is not None
         layer = tx.layers_left.pop(0)
-        nl = self.scope.num_layers
         for i, b in enumerate(tx.s_blocks):
-            w.memory[tx.s_agent][(b, layer)] = tx.submitted[i * nl + layer]
+            for h in self.heads_of(self.specs[tid]):
+                w.memory[tx.s_agent][(b, layer, h)] = tx.submitted[(i, layer, h)]
         line = f"sender {tx.s_agent}: layer {layer} of {tid} ready"
         return line + self._engine_call(w, tx.s_agent, ("layer", tid, layer))
 
@@ -648,8 +733,8 @@ class Model:
         """The receiver's engine refuses `tid` before allocating anything (and will not
         expect it later in the scope): it is reported at once, with no blocks."""
         self.spend(w, "rejects")
-        rv = self.receiver(w)
         t = self.specs[tid]
+        rv = w.ends[w.current[t.receiver]]
         w.tx[tid].r_agent, w.tx[tid].r_blocks = rv.agent, ()
         sender = self.api.address(t.sender)
         effects = self._call(
@@ -671,12 +756,30 @@ class Model:
         agent = tx.s_agent if side == "sender" else tx.r_agent
         assert agent is not None
         line = f"{side} {agent}: the engine aborts {tid}"
-        if side == "sender":
-            return line + self._engine_call(w, agent, ("abort", tid))
+        for pid in self.group(tid, side):  # every part of its request there
+            if side == "sender":
+                line += self._engine_call(w, agent, ("abort", pid))
+            else:
+                line += self._abort_receive(w, agent, pid)
+        return line
+
+    def _abort_receive(self, w: World, agent: str, tid: str) -> str:
         proto = w.ends[agent].proto
-        return line + self._apply(
+        return self._apply(
             w, agent, self._call(w, agent, lambda now: proto.receiver.abort(now, tid))
         )
+
+    def _do_part_abort(self, w: World, agent: str, pid: str) -> str:
+        """The runtime runs an abort the request's first failure asked for (ignored by
+        the protocol if the part ended meanwhile)."""
+        w.part_aborts.remove((agent, pid))
+        e = w.ends[agent]
+        line = f"{agent} aborts part {pid} (its request failed)"
+        if e.role == "sender":
+            return line + self._apply(
+                w, agent, self._call(w, agent, lambda now: e.proto.sender.abort(now, pid))
+            )
+        return line + self._abort_receive(w, agent, pid)
 
     def _engine_call(self, w: World, agent: str, call: tuple[Any, ...]) -> str:
         e = w.ends[agent]
@@ -756,18 +859,29 @@ class Model:
         wr = self._write(w, key)
         wr.landed = True
         owners = w.held[wr.dst]
+        t = self.specs[wr.tid]
         for b in wr.theirs:
-            if owners.get(b) != wr.tid:
+            if owners.get(b) != t.owner:
                 now_held = f"given to {owners[b]}" if b in owners else "handed back"
                 raise Violation(
                     "late-write",
                     f"write {wr.wid} of {wr.tid} lands in block {b} of {wr.dst}, "
                     f"which the receiver's engine has {now_held}",
                 )
+        tx = w.tx[wr.tid]
+        if t.request and tx.r_agent == wr.dst and tx.r_ended:
+            # Its request still holds the blocks, but the part ended there: what it
+            # writes now may come after the request's result.
+            raise Violation(
+                "late-write",
+                f"write {wr.wid} of {wr.tid} lands in {wr.dst} after {wr.tid} ended there "
+                f"({tx.r_ended[0]})",
+            )
         layers = range(self.scope.num_layers) if wr.layers is None else wr.layers
         for layer in layers:
             for ours, theirs in zip(wr.ours, wr.theirs, strict=True):
-                w.memory[wr.dst][(theirs, layer)] = w.memory[wr.src][(ours, layer)]
+                for h in wr.heads:
+                    w.memory[wr.dst][(theirs, layer, h)] = w.memory[wr.src][(ours, layer, h)]
         self.note(w, f"{wr.tid} lands")
         if wr.layers is not None:
             self.note(w, f"{wr.tid} lands layer-wise")
@@ -958,6 +1072,7 @@ class Model:
                     None if eff.layers is None else tuple(eff.layers),
                     note,
                     w.now,
+                    self.heads_of(self.specs[eff.transfer_id]),  # the part's view
                 )
             )
             layers = "all layers" if eff.layers is None else f"layers {_fmt_blocks(eff.layers)}"
@@ -1006,7 +1121,7 @@ class Model:
             )
         if eff.reason is None:
             geometry = dict(self.scope.geometry)
-            engines = sorted({self.specs[tid].sender, "R"})
+            engines = sorted({self.specs[tid].sender, self.specs[tid].receiver})
             if len({geometry.get(e, ()) for e in engines}) > 1:
                 caches = ", ".join(f"{e} {dict(geometry.get(e, ())) or 'default'}" for e in engines)
                 raise Violation(
@@ -1018,28 +1133,80 @@ class Model:
             raise Violation(
                 "phantom", f"{agent} hands back {tid} blocks {eff.blocks}, it held {want}"
             )
+        request = self.specs[tid].request
         if side == "sender":
-            for wr in w.writes:
-                # A write to a dead process lands nowhere: what it reads does not matter.
-                alive = w.ends[wr.dst].alive
-                if wr.src == agent and not wr.landed and alive and set(wr.ours) & set(want):
-                    raise Violation(
-                        "source-reused",
-                        f"{agent} hands back blocks {_fmt_blocks(want)} of {tid} while its "
-                        f"write {wr.wid} still reads them; the engine overwrites them now",
-                    )
-            # The engine reuses the blocks at once: new content.
-            for b in want:
-                del w.held[agent][b]
-                w.versions[agent][b] += 1
-                for layer in range(self.scope.num_layers):
-                    w.memory[agent][(b, layer)] = f"{agent}:b{b}:L{layer}:v{w.versions[agent][b]}"
-        else:
-            if eff.reason is None:
-                self._check_content(w, agent, tid, tx)
-            for b in want:
-                del w.held[agent][b]
+            # Its own writes (another part's may still read blocks of its request).
+            self._check_unread(w, agent, want, tid, tid if request else None)
+        elif eff.reason is None:
+            self._check_content(w, agent, tid, tx, f"{agent} reports {tid} ok")
+        if request:
+            return f"reports {tid} {outcome}" + self._part_ended(w, agent, eff)
+        self._hand_back(w, agent, side, want)
         return f"reports {tid} {outcome}"
+
+    def _check_unread(
+        self, w: World, agent: str, blocks: tuple[int, ...], what: str, only: str | None
+    ) -> None:
+        """No write of `agent` (of transfer `only`, if given) still reads `blocks`."""
+        for wr in w.writes:
+            # A write to a dead process lands nowhere: what it reads does not matter.
+            alive = w.ends[wr.dst].alive
+            if only is not None and wr.tid != only:
+                continue
+            if wr.src == agent and not wr.landed and alive and set(wr.ours) & set(blocks):
+                raise Violation(
+                    "source-reused",
+                    f"{agent} hands back blocks {_fmt_blocks(blocks)} of {what} while its "
+                    f"write {wr.wid} of {wr.tid} still reads them; the engine overwrites them now",
+                )
+
+    def _hand_back(self, w: World, agent: str, side: str, blocks: tuple[int, ...]) -> None:
+        """The engine has the blocks back, and reuses them at once: a sender's get new
+        content, a receiver's go to the next transfer."""
+        for b in blocks:
+            del w.held[agent][b]
+            if side == "sender":
+                w.versions[agent][b] += 1
+                self._fill(w, agent, b, f"v{w.versions[agent][b]}")
+
+    def _part_ended(self, w: World, agent: str, eff: Any) -> str:
+        """A part's end, through the engine's `RequestParts`: the aborts it asks for
+        wait for the runtime (`part_abort`); the request's result hands its blocks back."""
+        outcome = w.books[agent].part_ended(eff.transfer_id, eff.reason, eff.detail)
+        said = []
+        for pid in outcome.abort:
+            w.part_aborts.append((agent, pid))
+            said.append(f"its engine aborts part {pid}")
+        if outcome.ended is not None:
+            said.append(self._request_ended(w, agent, outcome.ended))
+        return "".join(f"; {x}" for x in said)
+
+    def _request_ended(self, w: World, agent: str, req: Any) -> str:
+        rid, side = req.request_id, w.ends[agent].role
+        outcome = "finished" if req.ok else f"failed ({req.reason.value})"
+        results = w.requests.setdefault((agent, rid), [])
+        if results:
+            raise Violation(
+                "twice",
+                f"{agent} reports request {rid} a second time ({results[0]}, now {outcome})",
+            )
+        results.append(outcome)
+        self.note(w, f"{rid} {'ok' if req.ok else req.reason.value} on the {side}")
+        blocks = tuple(sorted(b for b, owner in w.held[agent].items() if owner == rid))
+        engine = w.ends[agent].engine
+        parts = [
+            t.tid
+            for t in self.scope.transfers
+            if t.request == rid and (t.sender if side == "sender" else t.receiver) == engine
+        ]
+        if side == "sender":
+            self._check_unread(w, agent, blocks, f"request {rid}", None)
+        elif req.ok:
+            for pid in parts:
+                what = f"{agent} reports request {rid} finished"
+                self._check_content(w, agent, pid, w.tx[pid], what)
+        self._hand_back(w, agent, side, blocks)
+        return f"its engine has request {rid} {outcome}"
 
     def _insider_ended(self, w: World, agent: str, eff: Any, outcome: str) -> str:
         """The insider's own side of an id it expected: ended once, its blocks back."""
@@ -1073,21 +1240,24 @@ class Model:
             out |= {FailureReason.PEER_RESTARTED, FailureReason.PEER_GONE}
         return frozenset(out)
 
-    def _check_content(self, w: World, agent: str, tid: str, tx: Tx) -> None:
+    def _check_content(self, w: World, agent: str, tid: str, tx: Tx, what: str) -> None:
+        """Each block `tid` registered at `agent` holds, in every layer and in the heads
+        `tid` moves, what its sender submitted."""
         t = self.specs[tid]
         if tx.s_agent is None:
-            raise Violation("wrong-bytes", f"{agent} reports {tid} ok, but no sender ever had it")
-        nl = self.scope.num_layers
+            raise Violation("wrong-bytes", f"{what}, but no sender ever had {tid}")
         for i, b in enumerate(tx.r_blocks):
-            for layer in range(nl):
-                want = tx.submitted[(t.offset + i) * nl + layer]
-                got = w.memory[agent][(b, layer)]
-                if got != want:
-                    raise Violation(
-                        "wrong-bytes",
-                        f"{agent} reports {tid} ok, but its block {b} layer {layer} holds "
-                        f"{got!r}, not the submitted {want!r}",
-                    )
+            for layer in range(self.scope.num_layers):
+                for h in self.heads_of(t):
+                    want = tx.submitted[(t.offset + i, layer, h)]
+                    got = w.memory[agent][(b, layer, h)]
+                    if got != want:
+                        head = f" head {h}" if self.scope.heads > 1 else ""
+                        raise Violation(
+                            "wrong-bytes",
+                            f"{what}, but its block {b} layer {layer}{head} holds {got!r}, "
+                            f"not the submitted {want!r} of {tid}",
+                        )
 
     # ----- at rest
 
@@ -1113,6 +1283,11 @@ class Model:
             ):
                 if agent is not None and w.ends[agent].alive and len(ended) != 1:
                     raise Violation("never-ended", f"{tid} never ended on the {side} {agent}")
+        for agent, book in w.books.items():
+            if w.ends[agent].alive and len(book):
+                raise Violation(
+                    "never-ended", f"{agent}'s engine never heard how {len(book)} request(s) ended"
+                )
         for agent, e in w.ends.items():
             if e.alive and w.held[agent]:
                 raise Violation(

@@ -36,6 +36,14 @@ Issue 22's:
 
 * `wrong-receiver`: the sender takes a Register from any receiver the side channel
   admitted, not only from the decode server its engine named at submit.
+
+Issue 20's, in the rule that turns a request's parts into its one result
+(`kvpush.protocol.parts.RequestParts`), on one side each:
+
+* `receive-first-part`: a decode rank reports a request as soon as the first of its
+  parts ended (finished if it finished), without waiting for the others.
+* `send-first-part`: the same on a prefill rank, whose engine then reuses the blocks
+  another part's write still reads.
 """
 
 from __future__ import annotations
@@ -65,13 +73,38 @@ MUTATIONS: dict[str, str] = {
     "empty-layers": "wrong-bytes",
     "resend-past-deadline": "late-write",
     "wrong-receiver": "wrong-receiver",
+    "receive-first-part": "wrong-bytes",
+    "send-first-part": "source-reused",
 }
+_PARTS_MUTATIONS = {"receive-first-part": "receiver", "send-first-part": "sender"}
+
+
+def parts_class(parts: ModuleType, mutation: str | None) -> type:
+    """The `RequestParts` class the engines of a scope with requests use: the real one,
+    or, for a mutation of the rule, one whose given side reports a request at its first
+    part's end."""
+    real: type = parts.RequestParts
+    if mutation not in _PARTS_MUTATIONS:
+        return real
+    mutated_side = _PARTS_MUTATIONS[mutation]
+
+    class FirstPartReports(real):  # type: ignore[misc,valid-type]
+        def part_ended(self, part_id: str, reason: Any, detail: str) -> Any:
+            tid = self.transfer_of(part_id)
+            if self.side == mutated_side and tid is not None:
+                for other in self.open_parts(tid):  # taken as finished, not waited for
+                    if other != part_id:
+                        super().part_ended(other, None, "")
+            return super().part_ended(part_id, reason, detail)
+
+    _register(FirstPartReports)
+    return FirstPartReports
 
 
 def apply(state: ModuleType, mutation: str | None) -> tuple[type, Any]:
     """The PushProtocol class and the compatibility policy to build endpoints with."""
     strict = state.STRICT_COMPATIBILITY
-    if mutation is None:
+    if mutation is None or mutation in _PARTS_MUTATIONS:
         return state.PushProtocol, strict
     if mutation == "bug1":
         anything = frozenset(COMPAT_FIELDS) - {"protocol_version"}

@@ -79,6 +79,41 @@ _T1_HANDSHAKES = (
 _T1_TO_LANDING = (*_T1_HANDSHAKES, "land write 1 of S1#1")
 
 
+# Both parts of a request of two (`two-parts`) as far as their first writes.
+_TWO_PARTS_HANDSHAKES = (
+    "expect T1",  # and T2: an engine starts the parts of a request in one call
+    "submit T1",
+    "submit T2",
+    "handshake_ok R#1 S1",
+    "deliver Heartbeat from the receiver [T1]",
+    "deliver Register T1",
+    "handshake_ok R#1 S1.1",
+    "deliver Heartbeat from the receiver [T2]",
+    "deliver Register T2",
+    "handshake_ok S1#1 R",
+    "deliver Heartbeat from the sender [T1]",
+    "handshake_ok S1.1#1 R",
+    "deliver Heartbeat from the sender [T2]",
+)
+
+# ... and of `one-to-two` (the sender looks up R first: "handshake_ok S1#1 R" is it).
+_ONE_TO_TWO_HANDSHAKES = (
+    "expect T1",
+    "submit T1",  # and T2
+    "expect T2",
+    "handshake_ok R#1 S1",
+    "deliver Heartbeat from the receiver [T1]",
+    "deliver Register T1",
+    "handshake_ok R.1#1 S1",
+    "deliver Heartbeat from the receiver [T2]",
+    "deliver Register T2",
+    "handshake_ok S1#1 R",
+    "deliver Heartbeat from the sender [T1]",
+    "handshake_ok S1#1 R.1",
+    "deliver Heartbeat from the sender [T2]",
+)
+
+
 def _ci(name: str, transfers: tuple[TransferSpec, ...], budget: Budget, **kw: object) -> Scope:
     opts: dict[str, object] = {"prompt": True, "max_depth": 80}
     opts.update(kw)
@@ -194,6 +229,51 @@ CI = (
         script=_T1_TO_LANDING,
         max_depth=10,
         goals=(*_ok("T1"), "T2 lands", "T2 ok on the receiver"),
+    ),
+    # One request in two parts (issue 20): a decode rank takes head 0 of its block from
+    # prefill rank 0 (S1) and head 1 from prefill rank 1 (S1.1), as a TP 2 prefill feeds
+    # a TP 1 decode. Its engine hands the block back only with the request's one result
+    # (`RequestParts`): finished once both parts finished, failed, after both ended, if
+    # one failed; so a write of either part lands before the result or never.
+    _ci(
+        "two-parts",
+        (T("T1", "S1", 1, request="Q", heads=(0,)), T("T2", "S1.1", 1, request="Q", heads=(1,))),
+        Budget(failures=1),
+        senders=("S1", "S1.1"),
+        heads=2,
+        sender_blocks=1,
+        receiver_blocks=1,
+        # Both parts as far as their first write: every handshake done, the sender's
+        # heartbeat answered (the receiver's echo, which issues the write, on its way).
+        script=_TWO_PARTS_HANDSHAKES,
+        max_depth=10,
+        goals=(
+            "Q ok on the receiver",
+            "Q write_error on the receiver after a failure",
+            "T2 cancelled on the receiver after a failure",
+        ),
+    ),
+    # One request in two parts the other way: one prefill rank (S1) writes head 0 of its
+    # block into decode rank 0 (R) and head 1 into decode rank 1 (R.1), as a TP 1
+    # prefill feeds a TP 2 decode. Its engine reuses the block only with the request's
+    # result, never while a write of either part still reads it.
+    _ci(
+        "one-to-two",
+        (
+            T("T1", "S1", 1, request="Q", heads=(0,)),
+            T("T2", "S1", 1, request="Q", heads=(1,), receiver="R.1"),
+        ),
+        Budget(failures=1),
+        heads=2,
+        sender_blocks=1,
+        receiver_blocks=1,
+        script=_ONE_TO_TWO_HANDSHAKES,
+        max_depth=10,
+        goals=(
+            "Q ok on the sender",
+            "Q write_error on the sender after a failure",
+            "T2 cancelled on the sender after a failure",
+        ),
     ),
     _ci(
         "incompatible",
