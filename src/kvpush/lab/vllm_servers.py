@@ -61,6 +61,26 @@ def make_tiny_model(path: Path) -> Path:
     return path
 
 
+# The tiny hybrid model's sliding window, in tokens: smaller than most test prompts and
+# not a whole number of 32-token blocks, so windows start inside a block.
+HYBRID_SLIDING_WINDOW = 48
+
+
+def make_tiny_hybrid_model(path: Path) -> Path:
+    """A seeded tiny Llama with sliding-window and full-attention layers in turn (four
+    layers, `layer_types`, a window of HYBRID_SLIDING_WINDOW tokens): vLLM's hybrid
+    KV-cache manager gives it two KV-cache groups, each layer pair sharing its memory."""
+    from kvpush.serving.checkpoint import make_model
+
+    if not (path / "config.json").exists():
+        make_model(path, num_layers=4, hidden_size=128, intermediate_size=256, num_heads=4)
+        config = json.loads((path / "config.json").read_text())
+        config["layer_types"] = ["sliding_attention", "full_attention"] * 2
+        config["sliding_window"] = HYBRID_SLIDING_WINDOW
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
 # vLLM-CPU's MLA kernel takes only this latent size (kv_lora_rank 512 + rope 64) and
 # 16-token blocks.
 MLA_KV_LORA_RANK, MLA_ROPE_DIM, MLA_BLOCK_SIZE = 512, 64, 16

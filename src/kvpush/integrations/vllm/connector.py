@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpush.errors import ConfigError
+from kvpush.geometry import KVCacheGroup
 from kvpush.integrations.vllm.compat import check_vllm
 from kvpush.integrations.vllm.metadata import RankMetadata, StepPlan
 from kvpush.integrations.vllm.params import ConnectorConfig
@@ -58,13 +59,8 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
-        if len(groups) > 1:
-            raise ConfigError(
-                f"KvpushConnector moves one KV cache group (full attention); this model "
-                f"has {len(groups)} groups (hybrid or sliding-window layers)"
-            )
         self._config = ConnectorConfig.from_vllm(vllm_config)
+        groups = kv_cache_groups(kv_cache_config, self._config)
         check_vllm(
             vllm.__version__, KVConnectorBase_V1, allow_untested=self._config.allow_untested_vllm
         )
@@ -77,12 +73,15 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
         if refused is not None and role == KVConnectorRole.SCHEDULER:
             log.warning("KvpushConnector: layer-wise push is off (%s): requests go whole", refused)
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self._config)
+            self._scheduler = SchedulerSide(self._config, groups)
         else:
             from vllm.distributed.parallel_state import get_tp_group
 
             self._worker = WorkerSide(
-                self._config, get_tp_group().rank_in_group, new_stats=TransferStats
+                self._config,
+                get_tp_group().rank_in_group,
+                new_stats=TransferStats,
+                groups=groups,
             )
 
     @classmethod
@@ -119,7 +118,7 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         if self._scheduler is not None:
-            self._scheduler.bind_block_ids(lambda rid: list(kv_cache_manager.get_block_ids(rid)[0]))
+            self._scheduler.bind_block_ids(kv_cache_manager.get_block_ids)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -144,12 +143,15 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._sched().request_finished(request, block_ids)
+        """vLLM without its hybrid KV-cache manager: one group."""
+        return self._sched().request_finished(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._sched().request_finished(request, list(block_ids[0]) if block_ids else [])
+        """The request's blocks of every KV-cache group; those that move (a sliding
+        window's last ones) are held until the transfer ended."""
+        return self._sched().request_finished(request, block_ids)
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
@@ -235,3 +237,46 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.shutdown()
         if self._scheduler is not None:
             self._scheduler.shutdown()
+
+
+def kv_cache_groups(
+    kv_cache_config: KVCacheConfig, config: ConnectorConfig
+) -> tuple[KVCacheGroup, ...]:
+    """The model's KV-cache groups as kvpush moves them (`kvpush.integrations.vllm.groups`):
+    empty for one group that is not a sliding window (every block of a request moves, as
+    ever). Groups kvpush cannot carry are refused here, at start-up, naming them."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    specs = [g.kv_cache_spec for g in getattr(kv_cache_config, "kv_cache_groups", None) or ()]
+    if len(specs) == 1 and type(specs[0]) is not SlidingWindowSpec:
+        return ()
+    groups: list[KVCacheGroup] = []
+    refused: list[str] = []
+    for index, spec in enumerate(specs):
+        block_size = int(getattr(spec, "block_size", 0))
+        if type(spec) is SlidingWindowSpec:
+            groups.append(KVCacheGroup("sliding_window", block_size, int(spec.sliding_window)))
+        elif type(spec) is FullAttentionSpec:
+            groups.append(KVCacheGroup("full_attention", block_size))
+        else:
+            refused.append(f"group {index} is {type(spec).__name__}")
+            continue
+        if block_size != config.block_size_tokens:
+            refused.append(
+                f"group {index} has {block_size}-token blocks, the engine "
+                f"{config.block_size_tokens}"
+            )
+    shapes = ", ".join(g.describe() for g in groups) or "none"
+    if refused:
+        raise ConfigError(
+            f"KvpushConnector cannot carry this model's {len(specs)} KV-cache groups: "
+            f"{'; '.join(refused)}; it carries full-attention and sliding-window groups "
+            f"of the engine's block size (Mamba and other state groups are not supported "
+            f"yet; carried here: {shapes})"
+        )
+    if len(groups) > 1 and config.tp_size != 1:
+        raise ConfigError(
+            f"KvpushConnector carries a hybrid model ({len(groups)} KV-cache groups: "
+            f"{shapes}) at tensor-parallel size 1 only; this engine runs TP {config.tp_size}"
+        )
+    return tuple(groups)

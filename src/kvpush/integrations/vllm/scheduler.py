@@ -32,14 +32,23 @@ async scheduling) finishes the request in the same step's output, before it sche
 again. Should the transfer end before the request finished all the same, its
 `finished_sending` is held back (vLLM would free a running request's blocks) and the
 request's blocks are then freed as any other's.
+
+Hybrid models (vLLM's hybrid KV-cache manager, several KV-cache groups): every block
+list above is one per group (`request_finished_all_groups`, the cache manager's block
+ids), and only the blocks that move are named (`kvpush.integrations.vllm.groups`: a
+sliding window's from the first block its window holds); the decode's prefix hit is
+counted in each group. A prefill request that ran past its prompt (vLLM then freed
+the blocks of the prompt's last window) has its transfer cancelled, not sent wrong.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvpush.geometry import KVCacheGroup
+from kvpush.integrations.vllm.groups import moved_span, received_blocks, sent_blocks
 from kvpush.integrations.vllm.metadata import Receive, Refuse, Send, StepPlan
 from kvpush.integrations.vllm.params import ConnectorConfig, prefill_answer, prefill_transfer
 from kvpush.transfer_params import (
@@ -62,13 +71,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+BlockIds = Sequence[Sequence[int]]  # a request's block ids, one list per KV-cache group
 
 
 class SchedulerSide:
-    def __init__(self, config: ConnectorConfig) -> None:
+    def __init__(self, config: ConnectorConfig, groups: tuple[KVCacheGroup, ...] = ()) -> None:
+        """`groups`: the model's KV-cache groups (`kvpush.integrations.vllm.groups`);
+        empty: one full-attention group."""
         self._config = config
+        self._groups = groups or (KVCacheGroup("full_attention", config.block_size_tokens),)
         self._plan = StepPlan()
         # Decode: requests waiting for their KV, by request id -> transfer id.
         self._receiving: dict[str, str] = {}
@@ -86,14 +97,14 @@ class SchedulerSide:
         # request id -> their blocks; and those whose transfer ended before the request
         # finished (their finished_sending held back).
         self._layerwise_candidates: dict[str, Request] = {}
-        self._opened_early: dict[str, tuple[int, ...]] = {}
+        self._opened_early: dict[str, tuple[tuple[int, ...], ...]] = {}
         self._ended_early: set[str] = set()
-        self._block_ids_of: Callable[[str], list[int]] | None = None
+        self._block_ids_of: Callable[[str], BlockIds] | None = None
         self._ranks: dict[int, PeerMetadata] = {}
         self._server: MetadataServer | None = None
 
-    def bind_block_ids(self, block_ids_of: Callable[[str], list[int]]) -> None:
-        """How to read a running request's blocks (vLLM's KV cache manager)."""
+    def bind_block_ids(self, block_ids_of: Callable[[str], BlockIds]) -> None:
+        """How to read a running request's blocks, per group (vLLM's KV cache manager)."""
         self._block_ids_of = block_ids_of
 
     # ----------------------------------------------------------------- side channel
@@ -173,20 +184,29 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             self._refuse(remote, "the decode server had every block in its prefix cache")
             return
-        bs = self._config.block_size_tokens
-        offset = local_hits // bs
-        total = _cdiv(len(request.prompt_token_ids or ()), bs)
-        ours = tuple(blocks.get_block_ids()[0][offset:total])
+        num_tokens = len(request.prompt_token_ids or ())
+        ours = received_blocks(self._groups, blocks.get_block_ids(), num_tokens, local_hits)
+        nulls = {b.block_id for group in blocks.blocks for b in group if b.is_null}
+        if nulls & {b for group in ours for b in group.blocks}:
+            # vLLM freed a block the window needs (it never should): receiving into its
+            # null block would corrupt every request. Recompute instead.
+            detail = "the decode's sliding-window blocks for this prompt were freed"
+            log.error("request %s: %s", rid, detail)
+            self._refuse(remote, detail)
+            self._plan.receives.append(Receive(rid, "", "", 0, (), 0))
+            self._receiving[rid] = ""
+            return
         self._plan.receives.append(
             Receive(
                 rid,
                 remote.transfer_id,
                 remote.remote_host,
                 remote.remote_port,
-                ours,
-                offset,
+                ours[0].blocks,
+                ours[0].sender_offset,
                 remote.tp_size,
                 remote.decode_tp_size,
+                more_groups=ours[1:],
             )
         )
         self._receiving[rid] = remote.transfer_id
@@ -206,8 +226,10 @@ class SchedulerSide:
     # ----------------------------------------------------------------- both
 
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: BlockIds
     ) -> tuple[bool, dict[str, Any] | None]:
+        """`block_ids`: the request's, one list per KV-cache group
+        (`request_finished_all_groups`)."""
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
@@ -244,17 +266,22 @@ class SchedulerSide:
         if early is not None:
             return self._finished_early(rid, early, num_tokens, computed)
         xfer = prefill_transfer(params, self._config)
-        ours = tuple(block_ids[: _cdiv(num_tokens, self._config.block_size_tokens)])
-        if not ours:
+        ours = sent_blocks(self._groups, block_ids, num_tokens)
+        if not any(ours):
             return False, None
+        lost = self._window_lost(request, num_tokens)
+        if lost is not None and computed:
+            log.error("request %s: %s: its transfer is cancelled", rid, lost)
+            computed = False
         self._plan.sends.append(
             Send(
                 rid,
                 xfer.transfer_id,
-                ours,
+                ours[0],
                 cancel=not computed,
                 decode=xfer.decode,
                 decode_tp_size=xfer.decode_tp_size,
+                more_groups=ours[1:],
             )
         )
         self._sending[rid] = xfer.transfer_id
@@ -265,13 +292,27 @@ class SchedulerSide:
             self._config,
             transfer_id=xfer.transfer_id,
             request_id=rid,
-            block_ids=list(ours),
+            block_ids=list(ours[0]),
             num_tokens=num_tokens,
             decode_tp_size=xfer.decode_tp_size,
         )
 
+    def _window_lost(self, request: Request, num_tokens: int) -> str | None:
+        """Why a finished prefill request no longer holds every block its sliding
+        windows move, if it does not: it ran past its prompt (max_tokens above 1, pushed
+        whole), and vLLM freed the blocks before its last window."""
+        computed_tokens = int(getattr(request, "num_computed_tokens", num_tokens))
+        for group in self._groups:
+            if moved_span(group, computed_tokens)[0] > moved_span(group, num_tokens)[0]:
+                return (
+                    f"it computed {computed_tokens} tokens past its {num_tokens}-token "
+                    f"prompt, and vLLM freed the blocks of its prompt's last window "
+                    f"({group.describe()})"
+                )
+        return None
+
     def _finished_early(
-        self, rid: str, blocks: tuple[int, ...], num_tokens: int, computed: bool
+        self, rid: str, blocks: tuple[tuple[int, ...], ...], num_tokens: int, computed: bool
     ) -> tuple[bool, dict[str, Any] | None]:
         """A request whose transfer was opened layer by layer has finished."""
         if rid in self._ended_early:
@@ -292,7 +333,7 @@ class SchedulerSide:
             self._config,
             transfer_id=tid,
             request_id=rid,
-            block_ids=list(blocks),
+            block_ids=list(blocks[0]),
             num_tokens=num_tokens,
             decode_tp_size=split,
         )
@@ -310,15 +351,14 @@ class SchedulerSide:
         tokens this step computes (called before vLLM advances their computed tokens)."""
         assert self._block_ids_of is not None
         scheduled = scheduler_output.num_scheduled_tokens
-        bs = self._config.block_size_tokens
         for rid, request in list(self._layerwise_candidates.items()):
             n = scheduled.get(rid, 0)
             num_tokens = len(request.prompt_token_ids or ())
             if n <= 0 or request.num_computed_tokens + n < num_tokens:
                 continue  # not scheduled, or an earlier chunk of its prompt
             del self._layerwise_candidates[rid]
-            blocks = tuple(self._block_ids_of(rid)[: _cdiv(num_tokens, bs)])
-            if not blocks:
+            blocks = sent_blocks(self._groups, self._block_ids_of(rid), num_tokens)
+            if not any(blocks):
                 continue  # offered whole when it finishes, as without layer-wise push
             assert request.kv_transfer_params is not None
             xfer = prefill_transfer(request.kv_transfer_params, self._config)
@@ -326,10 +366,11 @@ class SchedulerSide:
                 Send(
                     rid,
                     xfer.transfer_id,
-                    blocks,
+                    blocks[0],
                     layerwise=True,
                     decode=xfer.decode,
                     decode_tp_size=xfer.decode_tp_size,
+                    more_groups=blocks[1:],
                 )
             )
             self._sending[rid] = xfer.transfer_id

@@ -193,12 +193,15 @@ class WorkerSide(Generic[S]):
         rank.start()
         self._runtime = rank.runtime
         log.info(
-            "kvpush rank %d: %d layers, %d blocks of %d bytes, layout %s",
+            "kvpush rank %d: %d layers, %d blocks of %d bytes, layout %s, %s",
             self._rank,
             geometry.num_layers,
             geometry.num_blocks,
             geometry.bytes_per_block,
             geometry.layout,
+            f"{len(self._groups)} KV-cache groups ({', '.join(g.describe() for g in self._groups)})"
+            if self._groups
+            else "one KV-cache group",
         )
 
     def handshake_metadata(self) -> PeerMetadata | None:

@@ -1,0 +1,176 @@
+"""kvpush inside real vLLM with a hybrid model: sliding-window and full-attention layers
+through vLLM's hybrid KV-cache manager, prefill TP 1 into decode TP 1, against a single
+vLLM instance, token for token and logprob for logprob (issue 20).
+
+The model is a tiny Llama whose four layers alternate sliding-window (48 tokens) and
+full attention (`make_tiny_hybrid_model`). vLLM-CPU keeps its hybrid KV-cache manager
+on with KvpushConnector (the connector is `SupportsHMA`) and gives the model two
+KV-cache groups, whose layers share memory; the decode server says so when it registers
+its cache. Most prompts are longer than the window, so the sliding-window group moves
+only the blocks its window still holds, and shared prefixes make the decode hit its own
+prefix cache in both groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from kvpush.errors import ConfigError
+from kvpush.lab.vllm_servers import (
+    HYBRID_SLIDING_WINDOW,
+    Outcome,
+    ServerSpec,
+    VllmServer,
+    batch,
+    check_identical,
+    client,
+    complete,
+    completion_body,
+    make_tiny_hybrid_model,
+    metric,
+    start_kvpush_proxy,
+    vllm_python,
+)
+from kvpush.procs.readiness import free_port
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+HOST = "127.0.0.1"
+MAX_TOKENS = 12
+TIMING = {"heartbeat_interval_s": 0.5, "liveness_timeout_s": 8.0, "lease_s": 5.0}
+_SHARED = "In the beginning the engine computed every key and value of the prompt, "
+PROMPTS = [
+    "hello world, this is a test of the kvpush connector inside vllm",
+    "short",
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    # Shared prefixes longer than a block (32 tokens) and than the window (48 tokens):
+    # decode-side prefix-cache hits, before and inside the window.
+    _SHARED + "then pushed them to the decoder.",
+    _SHARED + "and the decoder went on from there, token after token, to the end.",
+    _SHARED * 3 + "a long one, spanning several blocks of thirty-two tokens each.",
+    "0123456789" * 20,
+    "x",
+    # 48 - 1 + 32 * k tokens: the window's first token is the first of a block.
+    "w" * (HYBRID_SLIDING_WINDOW - 1 + 64),
+]
+ROUNDS = 4
+
+
+@dataclass
+class Deployment:
+    model: str
+    prefill: VllmServer
+    decode: VllmServer
+    proxy_url: str
+    reference: dict[str, Outcome]
+
+
+def _spec(name: str, role: str | None) -> ServerSpec:
+    return ServerSpec(
+        name=name,
+        host=HOST,
+        port=free_port(HOST),
+        connector=None if role is None else "KvpushConnector",
+        kv_role=role,
+        side_channel_port=None if role is None else free_port(HOST),
+        extra_config={} if role is None else {**TIMING, "handshake_timeout_ms": 10000},
+    )
+
+
+async def _one_at_a_time(http: httpx.AsyncClient, url: str, model: str) -> list[Outcome]:
+    return [await complete(http, url, completion_body(p, model, MAX_TOKENS)) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    try:
+        python = vllm_python()
+    except ConfigError as exc:
+        pytest.fail(f"the vLLM end-to-end test cannot run: {exc}", pytrace=False)
+    model = make_tiny_hybrid_model(tmp_path_factory.mktemp("vllm-models") / "tiny-hybrid")
+    log_dir = tmp_path_factory.mktemp("vllm-hybrid")
+    single = VllmServer(_spec("single", None), model=model, log_dir=log_dir, python=python)
+    prefill = VllmServer(
+        _spec("prefill", "kv_producer"), model=model, log_dir=log_dir, python=python
+    )
+    decode = VllmServer(_spec("decode", "kv_consumer"), model=model, log_dir=log_dir, python=python)
+    servers = [single, prefill, decode]
+    proxy: subprocess.Popen[bytes] | None = None
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready()
+
+        async def reference() -> list[Outcome]:
+            async with client() as http:
+                return await _one_at_a_time(http, single.url, str(model))
+
+        answers = {}
+        for outcome in asyncio.run(reference()):
+            assert outcome.ok, f"the single instance failed {outcome.prompt!r}"
+            answers[outcome.prompt] = outcome
+        single.stop()
+        servers.remove(single)
+        proxy, url = start_kvpush_proxy(prefill, decode, log_dir)
+        yield Deployment(str(model), prefill, decode, url, answers)
+    finally:
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait(10)
+        for server in servers:
+            server.stop()
+
+
+def test_both_servers_run_the_hybrid_manager_with_two_groups(deployment: Deployment) -> None:
+    """vLLM kept its hybrid KV-cache manager on with KvpushConnector: each server
+    registered two KV-cache groups, the sliding window and full attention."""
+    want = f"2 KV-cache groups (sliding window of {HYBRID_SLIDING_WINDOW} tokens, full attention)"
+    for server in (deployment.prefill, deployment.decode):
+        said = server.log_path.read_text(errors="replace")
+        assert want in said, f"{server.spec.name} did not say {want!r}"
+
+
+def test_rounds_match_a_single_instance(deployment: Deployment) -> None:
+    """Rounds through `kvpush proxy`, a request at a time, then the whole batch at once:
+    every token and logprob identical to the single instance's, with transfers through
+    kvpush and decode-side prefix-cache hits."""
+    dep = deployment
+
+    async def metrics(http: httpx.AsyncClient) -> dict[str, float]:
+        url = dep.decode.url
+        return {
+            "hits": await metric(http, url, "vllm:prefix_cache_hits_total"),
+            "received": await metric(http, url, "vllm:kvpush_transfers_total"),
+        }
+
+    async def run() -> dict[str, float]:
+        async with client() as http:
+            before = await metrics(http)
+            outcomes = await _one_at_a_time(http, dep.proxy_url, dep.model)
+            check_identical(outcomes, dep.reference, "one at a time", [dep.prefill, dep.decode])
+            for i in range(ROUNDS):
+                outcomes = await batch(
+                    [
+                        complete(http, dep.proxy_url, completion_body(p, dep.model, MAX_TOKENS))
+                        for p in PROMPTS
+                    ]
+                )
+                check_identical(
+                    outcomes,
+                    dep.reference,
+                    f"round {i + 1}, all at once",
+                    [dep.prefill, dep.decode],
+                )
+            after = await metrics(http)
+            return {k: after[k] - before[k] for k in after}
+
+    d = asyncio.run(run())
+    assert d["received"] > 0, f"no transfer came through kvpush: {d}"
+    assert d["hits"] > 0, f"no decode-side prefix-cache hit happened: {d}"
