@@ -31,6 +31,7 @@ from kvpush.integrations.vllm.plan import Receive, Send, StepPlan, StepResults
 from kvpush.integrations.vllm.worker import WorkerSide
 from kvpush.runtime import TransferResult
 from kvpush.sidechannel import MetadataServer, PeerMetadata
+from kvpush.topology import rank_heads
 from kvpush.transports.base import Transport
 from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
 
@@ -71,7 +72,8 @@ class Stats:
 
 
 class Engine:
-    """One TP-1 vLLM engine of a hybrid model: its worker, cache and side channel."""
+    """One vLLM engine of a hybrid model: its ranks' workers and caches (each rank the
+    heads it holds of the engine's `model`), and the scheduler's side channel."""
 
     def __init__(
         self,
@@ -81,8 +83,10 @@ class Engine:
         role: str,
         *,
         seed: int,
+        tp: int = 1,
         groups: tuple[KVCacheGroup, ...] = GROUPS,
     ) -> None:
+        self.tp = tp
         self.ranks: dict[int, PeerMetadata] = {}
         self.server = stack.enter_context(MetadataServer(HOST, 0, SideChannelConfig(), self.ranks))
         config = ConnectorConfig(
@@ -92,7 +96,7 @@ class Engine:
             side_channel_port=self.server.port,
             token=None,
             timing=TimingConfig(heartbeat_interval_s=0.2, liveness_timeout_s=10.0, lease_s=3.0),
-            tp_size=1,
+            tp_size=tp,
             total_kv_heads=HEADS,
             use_mla=False,
             pp_size=1,
@@ -104,39 +108,56 @@ class Engine:
         def loopback(agent_name: str) -> Transport:
             return LoopbackTransport(fabric, agent_name)
 
-        # [slots, blocks, heads, tokens, C], every byte random.
-        self.cache = torch.empty((SLOTS, BLOCKS, HEADS, TOKENS, C), dtype=torch.bfloat16)
-        flat = self.cache.view(torch.uint8).reshape(-1)
+        # The model's KV, [slots, blocks, heads, tokens, C], every byte random; each
+        # rank's cache holds its heads of it.
+        self.model = torch.empty((SLOTS, BLOCKS, HEADS, TOKENS, C), dtype=torch.bfloat16)
+        flat = self.model.view(torch.uint8).reshape(-1)
         gen = torch.Generator().manual_seed(seed)
         flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
-        self.worker: WorkerSide[Stats] = WorkerSide(
-            config, 0, new_stats=Stats, transport_factory=loopback, groups=groups
-        )
-        stack.callback(self.worker.shutdown)
-        self.worker.register_kv_caches({name: self.cache[slot] for name, slot in LAYERS.items()})
-        meta = self.worker.handshake_metadata()
-        assert meta is not None
-        self.ranks[0] = meta
-        self.ended = StepResults()
-        self.reports: dict[str, int] = {}
+        self.workers: list[WorkerSide[Stats]] = []
+        self.caches: list[torch.Tensor] = []
+        for rank in range(tp):
+            held = rank_heads(rank, tp, HEADS, False)
+            cache = self.model[:, :, held.first_head : held.stop].clone()
+            worker: WorkerSide[Stats] = WorkerSide(
+                config, rank, new_stats=Stats, transport_factory=loopback, groups=groups
+            )
+            stack.callback(worker.shutdown)
+            worker.register_kv_caches({name: cache[slot] for name, slot in LAYERS.items()})
+            meta = worker.handshake_metadata()
+            assert meta is not None
+            self.ranks[rank] = meta
+            self.workers.append(worker)
+            self.caches.append(cache)
+        self.ended = [StepResults() for _ in range(tp)]
+        self.reports: list[dict[str, int]] = [{} for _ in range(tp)]
         self.details: list[str] = []
 
     def step(self, plan: StepPlan | None = None) -> None:
         plan = plan or StepPlan(idle=True)
-        self.worker.start_step(plan)
-        self.worker.step_saved(plan)
-        self.collect()
+        for rank, worker in enumerate(self.workers):
+            worker.start_step(plan)
+            worker.step_saved(plan)
+            self.collect(rank)
 
-    def collect(self) -> None:
-        out = self.worker.transfer_results()
-        self.ended.finished_recving |= out.finished_recving
-        self.ended.failed_recving |= out.failed_recving
-        self.ended.finished_sending |= out.finished_sending
+    def collect(self, rank: int) -> None:
+        out = self.workers[rank].transfer_results()
+        ended = self.ended[rank]
+        ended.finished_recving |= out.finished_recving
+        ended.failed_recving |= out.failed_recving
+        ended.finished_sending |= out.finished_sending
         for rid in out.finished_recving | out.finished_sending:
-            self.reports[rid] = self.reports.get(rid, 0) + 1
-        stats = self.worker.take_stats()
+            self.reports[rank][rid] = self.reports[rank].get(rid, 0) + 1
+        stats = self.workers[rank].take_stats()
         if stats is not None:
             self.details += stats.details
+
+    def all_ended(self, rid: str) -> bool:
+        return all(rid in e.finished_recving | e.finished_sending for e in self.ended)
+
+    @property
+    def failed(self) -> set[str]:
+        return {rid for e in self.ended for rid in e.failed_recving}
 
 
 @pytest.fixture
@@ -146,11 +167,15 @@ def stack() -> Iterator[ExitStack]:
 
 
 def pair(
-    stack: ExitStack, decode_groups: tuple[KVCacheGroup, ...] = GROUPS
+    stack: ExitStack,
+    decode_groups: tuple[KVCacheGroup, ...] = GROUPS,
+    *,
+    p_tp: int = 1,
+    d_tp: int = 1,
 ) -> tuple[Engine, Engine]:
     fabric = LoopbackFabric()
-    prefill = Engine(stack, fabric, "prefill", "sender", seed=1)
-    decode = Engine(stack, fabric, "decode", "receiver", seed=2, groups=decode_groups)
+    prefill = Engine(stack, fabric, "prefill", "sender", seed=1, tp=p_tp)
+    decode = Engine(stack, fabric, "decode", "receiver", seed=2, tp=d_tp, groups=decode_groups)
     return prefill, decode
 
 
@@ -161,7 +186,7 @@ DECODE_IDS = ([0, 0, 12, 17, 15], [11, 13, 14, 16, 18])
 
 
 def plans(
-    prefill: Engine, local_hit_tokens: int, *, layerwise: bool = False
+    prefill: Engine, local_hit_tokens: int, *, layerwise: bool = False, decode_tp: int = 1
 ) -> tuple[StepPlan, StepPlan]:
     """The decode's Receive and the prefill's Send for one request, as the scheduler
     builds them."""
@@ -174,18 +199,20 @@ def plans(
         prefill.server.port,
         got[0].blocks,
         got[0].sender_offset,
-        1,
-        1,
+        prefill.tp,
+        decode_tp,
         more_groups=got[1:],
     )
-    send = Send("req-p", "t1", sent[0], layerwise=layerwise, decode_tp_size=1, more_groups=sent[1:])
+    send = Send(
+        "req-p", "t1", sent[0], layerwise=layerwise, decode_tp_size=decode_tp, more_groups=sent[1:]
+    )
     return StepPlan(receives=[receive]), StepPlan(sends=[send])
 
 
 def run_until_ended(prefill: Engine, decode: Engine) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if "req-p" in prefill.ended.finished_sending and "req-d" in decode.ended.finished_recving:
+        if prefill.all_ended("req-p") and decode.all_ended("req-d"):
             return
         prefill.step()
         decode.step()
@@ -194,28 +221,33 @@ def run_until_ended(prefill: Engine, decode: Engine) -> None:
 
 
 def check_moved(
-    prefill: Engine, decode: Engine, before: torch.Tensor, local_hit_tokens: int
+    prefill: Engine, decode: Engine, before: list[torch.Tensor], local_hit_tokens: int
 ) -> None:
-    """Exactly the blocks each group moves hold the prefill's bytes; nothing else changed."""
-    assert decode.ended.failed_recving == set(), decode.details
-    assert prefill.reports == {"req-p": 1} and decode.reports == {"req-d": 1}
-    changed: set[int] = set()
-    for group, theirs, ours in zip(GROUPS, PREFILL_IDS, DECODE_IDS, strict=True):
-        first, stop = moved_span(group, NUM_TOKENS)
-        start = max(first, local_hit_tokens // TOKENS)
-        for position in range(start, stop):
-            got = decode.cache[:, ours[position]].view(torch.uint8)
-            want = prefill.cache[:, theirs[position]].view(torch.uint8)
-            assert torch.equal(got, want), (
-                f"{group.kind} position {position}: decode block {ours[position]} is not "
-                f"the prefill's block {theirs[position]} in every slot"
-            )
-            changed.add(ours[position])
-    untouched = [b for b in range(BLOCKS) if b not in changed]
-    assert 0 in untouched, "the null block must never receive"
-    assert torch.equal(
-        decode.cache[:, untouched].view(torch.uint8), before[:, untouched].view(torch.uint8)
-    ), "a decode block outside what moves changed"
+    """On every decode rank, exactly the blocks each group moves hold the prefill model's
+    bytes of that rank's heads; nothing else changed; each rank reported once."""
+    assert decode.failed == set(), decode.details
+    assert prefill.reports == [{"req-p": 1}] * prefill.tp
+    assert decode.reports == [{"req-d": 1}] * decode.tp
+    for rank, cache in enumerate(decode.caches):
+        held = rank_heads(rank, decode.tp, HEADS, False)
+        changed: set[int] = set()
+        for group, theirs, ours in zip(GROUPS, PREFILL_IDS, DECODE_IDS, strict=True):
+            first, stop = moved_span(group, NUM_TOKENS)
+            start = max(first, local_hit_tokens // TOKENS)
+            for position in range(start, stop):
+                got = cache[:, ours[position]].view(torch.uint8)
+                want = prefill.model[:, theirs[position], held.first_head : held.stop]
+                assert torch.equal(got, want.view(torch.uint8)), (
+                    f"decode rank {rank}, {group.kind} position {position}: block "
+                    f"{ours[position]} is not the prefill's block {theirs[position]} of its "
+                    f"heads in every slot"
+                )
+                changed.add(ours[position])
+        untouched = [b for b in range(BLOCKS) if b not in changed]
+        assert 0 in untouched, "the null block must never receive"
+        assert torch.equal(
+            cache[:, untouched].view(torch.uint8), before[rank][:, untouched].view(torch.uint8)
+        ), f"decode rank {rank}: a block outside what moves changed"
 
 
 def test_moved_span_is_the_window_vllm_keeps() -> None:
@@ -242,7 +274,7 @@ def test_each_group_moves_its_own_blocks_and_a_window_only_what_it_holds(
     sliding-window group the 3 its window holds; the null block and the skipped
     positions stay as they were."""
     prefill, decode = pair(stack)
-    before = decode.cache.clone()
+    before = [c.clone() for c in decode.caches]
     receive, send = plans(prefill, 0, layerwise=layerwise)
     decode.step(receive)
     prefill.step(send)
@@ -256,7 +288,7 @@ def test_a_decode_prefix_hit_is_counted_per_group(stack: ExitStack, hit_blocks: 
     from there; the window from there or its first block, whichever is later, with the
     offset into what the prefill sends for that group."""
     prefill, decode = pair(stack)
-    before = decode.cache.clone()
+    before = [c.clone() for c in decode.caches]
     receive, send = plans(prefill, hit_blocks * TOKENS)
     decode.step(receive)
     prefill.step(send)
@@ -273,22 +305,22 @@ def test_a_slot_is_announced_only_once_every_groups_layer_in_it_is_computed(
     prefill, decode = pair(stack)
     receive, send = plans(prefill, 0, layerwise=True)
     decode.step(receive)
-    worker = prefill.worker
+    worker, cache = prefill.workers[0], prefill.caches[0]
     worker.start_step(send)
     names = list(LAYERS)
     for name in names[:3]:
-        worker.layer_saved(send, name, prefill.cache[LAYERS[name]])
+        worker.layer_saved(send, name, cache[LAYERS[name]])
     deadline = time.monotonic() + 1.5
     while time.monotonic() < deadline:
-        prefill.collect()
+        prefill.collect(0)
         decode.step()
         time.sleep(0.01)
-    assert "req-d" not in decode.ended.finished_recving, (
+    assert decode.ended[0].finished_recving == set(), (
         "the transfer ended before layer 3, which shares slot 1 with layer 2, was computed"
     )
-    worker.layer_saved(send, names[3], prefill.cache[LAYERS[names[3]]])
+    worker.layer_saved(send, names[3], cache[LAYERS[names[3]]])
     run_until_ended(prefill, decode)
-    check_moved(prefill, decode, decode.cache.clone(), 0)
+    check_moved(prefill, decode, [c.clone() for c in decode.caches], 0)
 
 
 def test_engines_whose_groups_differ_are_refused(stack: ExitStack) -> None:
@@ -300,12 +332,12 @@ def test_engines_whose_groups_differ_are_refused(stack: ExitStack) -> None:
     receive, _ = plans(prefill, 0)
     decode.step(receive)
     deadline = time.monotonic() + 30
-    while "req-d" not in decode.ended.finished_recving:
+    while not decode.all_ended("req-d"):
         assert time.monotonic() < deadline, "the decode did not fail the request"
         decode.step()
         time.sleep(0.002)
-    assert decode.ended.failed_recving == {"req-d"}
-    assert decode.reports == {"req-d": 1}
+    assert decode.failed == {"req-d"}
+    assert decode.reports == [{"req-d": 1}]
     assert any("compatibility hash differs" in d for d in decode.details), decode.details
     ours = prefill.ranks[0].geometry
     theirs = decode.ranks[0].geometry
@@ -323,3 +355,17 @@ def test_a_one_group_model_keeps_its_compatibility_hash() -> None:
     assert "kv_cache_groups" not in plain.compat_fields()
     hybrid = msgspec.structs.replace(plain, groups=GROUPS)
     assert hybrid.compat_hash() != plain.compat_hash()
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (2, 2)], ids=str)
+def test_groups_across_tensor_parallel_sizes(stack: ExitStack, p_tp: int, d_tp: int) -> None:
+    """Groups split each rank pair's part once more: at TP 2 into 1 the decode rank takes
+    one head from each prefill rank in each group, at 1 into 2 the prefill rank writes
+    one head into each decode rank, every moved block in every slot."""
+    prefill, decode = pair(stack, p_tp=p_tp, d_tp=d_tp)
+    before = [c.clone() for c in decode.caches]
+    receive, send = plans(prefill, TOKENS, decode_tp=d_tp)
+    decode.step(receive)
+    prefill.step(send)
+    run_until_ended(prefill, decode)
+    check_moved(prefill, decode, before, TOKENS)
