@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ from kvpush.lab.vllm_servers import (
     metric,
     start_kvpush_proxy,
     vllm_python,
+    wait_quiescent,
 )
 from kvpush.procs.readiness import free_port
 
@@ -44,6 +46,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 HOST = "127.0.0.1"
 MAX_TOKENS = 12
 TIMING = {"heartbeat_interval_s": 0.5, "liveness_timeout_s": 8.0, "lease_s": 5.0}
+LIVENESS_BOUND_S = 8.0 + 5.0 + 2 * 8.0 + 10.0  # as tests/test_vllm_e2e_shapes.py
 _SHARED = "In the beginning the engine computed every key and value of the prompt, "
 PROMPTS = [
     "hello world, this is a test of the kvpush connector inside vllm",
@@ -140,14 +143,18 @@ def test_both_servers_run_the_hybrid_manager_with_two_groups(deployment: Deploym
 def test_rounds_match_a_single_instance(deployment: Deployment) -> None:
     """Rounds through `kvpush proxy`, a request at a time, then the whole batch at once:
     every token and logprob identical to the single instance's, with transfers through
-    kvpush and decode-side prefix-cache hits."""
+    kvpush (pushed layer by layer) and decode-side prefix-cache hits."""
     dep = deployment
 
     async def metrics(http: httpx.AsyncClient) -> dict[str, float]:
-        url = dep.decode.url
+        url, p_url = dep.decode.url, dep.prefill.url
         return {
             "hits": await metric(http, url, "vllm:prefix_cache_hits_total"),
             "received": await metric(http, url, "vllm:kvpush_transfers_total"),
+            "layerwise": await metric(http, p_url, "vllm:kvpush_sends_total", push="layerwise"),
+            "by_layer": await metric(
+                http, p_url, "vllm:kvpush_layers_announced_total", by="save_kv_layer"
+            ),
         }
 
     async def run() -> dict[str, float]:
@@ -174,3 +181,66 @@ def test_rounds_match_a_single_instance(deployment: Deployment) -> None:
     d = asyncio.run(run())
     assert d["received"] > 0, f"no transfer came through kvpush: {d}"
     assert d["hits"] > 0, f"no decode-side prefix-cache hit happened: {d}"
+    # The proxy's prefill legs end on the step that computes them: pushed layer by
+    # layer, each region (a layer of each group) announced as vLLM computed it.
+    assert d["layerwise"] > 0 and d["by_layer"] > 0, f"no layer-wise push: {d}"
+
+
+def test_the_prefill_killed_mid_batch_fails_the_waiting_requests_in_bound(
+    deployment: Deployment,
+) -> None:
+    """Decode legs registered for a batch; the prefill serves the first half, then is
+    killed (SIGKILL, the whole server): the first half matches the single instance, the
+    rest fail within the liveness bound, and the decode server holds no request and no
+    KV block of either group afterwards. Runs last: the prefill does not come back."""
+    dep = deployment
+    half = len(PROMPTS) // 2
+    sc_port = dep.prefill.spec.side_channel_port
+
+    async def run() -> tuple[list[Outcome], float]:
+        async with client() as http:
+            decode_legs, prefill_legs = [], []
+            for i, prompt in enumerate(PROMPTS):
+                body = completion_body(prompt, dep.model, MAX_TOKENS)
+                tid = f"hybrid-kill-{i}-{time.monotonic_ns()}"
+                d_params = {
+                    "do_remote_prefill": True,
+                    "remote_host": HOST,
+                    "remote_port": sc_port,
+                    "tp_size": 1,
+                    "transfer_id": tid,
+                }
+                decode_legs.append(
+                    asyncio.ensure_future(
+                        complete(http, dep.decode.url, {**body, "kv_transfer_params": d_params})
+                    )
+                )
+                if i < half:
+                    p_params = {"do_remote_decode": True, "transfer_id": tid}
+                    prefill_legs.append(
+                        complete(
+                            http,
+                            dep.prefill.url,
+                            {**body, "max_tokens": 1, "kv_transfer_params": p_params},
+                        )
+                    )
+            for p in await batch(prefill_legs):
+                assert p.ok, f"prefill leg before the kill failed: {p.error}"
+            first_half = await batch(decode_legs[:half])
+            check_identical(first_half, dep.reference, "before the kill", [dep.prefill, dep.decode])
+            await asyncio.to_thread(dep.prefill.kill)
+            killed_at = time.monotonic()
+            rest = await batch(decode_legs[half:])
+            return rest, time.monotonic() - killed_at
+
+    rest, waited = asyncio.run(run())
+    for outcome in rest:
+        assert not outcome.ok, f"{outcome.prompt!r} succeeded without its prefill"
+    assert waited < LIVENESS_BOUND_S, f"the waiting requests took {waited:.1f}s to fail"
+
+    async def drained() -> tuple[bool, float, dict[str, dict[str, float]]]:
+        async with client() as http:
+            return await wait_quiescent(http, [dep.decode.url], timeout_s=30)
+
+    quiet, waited, state = asyncio.run(drained())
+    assert quiet, f"decode server still holds requests or KV blocks after {waited:.0f}s: {state}"
