@@ -56,7 +56,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-def _recv(conn: Connection, timeout: float, what: str) -> Any:
+def recv_message(conn: Connection, timeout: float, what: str) -> Any:
     """The next message, or `BenchFailed` on timeout or when our parent is gone, so an
     orphaned child never waits out its whole timeout. A peer's skip (`ModeUnavailable`)
     or failure is raised here as ours."""
@@ -202,7 +202,7 @@ def _receiver_main(mode: str, workload: Workload, peer: Connection) -> None:
         meta = rx.setup(peer)
         peer.send(("meta", meta))
         while True:
-            msg = _recv(peer, PIPE_TIMEOUT_S * 5, "receiver waiting for orders")
+            msg = recv_message(peer, PIPE_TIMEOUT_S * 5, "receiver waiting for orders")
             if msg[0] == "peer-info":
                 rx.peer_info(msg[1])
             elif msg[0] == "arm":
@@ -231,13 +231,13 @@ def _sender_main(mode: str, workload: Workload, peer: Connection, parent: Connec
             start_busy_engine(stack)
         tx = factories(mode)[1](workload)
         stack.callback(close_quietly, tx)
-        _, meta = _recv(peer, PIPE_TIMEOUT_S, "receiver metadata")
+        _, meta = recv_message(peer, PIPE_TIMEOUT_S, "receiver metadata")
         tx.setup(meta, peer)
 
         def measure(plan: Plan) -> Measured:
             src_crc = {t.dst_blocks: tx.buffers.checksum(t.src_blocks) for t in plan.slots}
             peer.send(("arm", [(t.tag, t.dst_blocks) for t in plan.transfers]))
-            _recv(peer, PIPE_TIMEOUT_S, "receiver arming")
+            recv_message(peer, PIPE_TIMEOUT_S, "receiver arming")
             tx.prepare(plan.transfers, time.monotonic() + PIPE_TIMEOUT_S)
             cpu0 = cpu_seconds()
             submitted = tx.run_batch(
@@ -246,13 +246,13 @@ def _sender_main(mode: str, workload: Workload, peer: Connection, parent: Connec
                 time.monotonic() + PIPE_TIMEOUT_S,
             )
             cpu = cpu_seconds() - cpu0
-            _, finished, rx_cpu, dst_crc = _recv(peer, PIPE_TIMEOUT_S, "receiver completion")
+            _, finished, rx_cpu, dst_crc = recv_message(peer, PIPE_TIMEOUT_S, "receiver completion")
             return Measured(submitted, finished, cpu, rx_cpu, src_crc, dst_crc)
 
         measure_plans(workload, parent, measure)
         parent.send(("progress", "idle"))
         peer.send(("idle", workload.idle_s))
-        _, idle_cpu = _recv(peer, PIPE_TIMEOUT_S, "receiver idling")
+        _, idle_cpu = recv_message(peer, PIPE_TIMEOUT_S, "receiver idling")
         parent.send(("idle", 100.0 * idle_cpu / workload.idle_s))
         peer.send(("stop",))
         parent.send(("finished",))

@@ -51,13 +51,14 @@ from kvpush.bench.runner import (
     Measured,
     ModeRun,
     ProgressFn,
-    _recv,
     child_process,
     close_quietly,
     cpu_seconds,
     measure_plans,
     percentile,
+    recv_message,
     run_children,
+    start_busy_engine,
 )
 from kvpush.bench.workload import Plan, Transfer, Workload, plans
 from kvpush.errors import ConfigError
@@ -438,17 +439,19 @@ class ShapeRank:
 def _rank_main(shape: Shape, workload: Workload, role: str, rank: int, lead: Connection) -> None:
     """Every rank but the lead: obeys the lead's orders on `lead` until told to stop."""
     with child_process(lead, prefix=f"{role} rank {rank}: ") as stack:
+        if workload.busy_engine:
+            start_busy_engine(stack)
         ours = ShapeRank(workload, shape, role, rank)
         stack.callback(close_quietly, ours)
         ours.allocate()
         if role == "decode" and rank == 0:
             lead.send(("port", ours.serve_side_channel()))
-        _, port = _recv(lead, PIPE_TIMEOUT_S, "the engine's side-channel port")
+        _, port = recv_message(lead, PIPE_TIMEOUT_S, "the engine's side-channel port")
         lead.send(("meta", ours.start(port)))
         prefill_port = 0
         transfers: list[Transfer] = []
         while True:
-            msg = _recv(lead, PIPE_TIMEOUT_S * 5, f"{role} rank {rank} waiting for orders")
+            msg = recv_message(lead, PIPE_TIMEOUT_S * 5, f"{role} rank {rank} waiting for orders")
             if msg[0] == "publish":
                 ours.published[msg[1]] = msg[2]
             elif msg[0] == "prefill-port":
@@ -485,22 +488,26 @@ def _lead_main(
 ) -> None:
     """Prefill rank 0: sets both engines up, then drives every batch (module docstring)."""
     with child_process(report, prefix="prefill rank 0: ") as stack:
+        if workload.busy_engine:
+            start_busy_engine(stack)
         ours = ShapeRank(workload, shape, "prefill", 0)
         stack.callback(close_quietly, ours)
         for pipe in (*prefill, *decode):
             stack.callback(_stop, pipe)
         ours.allocate()
         prefill_port = ours.serve_side_channel()
-        _, decode_port = _recv(decode[0], PIPE_TIMEOUT_S, "the decode's side-channel port")
+        _, decode_port = recv_message(decode[0], PIPE_TIMEOUT_S, "the decode's side-channel port")
         for pipe in prefill:
             pipe.send(("port", prefill_port))
         for pipe in decode:
             pipe.send(("port", decode_port))
         ours.start(prefill_port)
         for k, pipe in enumerate(prefill, start=1):
-            ours.published[k] = _recv(pipe, PIPE_TIMEOUT_S, f"prefill rank {k}'s metadata")[1]
+            ours.published[k] = recv_message(pipe, PIPE_TIMEOUT_S, f"prefill rank {k}'s metadata")[
+                1
+            ]
         for d, pipe in enumerate(decode):
-            meta = _recv(pipe, PIPE_TIMEOUT_S, f"decode rank {d}'s metadata")[1]
+            meta = recv_message(pipe, PIPE_TIMEOUT_S, f"decode rank {d}'s metadata")[1]
             if d:
                 decode[0].send(("publish", d, meta))
         for pipe in decode:
@@ -551,7 +558,7 @@ class _Lead:
         for pipe in self.decode:
             pipe.send(("arm", [(t.tag, t.dst_blocks) for t in transfers]))
         for d, pipe in enumerate(self.decode):
-            _recv(pipe, PIPE_TIMEOUT_S, f"decode rank {d} arming")
+            recv_message(pipe, PIPE_TIMEOUT_S, f"decode rank {d} arming")
         for pipe in self.prefill:
             pipe.send(("prepare", transfers))
         src: dict[tuple[tuple[int, ...], int], int] = {}
@@ -560,7 +567,7 @@ class _Lead:
                 src[(t.dst_blocks, head)] = crc
         ours.prepare(transfers, deadline)
         for k, pipe in enumerate(self.prefill, start=1):
-            _, crcs = _recv(pipe, PIPE_TIMEOUT_S, f"prefill rank {k} preparing")
+            _, crcs = recv_message(pipe, PIPE_TIMEOUT_S, f"prefill rank {k} preparing")
             for slot, heads in crcs.items():
                 for head, crc in heads.items():
                     src.setdefault((slot, head), crc)
@@ -573,7 +580,9 @@ class _Lead:
         sender_cpu = cpu_seconds() - cpu0
         counts = counts_since(before, ours)
         for k, pipe in enumerate(self.prefill, start=1):
-            _, ready[k], cpu, theirs = _recv(pipe, PIPE_TIMEOUT_S, f"prefill rank {k} sending")
+            _, ready[k], cpu, theirs = recv_message(
+                pipe, PIPE_TIMEOUT_S, f"prefill rank {k} sending"
+            )
             sender_cpu += cpu
             for key, n in theirs.items():
                 counts[key] = counts.get(key, 0) + n
@@ -581,7 +590,7 @@ class _Lead:
         receiver_cpu = 0.0
         dst: dict[tuple[tuple[int, ...], int, int], int] = {}
         for d, pipe in enumerate(self.decode):
-            _, done, cpu, crcs = _recv(pipe, PIPE_TIMEOUT_S, f"decode rank {d} receiving")
+            _, done, cpu, crcs = recv_message(pipe, PIPE_TIMEOUT_S, f"decode rank {d} receiving")
             receiver_cpu += cpu
             received |= done
             for slot, heads in crcs.items():
