@@ -383,29 +383,32 @@ def test_the_mac_cost_is_measured_for_every_message_kind() -> None:
 
 
 @pytest.mark.nixl
-def test_shapes_carry_the_same_bytes_from_two_prefill_ranks_into_one_decode_rank(
-    tmp_path: Path,
-) -> None:
-    """`--shapes 1:1,2:1`: a TP 1 -> TP 1 run and a TP 2 -> TP 1 run (three processes, both
-    prefill ranks writing their halves of the heads at once) of the same bytes, side by
-    side. Every head of every destination block holds the model's bytes, the decode's
-    blocks were zeroed before each batch (so nothing stale passes), NIXL was handed every
-    byte once, in twice the descriptors (a half block per part), and the ratio is given."""
+def test_shapes_carry_the_same_bytes_between_engines_of_different_tp(tmp_path: Path) -> None:
+    """`--shapes 1:1,2:1,1:2`: TP 1 -> TP 1, TP 2 -> TP 1 (both prefill ranks writing their
+    halves of the heads into the one decode rank at once) and TP 1 -> TP 2 (the decode's
+    rank 0 serving its rank 1's metadata), every rank its own process, the same bytes,
+    side by side. Every head of every destination block holds the model's bytes, the
+    decode's blocks were zeroed before each batch (so nothing stale passes), NIXL was
+    handed every byte once, in twice the descriptors (a half block per part), and each
+    shape's GB/s is given over 1:1's."""
     report_path = tmp_path / "report.json"
     proc = _kvpush(
-        "bench", "--quick", "--modes", "kvpush", "--shapes", "1:1,2:1", "--sizes", "1M,4M",
+        "bench", "--quick", "--modes", "kvpush", "--shapes", "1:1,2:1,1:2", "--sizes", "1M,4M",
         "--no-progress", "--json", str(report_path), timeout=110,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     report = json.loads(report_path.read_text())
-    one, two = report["modes"]
-    assert (one["mode"], two["mode"]) == ("kvpush tp1:1", "kvpush tp2:1")
-    assert one["shape"]["parts_per_transfer"] == 1 and two["shape"]["parts_per_transfer"] == 2
-    assert "vs" not in one and two["vs"] == "kvpush tp1:1"
+    one, *others = report["modes"]
+    assert [m["mode"] for m in report["modes"]] == [
+        "kvpush tp1:1",
+        "kvpush tp2:1",
+        "kvpush tp1:2",
+    ]
+    assert one["shape"]["parts_per_transfer"] == 1 and "vs" not in one
     w = report["workload"]
-    # The model's heads per layer, each one block of K and V.
+    # One KV head of one block of one layer: 16 tokens of K and V, 128 bf16 values each.
     head_bytes = w["block_size_tokens"] * 2 * 128 * 2
-    for m in (one, two):
+    for m in report["modes"]:
         assert m["status"] == "ok", m
         assert [s["bytes"] for s in m["sizes"]] == w["sizes_bytes"]
         for s in [*m["sizes"], m["latency"], m["rate"]]:
@@ -419,9 +422,12 @@ def test_shapes_carry_the_same_bytes_from_two_prefill_ranks_into_one_decode_rank
             assert math.isclose(s["gbps"], s["total_bytes"] / s["wall_s"] / 1e9, rel_tol=1e-9)
             assert 0 < s["p50_us"] <= s["p99_us"] <= s["wall_s"] * 1e6
     # Shuffled block ids merge nothing: one descriptor per block per layer per part.
-    for a, b in zip(one["sizes"], two["sizes"], strict=True):
+    for a in one["sizes"]:
         assert a["descriptors"] == a["blocks"] * w["layers"]
-        assert b["descriptors"] == 2 * a["descriptors"]
-    ratio = report["ratios"]["kvpush tp2:1"]["vs_kvpush tp1:1"]
-    assert ratio == [b["gbps"] / a["gbps"] for a, b in zip(one["sizes"], two["sizes"], strict=True)]
-    assert "kvpush tp2:1 vs_kvpush tp1:1" in proc.stdout
+    for m in others:
+        assert m["shape"]["parts_per_transfer"] == 2 and m["vs"] == "kvpush tp1:1"
+        pairs = list(zip(one["sizes"], m["sizes"], strict=True))
+        assert all(b["descriptors"] == 2 * a["descriptors"] for a, b in pairs)
+        ratio = report["ratios"][m["mode"]]["vs_kvpush tp1:1"]
+        assert ratio == [b["gbps"] / a["gbps"] for a, b in pairs]
+        assert f"{m['mode']} vs_kvpush tp1:1" in proc.stdout
