@@ -274,9 +274,4 @@ def kv_cache_groups(
             f"of the engine's block size (Mamba and other state groups are not supported "
             f"yet; carried here: {shapes})"
         )
-    if len(groups) > 1 and config.tp_size != 1:
-        raise ConfigError(
-            f"KvpushConnector carries a hybrid model ({len(groups)} KV-cache groups: "
-            f"{shapes}) at tensor-parallel size 1 only; this engine runs TP {config.tp_size}"
-        )
     return tuple(groups)
