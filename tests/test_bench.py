@@ -419,6 +419,7 @@ def test_shapes_carry_the_same_bytes_between_engines_of_different_tp(tmp_path: P
             assert zeros not in sums["dst"], (m["mode"], s["label"])
             assert s["bytes_posted"] == s["total_bytes"], s
             assert s["writes_per_transfer"] == m["shape"]["parts_per_transfer"]
+            assert s["polls_per_s"]["prefill"] > 0 and s["polls_per_s"]["decode"] > 0
             assert math.isclose(s["gbps"], s["total_bytes"] / s["wall_s"] / 1e9, rel_tol=1e-9)
             assert 0 < s["p50_us"] <= s["p99_us"] <= s["wall_s"] * 1e6
     # Shuffled block ids merge nothing: one descriptor per block per layer per part.

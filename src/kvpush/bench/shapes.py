@@ -311,18 +311,20 @@ class ShapeRank:
         return self.node_rank.runtime
 
     def transport_counts(self) -> dict[str, int]:
-        """The NIXL transport's counters: writes, descriptors (after merging), bytes."""
+        """The NIXL transport's counters (writes, descriptors after merging, bytes) and
+        how often the runtime polled it."""
         from kvpush.transports.nixl import NixlTransport
 
+        counts = {"polls": self.runtime.statistics().transport_polls}
         transport = self.node_rank.transport
-        if not isinstance(transport, NixlTransport):
-            return {}
-        s = transport.statistics()
-        return {
-            "writes": s.writes_posted,
-            "descriptors": s.descriptors_posted,
-            "bytes": s.bytes_posted,
-        }
+        if isinstance(transport, NixlTransport):
+            s = transport.statistics()
+            counts |= {
+                "writes": s.writes_posted,
+                "descriptors": s.descriptors_posted,
+                "bytes": s.bytes_posted,
+            }
+        return counts
 
     def parts(self, transfers: Sequence[Transfer]) -> dict[str, tuple[int, int]]:
         """Our parts of `transfers`: part id -> (tag, the other side's rank)."""
@@ -459,11 +461,13 @@ def _rank_main(shape: Shape, workload: Workload, role: str, rank: int, lead: Con
             elif msg[0] == "arm":
                 expected = ours.arm(msg[1], prefill_port)
                 lead.send(("armed",))
+                before = ours.transport_counts()
                 cpu0 = cpu_seconds()
                 done = ours.collect(expected, time.monotonic() + PIPE_TIMEOUT_S)
                 cpu = cpu_seconds() - cpu0
+                polls = counts_since(before, ours)["polls"]
                 crcs = {dst: ours.head_crcs(dst) for dst in {dst for _, dst in msg[1]}}
-                lead.send(("done", done, cpu, crcs))
+                lead.send(("done", done, cpu, polls, crcs))
             elif msg[0] == "prepare":
                 transfers = msg[1]
                 crcs = {t.dst_blocks: ours.head_crcs(t.src_blocks) for t in slots(transfers)}
@@ -588,10 +592,14 @@ class _Lead:
                 counts[key] = counts.get(key, 0) + n
         received: dict[str, int] = {}  # part id -> ns
         receiver_cpu = 0.0
+        receiver_polls = 0
         dst: dict[tuple[tuple[int, ...], int, int], int] = {}
         for d, pipe in enumerate(self.decode):
-            _, done, cpu, crcs = recv_message(pipe, PIPE_TIMEOUT_S, f"decode rank {d} receiving")
+            _, done, cpu, polls, crcs = recv_message(
+                pipe, PIPE_TIMEOUT_S, f"decode rank {d} receiving"
+            )
             receiver_cpu += cpu
+            receiver_polls += polls
             received |= done
             for slot, heads in crcs.items():
                 for head, crc in heads.items():
@@ -606,6 +614,13 @@ class _Lead:
             finished[t.tag] = max(received[pid] for _, _, pid in parts)
             latency.append(max(received[pid] - ready[p][t.tag] for p, _, pid in parts) / 1e3)
         extra = self._extra(plan, counts, src, dst)
+        wall = max(max(finished.values()) - min(submitted.values()), 1) / 1e9
+        # How often the runtimes polled NIXL (which moves only when polled), per second
+        # of the batch, summed over each engine's ranks.
+        extra["polls_per_s"] = {
+            "prefill": counts.get("polls", 0) / wall,
+            "decode": receiver_polls / wall,
+        }
         # Each part from its own rank's "blocks ready": the ranks of a real engine are
         # ready together (one forward pass), while the bench's run their windows apart.
         extra |= {"p50_us": percentile(latency, 50), "p99_us": percentile(latency, 99)}
