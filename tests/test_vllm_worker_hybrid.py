@@ -369,3 +369,32 @@ def test_groups_across_tensor_parallel_sizes(stack: ExitStack, p_tp: int, d_tp: 
     prefill.step(send)
     run_until_ended(prefill, decode)
     check_moved(prefill, decode, before, TOKENS)
+
+
+def test_a_receive_planned_for_other_groups_is_refused_at_once_on_both_sides(
+    stack: ExitStack,
+) -> None:
+    """A decode plan that names one group where the ranks registered two (a scheduler
+    and a worker that disagree) fails the request at once, saying so, and refuses every
+    group's part of the prefill's, which ends at once instead of at its deadline."""
+    prefill, decode = pair(stack)
+    receive, send = plans(prefill, 0)
+    one_group = StepPlan(
+        receives=[
+            Receive("req-d", "t1", HOST, prefill.server.port, (12, 17, 15), 0, 1, 1),
+        ]
+    )
+    prefill.step(send)
+    started = time.monotonic()
+    decode.step(one_group)
+    assert decode.failed == {"req-d"} and decode.reports == [{"req-d": 1}]
+    assert decode.details == [
+        "transfer t1 names the blocks of 1 KV-cache group(s), but this rank registered 2"
+    ]
+    while not prefill.all_ended("req-p"):
+        assert time.monotonic() - started < 20, f"the prefill was not told: {prefill.ended}"
+        prefill.step()
+        decode.step()
+        time.sleep(0.002)
+    assert prefill.reports == [{"req-p": 1}]
+    assert receive.receives[0].more_groups, "the real plan names the second group"

@@ -263,8 +263,8 @@ class WorkerSide(Generic[S]):
         groups = (GroupBlocks(rcv.blocks, rcv.sender_offset), *rcv.more_groups)
         if len(groups) != self._num_groups:
             detail = (
-                f"transfer {rcv.transfer_id} was planned for {len(groups)} KV-cache groups, "
-                f"but this rank registered {self._num_groups}"
+                f"transfer {rcv.transfer_id} names the blocks of {len(groups)} KV-cache "
+                f"group(s), but this rank registered {self._num_groups}"
             )
             self._refuse_parts(rcv.transfer_id, rcv.host, rcv.port, sender_tp, split_for, detail)
             self._end_at_once("receiver", rcv.request_id, detail)
