@@ -11,9 +11,10 @@ Load it with::
 The package is split where vLLM splits the connector: `connector` (the class vLLM
 builds, forwarding only), `scheduler` (which requests move KV, their blocks, the side
 channel), `worker` (one `PushRuntime` per rank), `kvcache` (vLLM's packed KV tensors as
-regions), `plan` (what the halves send each other, as plain values), `metadata` (the same as
-vLLM's types), `params` (`kv_transfer_params` and settings), `stats` (logging and
-Prometheus), `compat` (supported vLLM releases). docs/vllm.md is the user's guide.
+regions), `groups` (a hybrid model's KV-cache groups: which blocks move), `plan` (what
+the halves send each other, as plain values), `metadata` (the same as vLLM's types),
+`params` (`kv_transfer_params` and settings), `stats` (logging and Prometheus), `compat`
+(supported vLLM releases). docs/vllm.md is the user's guide.
 `KvpushConnector` imports vLLM when first named (vLLM's loader does
 `getattr(module, "KvpushConnector")`); `kvcache`, `params`, `plan` and `worker` do not,
 so they are usable, and tested, without vLLM.
