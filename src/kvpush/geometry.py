@@ -64,9 +64,6 @@ class KVHeads(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         return {"total": self.total, "replicated": self.replicated}
 
 
-GROUP_KINDS = ("full_attention", "sliding_window")
-
-
 class KVCacheGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """One KV-cache group of a hybrid model (vLLM's hybrid KV-cache manager): layers
     whose blocks one block table addresses. Every group's blocks come from one pool and

@@ -193,8 +193,9 @@ class WorkerSide(Generic[S]):
         rank.start()
         self._runtime = rank.runtime
         log.info(
-            "kvpush rank %d: %d layers, %d blocks of %d bytes, layout %s, %s",
+            "kvpush rank %d: %d layers in %d regions, %d blocks of %d bytes, layout %s, %s",
             self._rank,
+            len(self._layer_of),
             geometry.num_layers,
             geometry.num_blocks,
             geometry.bytes_per_block,
