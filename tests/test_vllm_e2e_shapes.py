@@ -38,6 +38,7 @@ from kvpush.cli import main as cli_main
 from kvpush.errors import ConfigError
 from kvpush.lab.vllm_servers import (
     MLA_BLOCK_SIZE,
+    MLA_SERVER_ARGS,
     Outcome,
     ServerSpec,
     VllmServer,
@@ -119,7 +120,7 @@ def _spec(name: str, role: str | None, tp: int, kind: str) -> ServerSpec:
         side_channel_port=None if role is None else free_port(HOST),
         extra_config={} if role is None else {**TIMING, "handshake_timeout_ms": 10000},
         block_size=MLA_BLOCK_SIZE if kind == "mla" else 32,
-        extra_args=_tp_args(tp),
+        extra_args=_tp_args(tp) + (MLA_SERVER_ARGS if kind == "mla" else ()),
     )
 
 

@@ -84,6 +84,11 @@ def make_tiny_hybrid_model(path: Path) -> Path:
 # vLLM-CPU's MLA kernel takes only this latent size (kv_lora_rank 512 + rope 64) and
 # 16-token blocks.
 MLA_KV_LORA_RANK, MLA_ROPE_DIM, MLA_BLOCK_SIZE = 512, 64, 16
+# vLLM-CPU runs MLA on its AMX kernels wherever the CPU has AMX tiles, and those take
+# only bf16/fp16/int8 weights ("expect weight to be bfloat16, ..." at start-up with the
+# float32 model); the reference CPU backend runs it on every host, the same kernels for
+# the single instance and both legs.
+MLA_SERVER_ARGS = ("--attention-backend", "CPU_MLA")
 
 
 def make_tiny_mla_model(path: Path, *, seed: int = 0) -> Path:
