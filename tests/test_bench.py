@@ -383,7 +383,7 @@ def test_the_mac_cost_is_measured_for_every_message_kind() -> None:
 
 
 @pytest.mark.nixl
-@pytest.mark.timeout(200)  # seven processes in turn: on a loaded 2-core host it takes minutes
+@pytest.mark.timeout(200)  # eight processes, three shapes in turn: minutes on a loaded 2-core host
 def test_shapes_carry_the_same_bytes_between_engines_of_different_tp(tmp_path: Path) -> None:
     """`--shapes 1:1,2:1,1:2`: TP 1 -> TP 1, TP 2 -> TP 1 (both prefill ranks writing their
     halves of the heads into the one decode rank at once) and TP 1 -> TP 2 (the decode's
