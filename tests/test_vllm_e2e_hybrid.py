@@ -9,8 +9,8 @@ on with KvpushConnector (the connector is `SupportsHMA`) and gives the model two
 KV-cache groups, whose layers share memory; every rank says so when it registers its
 cache. Most prompts are longer than the window, so the sliding-window group moves only
 the blocks its window still holds, and shared prefixes make the decode hit its own
-prefix cache in both groups. Each shape's servers are shared by its tests; the last one
-kills the prefill mid-batch.
+prefix cache in both groups; at TP 1 the prefill computes long prompts in chunks. Each
+shape's servers are shared by its tests; the last one kills the prefill mid-batch.
 """
 
 from __future__ import annotations
@@ -69,8 +69,10 @@ PROMPTS = [
     "w" * (HYBRID_SLIDING_WINDOW - 1 + 64),
 ]
 ROUNDS = 4
-# (prefill TP, decode TP); the servers of one shape are shared by its tests.
-SHAPES = [(1, 1), (2, 1), (1, 2)]
+# (prefill TP, decode TP, the prefill's --max-num-batched-tokens or None); the servers
+# of one shape are shared by its tests. At 64 tokens a step the prefill computes long
+# prompts in chunks, and vLLM frees the window's early blocks between them.
+SHAPES = [(1, 1, 64), (2, 1, None), (1, 2, None)]
 # Each prompt's answer from a single instance, alone.
 _REFERENCE: dict[str, Outcome] = {}
 
@@ -86,7 +88,10 @@ class Deployment:
     reference: dict[str, Outcome]
 
 
-def _spec(name: str, role: str | None, tp: int) -> ServerSpec:
+def _spec(name: str, role: str | None, tp: int, chunk: int | None = None) -> ServerSpec:
+    args = ("--tensor-parallel-size", str(tp)) if tp > 1 else ()
+    if chunk is not None:
+        args += ("--max-num-batched-tokens", str(chunk))
     return ServerSpec(
         name=name,
         host=HOST,
@@ -95,7 +100,7 @@ def _spec(name: str, role: str | None, tp: int) -> ServerSpec:
         kv_role=role,
         side_channel_port=None if role is None else free_port(HOST),
         extra_config={} if role is None else {**TIMING, "handshake_timeout_ms": 10000},
-        extra_args=("--tensor-parallel-size", str(tp)) if tp > 1 else (),
+        extra_args=args,
     )
 
 
@@ -108,7 +113,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_hybrid_model(tmp_path_factory.mktemp("vllm-models") / "tiny-hybrid")
 
 
-@pytest.fixture(scope="module", params=SHAPES, ids=[f"tp{p}-to-tp{d}" for p, d in SHAPES])
+@pytest.fixture(
+    scope="module",
+    params=SHAPES,
+    ids=[f"tp{p}-to-tp{d}{f'-chunks{c}' if c else ''}" for p, d, c in SHAPES],
+)
 def deployment(
     request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
@@ -116,10 +125,10 @@ def deployment(
         python = vllm_python()
     except ConfigError as exc:
         pytest.fail(f"the vLLM end-to-end test cannot run: {exc}", pytrace=False)
-    p_tp, d_tp = request.param
+    p_tp, d_tp, chunk = request.param
     log_dir = tmp_path_factory.mktemp(f"vllm-hybrid-tp{p_tp}-to-tp{d_tp}")
     prefill = VllmServer(
-        _spec("prefill", "kv_producer", p_tp), model=model, log_dir=log_dir, python=python
+        _spec("prefill", "kv_producer", p_tp, chunk), model=model, log_dir=log_dir, python=python
     )
     decode = VllmServer(
         _spec("decode", "kv_consumer", d_tp), model=model, log_dir=log_dir, python=python
