@@ -53,6 +53,7 @@ NUM_TOKENS = 70  # 5 blocks; the window's first token is 70 - 24 + 1 = 47, in bl
 class Stats:
     def __init__(self) -> None:
         self.details: list[str] = []
+        self.bytes: dict[str, int] = {}  # per side: what the worker counts as moved
 
     def opened(self, push: str) -> None:
         pass
@@ -66,9 +67,11 @@ class Stats:
     def ended(self, result: TransferResult, seconds: float, bytes_per_block: int) -> None:
         if not result.ok:
             self.details.append(f"{result.reason}: {result.detail}")
+        moved = result.blocks_moved * bytes_per_block
+        self.bytes[result.side] = self.bytes.get(result.side, 0) + moved
 
     def is_empty(self) -> bool:
-        return not self.details
+        return not self.details and not self.bytes
 
 
 class Engine:
@@ -132,6 +135,7 @@ class Engine:
         self.ended = [StepResults() for _ in range(tp)]
         self.reports: list[dict[str, int]] = [{} for _ in range(tp)]
         self.details: list[str] = []
+        self.bytes: list[dict[str, int]] = [{} for _ in range(tp)]
 
     def step(self, plan: StepPlan | None = None) -> None:
         plan = plan or StepPlan(idle=True)
@@ -151,6 +155,8 @@ class Engine:
         stats = self.workers[rank].take_stats()
         if stats is not None:
             self.details += stats.details
+            for side, n in stats.bytes.items():
+                self.bytes[rank][side] = self.bytes[rank].get(side, 0) + n
 
     def all_ended(self, rid: str) -> bool:
         return all(rid in e.finished_recving | e.finished_sending for e in self.ended)
@@ -243,6 +249,13 @@ def check_moved(
                     f"heads in every slot"
                 )
                 changed.add(ours[position])
+        # What the worker counts as received: the bytes of its blocks that moved, in
+        # every group (each group's part moves whole blocks of the rank's heads).
+        block_bytes = cache[:, 0].numel() * cache.element_size()
+        assert decode.bytes[rank].get("receiver") == len(changed) * block_bytes, (
+            f"decode rank {rank} counted {decode.bytes[rank]} received, "
+            f"{len(changed)} blocks of {block_bytes} bytes moved"
+        )
         untouched = [b for b in range(BLOCKS) if b not in changed]
         assert 0 in untouched, "the null block must never receive"
         assert torch.equal(

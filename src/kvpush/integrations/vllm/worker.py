@@ -493,9 +493,11 @@ class WorkerSide(Generic[S]):
         if tid is None:
             return
         opened = self._opened_at[(result.side, tid)]
-        # Each part moved its share of our blocks (the heads it exchanges).
-        parts = max(1, book.num_parts(tid))
-        self._stats.ended(result, time.monotonic() - opened, self._bytes_per_block // parts)
+        # Each part moved its rank pair's share of our blocks (the heads it exchanges);
+        # a hybrid model's groups split a pair's part once more, each moving whole
+        # blocks of its own ids, so the share is per rank pair, not per part.
+        pairs = max(1, book.num_parts(tid) // self._num_groups)
+        self._stats.ended(result, time.monotonic() - opened, self._bytes_per_block // pairs)
         if not result.ok and result.reason is not FailureReason.CANCELLED:
             log.warning(
                 "request %s: %s part %s failed (%s): %s",
