@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import msgspec
@@ -83,6 +83,29 @@ def _receiver(snd: Send) -> PeerAddress | None:
     from kvpush.runtime import PeerAddress
 
     return None if snd.decode is None else PeerAddress(*snd.decode)
+
+
+G = TypeVar("G")
+
+
+def _parts(
+    tid: str,
+    prefill_tp: int,
+    decode_tp: int,
+    groups: Sequence[G],
+    *,
+    prefill: int | None = None,
+    decode: int | None = None,
+) -> list[tuple[str, int, int, G]]:
+    """Every part of transfer `tid` (`part id, prefill rank, decode rank, group`): one
+    per rank pair (`transfer_parts`; only those of the given prefill or decode rank) and
+    per KV-cache group (`group_part_id`)."""
+    return [
+        (group_part_id(pair_id, g), p, d, group)
+        for p, d, pair_id in transfer_parts(tid, prefill_tp, decode_tp)
+        if prefill in (None, p) and decode in (None, d)
+        for g, group in enumerate(groups)
+    ]
 
 
 class WorkerStats(Protocol):
@@ -272,13 +295,11 @@ class WorkerSide(Generic[S]):
             return
         blocks_of: dict[str, GroupBlocks] = {}
         parts = []
-        for p, d, pair_id in transfer_parts(rcv.transfer_id, sender_tp, ours):
-            if d != self._rank:
-                continue
-            for g, group in enumerate(groups):
-                pid = group_part_id(pair_id, g)
-                blocks_of[pid] = group
-                parts.append((pid, p))
+        for pid, p, _d, group in _parts(
+            rcv.transfer_id, sender_tp, ours, groups, decode=self._rank
+        ):
+            blocks_of[pid] = group
+            parts.append((pid, p))
 
         def register(pid: str, p: int) -> None:
             group = blocks_of[pid]
@@ -305,15 +326,14 @@ class WorkerSide(Generic[S]):
         from kvpush.runtime import PeerAddress
 
         runtime = self._require_runtime()
-        for p, d, pair_id in transfer_parts(tid, sender_tp, split_for):
-            if d % self._config.tp_size != self._rank:
+        ours = self._config.tp_size
+        for pid, p, d, _g in _parts(tid, sender_tp, split_for, range(self._num_groups)):
+            if d % ours != self._rank:
                 continue
-            for g in range(self._num_groups):
-                pid = group_part_id(pair_id, g)
-                try:
-                    runtime.reject(pid, PeerAddress(host, port, p), detail)
-                except KVPushError as exc:
-                    log.warning("could not refuse transfer %s: %s", pid, exc)
+            try:
+                runtime.reject(pid, PeerAddress(host, port, p), detail)
+            except KVPushError as exc:
+                log.warning("could not refuse transfer %s: %s", pid, exc)
 
     @property
     def _num_groups(self) -> int:
@@ -327,13 +347,11 @@ class WorkerSide(Generic[S]):
         groups = (snd.blocks, *snd.more_groups)
         blocks_of: dict[str, tuple[int, ...]] = {}
         parts = []
-        for p, d, pair_id in transfer_parts(snd.transfer_id, ours, decode_tp):
-            if p != self._rank:
-                continue
-            for g, blocks in enumerate(groups):
-                pid = group_part_id(pair_id, g)
-                blocks_of[pid] = blocks
-                parts.append((pid, d))
+        for pid, _p, d, blocks in _parts(
+            snd.transfer_id, ours, decode_tp, groups, prefill=self._rank
+        ):
+            blocks_of[pid] = blocks
+            parts.append((pid, d))
 
         def offer(pid: str, _d: int) -> None:
             self._require_runtime().send(
