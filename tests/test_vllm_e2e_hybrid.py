@@ -38,6 +38,7 @@ from kvpush.lab.vllm_servers import (
     client,
     complete,
     completion_body,
+    legs_then_half_prefilled,
     make_tiny_hybrid_model,
     metric,
     start_kvpush_proxy,
@@ -248,42 +249,20 @@ def test_the_prefill_killed_mid_batch_fails_the_waiting_requests_in_bound(
     KV block of either group afterwards. Runs last: the prefill does not come back."""
     dep = deployment
     half = len(PROMPTS) // 2
-    sc_port = dep.prefill.spec.side_channel_port
 
     async def run() -> tuple[list[Outcome], float]:
         async with client() as http:
-            decode_legs, prefill_legs = [], []
-            for i, prompt in enumerate(PROMPTS):
-                body = completion_body(prompt, dep.model, MAX_TOKENS)
-                tid = f"hybrid-kill-{i}-{time.monotonic_ns()}"
-                d_params = {
-                    "do_remote_prefill": True,
-                    "remote_host": HOST,
-                    "remote_port": sc_port,
-                    "tp_size": dep.prefill_tp,
-                    "decode_tp_size": dep.decode_tp,
-                    "transfer_id": tid,
-                }
-                decode_legs.append(
-                    asyncio.ensure_future(
-                        complete(http, dep.decode.url, {**body, "kv_transfer_params": d_params})
-                    )
-                )
-                if i < half:
-                    p_params = {
-                        "do_remote_decode": True,
-                        "transfer_id": tid,
-                        "decode_tp_size": dep.decode_tp,
-                    }
-                    prefill_legs.append(
-                        complete(
-                            http,
-                            dep.prefill.url,
-                            {**body, "max_tokens": 1, "kv_transfer_params": p_params},
-                        )
-                    )
-            for p in await batch(prefill_legs):
-                assert p.ok, f"prefill leg before the kill failed: {p.error}"
+            decode_legs = await legs_then_half_prefilled(
+                http,
+                dep.prefill,
+                dep.decode,
+                PROMPTS,
+                dep.model,
+                MAX_TOKENS,
+                prefill_tp=dep.prefill_tp,
+                decode_tp=dep.decode_tp,
+                tag="hybrid-kill",
+            )
             first_half = await batch(decode_legs[:half])
             check_identical(first_half, dep.reference, "before the kill", [dep.prefill, dep.decode])
             await asyncio.to_thread(dep.prefill.kill)

@@ -47,6 +47,7 @@ from kvpush.lab.vllm_servers import (
     client,
     complete,
     completion_body,
+    legs_then_half_prefilled,
     make_tiny_mla_model,
     make_tiny_model,
     metric,
@@ -279,42 +280,20 @@ def test_one_prefill_rank_killed_mid_batch_fails_the_waiting_requests_in_bound(
     holds no request afterwards."""
     dep = deployment
     half = len(PROMPTS) // 2
-    sc_port = dep.prefill.spec.side_channel_port
 
     async def run() -> tuple[list[Outcome], float]:
         async with client() as http:
-            decode_legs, prefill_legs = [], []
-            for i, prompt in enumerate(PROMPTS):
-                body = completion_body(prompt, dep.model, MAX_TOKENS)
-                tid = f"kill-test-{i}-{time.monotonic_ns()}"
-                d_params = {
-                    "do_remote_prefill": True,
-                    "remote_host": HOST,
-                    "remote_port": sc_port,
-                    "tp_size": dep.prefill_tp,
-                    "decode_tp_size": dep.decode_tp,
-                    "transfer_id": tid,
-                }
-                decode_legs.append(
-                    asyncio.ensure_future(
-                        complete(http, dep.decode.url, {**body, "kv_transfer_params": d_params})
-                    )
-                )
-                if i < half:
-                    p_params = {
-                        "do_remote_decode": True,
-                        "transfer_id": tid,
-                        "decode_tp_size": dep.decode_tp,
-                    }
-                    prefill_legs.append(
-                        complete(
-                            http,
-                            dep.prefill.url,
-                            {**body, "max_tokens": 1, "kv_transfer_params": p_params},
-                        )
-                    )
-            for p in await batch(prefill_legs):
-                assert p.ok, f"prefill leg before the kill failed: {p.error}"
+            decode_legs = await legs_then_half_prefilled(
+                http,
+                dep.prefill,
+                dep.decode,
+                PROMPTS,
+                dep.model,
+                MAX_TOKENS,
+                prefill_tp=dep.prefill_tp,
+                decode_tp=dep.decode_tp,
+                tag="kill-test",
+            )
             first_half = await batch(decode_legs[:half])
             if dep.batches:
                 _check_identical(dep, first_half, "before the kill")

@@ -533,6 +533,53 @@ async def batch(coros: Sequence[Any]) -> list[Outcome]:
     return list(await asyncio.gather(*coros))
 
 
+async def legs_then_half_prefilled(
+    http: httpx.AsyncClient,
+    prefill: VllmServer,
+    decode: VllmServer,
+    prompts: Sequence[str],
+    model: str,
+    max_tokens: int,
+    *,
+    prefill_tp: int,
+    decode_tp: int,
+    tag: str,
+) -> list[asyncio.Task[Outcome]]:
+    """The set-up of a kill test: a decode leg registered for every prompt (started, not
+    awaited), the prefill legs of the first half served and checked; the decode legs are
+    returned in prompt order (the first half's are free to finish, the rest wait for a
+    prefill that the caller then kills)."""
+    port = prefill.spec.side_channel_port
+    half = len(prompts) // 2
+    decode_legs, prefill_legs = [], []
+    for i, prompt in enumerate(prompts):
+        body = completion_body(prompt, model, max_tokens)
+        tid = f"{tag}-{i}-{time.monotonic_ns()}"
+        d_params = {
+            "do_remote_prefill": True,
+            "remote_host": prefill.spec.host,
+            "remote_port": port,
+            "tp_size": prefill_tp,
+            "decode_tp_size": decode_tp,
+            "transfer_id": tid,
+        }
+        decode_legs.append(
+            asyncio.ensure_future(
+                complete(http, decode.url, {**body, "kv_transfer_params": d_params})
+            )
+        )
+        if i < half:
+            p_params = {"do_remote_decode": True, "transfer_id": tid, "decode_tp_size": decode_tp}
+            prefill_legs.append(
+                complete(
+                    http, prefill.url, {**body, "max_tokens": 1, "kv_transfer_params": p_params}
+                )
+            )
+    for p in await batch(prefill_legs):
+        assert p.ok, f"prefill leg before the kill failed: {p.error}"
+    return decode_legs
+
+
 async def metric(client: httpx.AsyncClient, url: str, name: str, **labels: str) -> float:
     """The sum of a Prometheus metric's samples on a vLLM server: of every label set,
     or of those with each of `labels` (`push="layerwise"`)."""
