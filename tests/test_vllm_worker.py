@@ -18,14 +18,13 @@ from contextlib import ExitStack
 import pytest
 import torch
 
+from helpers.vllm_worker import loopback_factory, worker_config
 from kvpush.config import SideChannelConfig, TimingConfig
-from kvpush.integrations.vllm.params import ConnectorConfig
 from kvpush.integrations.vllm.plan import Receive, Send, StepPlan, StepResults
 from kvpush.integrations.vllm.worker import WorkerSide
 from kvpush.runtime import TransferResult
 from kvpush.sidechannel import MetadataServer, PeerMetadata
-from kvpush.transports.base import Transport
-from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
+from kvpush.transports.loopback import LoopbackFabric
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,24 +87,16 @@ class Engine:
         self.server = stack.enter_context(
             MetadataServer(HOST, 0, SideChannelConfig(token=TOKEN), self.ranks)
         )
-        config = ConnectorConfig(
-            engine_id=f"vllm-{name}",
-            role=role,
-            side_channel_host=HOST,
-            side_channel_port=self.server.port,
+        config = worker_config(
+            name,
+            role,
+            self.server.port,
+            total_kv_heads=HEADS,
+            block_size_tokens=TOKENS,
             token=TOKEN,
             timing=TimingConfig(heartbeat_interval_s=0.2, liveness_timeout_s=2.0, lease_s=3.0),
-            tp_size=1,
-            total_kv_heads=HEADS,
-            use_mla=False,
-            pp_size=1,
-            dcp_size=1,
-            block_size_tokens=TOKENS,
-            handshake_timeout_ms=1000,
         )
-
-        def loopback(agent_name: str) -> Transport:
-            return LoopbackTransport(fabric, agent_name)
+        loopback = loopback_factory(fabric)
 
         self.worker: WorkerSide[Stats] = WorkerSide(
             config, 0, new_stats=Stats, transport_factory=loopback

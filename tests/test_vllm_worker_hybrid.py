@@ -23,17 +23,16 @@ import msgspec
 import pytest
 import torch
 
-from kvpush.config import SideChannelConfig, TimingConfig
+from helpers.vllm_worker import loopback_factory, worker_config
+from kvpush.config import SideChannelConfig
 from kvpush.geometry import CacheGeometry, KVCacheGroup, Region, describe_compat_differences
 from kvpush.integrations.vllm.groups import moved_span, received_blocks, sent_blocks
-from kvpush.integrations.vllm.params import ConnectorConfig
 from kvpush.integrations.vllm.plan import Receive, Send, StepPlan, StepResults
 from kvpush.integrations.vllm.worker import WorkerSide
 from kvpush.runtime import TransferResult
 from kvpush.sidechannel import MetadataServer, PeerMetadata
 from kvpush.topology import rank_heads
-from kvpush.transports.base import Transport
-from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
+from kvpush.transports.loopback import LoopbackFabric
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,24 +91,10 @@ class Engine:
         self.tp = tp
         self.ranks: dict[int, PeerMetadata] = {}
         self.server = stack.enter_context(MetadataServer(HOST, 0, SideChannelConfig(), self.ranks))
-        config = ConnectorConfig(
-            engine_id=f"vllm-{name}",
-            role=role,
-            side_channel_host=HOST,
-            side_channel_port=self.server.port,
-            token=None,
-            timing=TimingConfig(heartbeat_interval_s=0.2, liveness_timeout_s=10.0, lease_s=3.0),
-            tp_size=tp,
-            total_kv_heads=HEADS,
-            use_mla=False,
-            pp_size=1,
-            dcp_size=1,
-            block_size_tokens=TOKENS,
-            handshake_timeout_ms=1000,
+        config = worker_config(
+            name, role, self.server.port, total_kv_heads=HEADS, block_size_tokens=TOKENS, tp_size=tp
         )
-
-        def loopback(agent_name: str) -> Transport:
-            return LoopbackTransport(fabric, agent_name)
+        loopback = loopback_factory(fabric)
 
         # The model's KV, [slots, blocks, heads, tokens, C], every byte random; each
         # rank's cache holds its heads of it.

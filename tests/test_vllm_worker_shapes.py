@@ -20,15 +20,14 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from kvpush.config import SideChannelConfig, TimingConfig
-from kvpush.integrations.vllm.params import ConnectorConfig
+from helpers.vllm_worker import loopback_factory, worker_config
+from kvpush.config import SideChannelConfig
 from kvpush.integrations.vllm.plan import Receive, Send, StepPlan, StepResults
 from kvpush.integrations.vllm.worker import WorkerSide
 from kvpush.runtime import TransferResult
 from kvpush.sidechannel import MetadataServer, PeerMetadata
 from kvpush.topology import rank_heads
-from kvpush.transports.base import Transport
-from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
+from kvpush.transports.loopback import LoopbackFabric
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -84,26 +83,16 @@ class Engine:
         self.tp = tp
         self.ranks: dict[int, PeerMetadata] = {}
         self.server = stack.enter_context(MetadataServer(HOST, 0, SideChannelConfig(), self.ranks))
-        config = ConnectorConfig(
-            engine_id=f"vllm-{name}",
-            role=role,
-            side_channel_host=HOST,
-            side_channel_port=self.server.port,
-            token=None,
-            # Liveness 10 s: a loaded 2-core host (vLLM servers beside it) starves these
-            # in-process ranks' threads for seconds; no test here waits on liveness.
-            timing=TimingConfig(heartbeat_interval_s=0.2, liveness_timeout_s=10.0, lease_s=3.0),
-            tp_size=tp,
+        config = worker_config(
+            name,
+            role,
+            self.server.port,
             total_kv_heads=total_heads,
-            use_mla=mla,
-            pp_size=1,
-            dcp_size=1,
             block_size_tokens=TOKENS,
-            handshake_timeout_ms=1000,
+            tp_size=tp,
+            use_mla=mla,
         )
-
-        def loopback(agent_name: str) -> Transport:
-            return LoopbackTransport(fabric, agent_name)
+        loopback = loopback_factory(fabric)
 
         self.mla = mla
         self.model = model_kv(seed, total_heads)
