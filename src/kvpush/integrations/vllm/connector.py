@@ -82,6 +82,7 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
                 get_tp_group().rank_in_group,
                 new_stats=TransferStats,
                 groups=groups,
+                state_layers=state_layers(kv_cache_config),
             )
 
     @classmethod
@@ -119,6 +120,9 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_kv_cache_manager(kv_cache_manager)
         if self._scheduler is not None:
             self._scheduler.bind_block_ids(kv_cache_manager.get_block_ids)
+
+    def on_new_request(self, request: Request) -> None:
+        self._sched().on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -245,10 +249,10 @@ def kv_cache_groups(
     """The model's KV-cache groups as kvpush moves them (`kvpush.integrations.vllm.groups`):
     empty for one group that is not a sliding window (every block of a request moves, as
     ever). Groups kvpush cannot carry are refused here, at start-up, naming them."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     specs = [g.kv_cache_spec for g in getattr(kv_cache_config, "kv_cache_groups", None) or ()]
-    if len(specs) == 1 and type(specs[0]) is not SlidingWindowSpec:
+    if len(specs) == 1 and not isinstance(specs[0], (SlidingWindowSpec, MambaSpec)):
         return ()
     groups: list[KVCacheGroup] = []
     refused: list[str] = []
@@ -258,6 +262,15 @@ def kv_cache_groups(
             groups.append(KVCacheGroup("sliding_window", block_size, int(spec.sliding_window)))
         elif type(spec) is FullAttentionSpec:
             groups.append(KVCacheGroup("full_attention", block_size))
+        elif isinstance(spec, MambaSpec):
+            if spec.num_speculative_blocks:
+                refused.append(
+                    f"group {index} (Mamba) keeps {spec.num_speculative_blocks} speculative "
+                    "state blocks per request (speculative decoding), expected none"
+                )
+                continue
+            groups.append(KVCacheGroup("mamba", block_size, state=_state(spec, config)))
+            continue  # its block size is vLLM's for states (max_model_len without caching)
         else:
             refused.append(f"group {index} is {type(spec).__name__}")
             continue
@@ -271,7 +284,30 @@ def kv_cache_groups(
         raise ConfigError(
             f"KvpushConnector cannot carry this model's {len(specs)} KV-cache groups: "
             f"{'; '.join(refused)}; it carries full-attention and sliding-window groups "
-            f"of the engine's block size (Mamba and other state groups are not supported "
-            f"yet; carried here: {shapes})"
+            f"of the engine's block size and Mamba groups without speculative blocks "
+            f"(carried here: {shapes})"
         )
     return tuple(groups)
+
+
+def _state(spec: Any, config: ConnectorConfig) -> str:
+    """A Mamba group's state as two engines must have it alike: its tensors' shapes
+    (oriented as vLLM stores them, so a conv state of the other layout differs) and
+    dtypes on one rank, which depend on the TP size."""
+    tensors = ", ".join(
+        f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
+        for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)
+    )
+    return f"{spec.mamba_type.name.lower()} {tensors} per rank of TP {config.tp_size}"
+
+
+def state_layers(kv_cache_config: KVCacheConfig) -> frozenset[str]:
+    """The layers whose cache is a Mamba state (an untyped page in vLLM's tensors)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return frozenset(
+        name
+        for group in getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        if isinstance(group.kv_cache_spec, MambaSpec)
+        for name in group.layer_names
+    )

@@ -14,6 +14,13 @@ one group only, in every region, so a group moves by its block ids alone.
   decode when it allocates the blocks the KV lands in. Those block positions hold vLLM's
   null block on both sides; the blocks from the first one the window reaches to the
   prompt's last are the ones the next token attends, and the ones that move.
+- A Mamba group holds a request's recurrent state in one block, the last of its list
+  (vLLM's `MambaManager`: with prefix caching off, its list is that block alone; in
+  its `align` mode the earlier positions hold null or superseded states). That block
+  moves, whatever the decode's own prefix hit: the state is of the whole prompt.
+  A state cannot take a token twice, so the prefill computes the prompt but its last
+  token and the decode computes that one (`prefill_backoff`), as vLLM's NIXL
+  connectors do; the state moves as it was one token before the prompt's end.
 
 Each group is a part of the request's transfer of its own (its own block lists and
 offset, so a decode prefix hit is counted per group), with the part id of group 0
@@ -36,9 +43,11 @@ def moved_span(group: KVCacheGroup, num_tokens: int) -> tuple[int, int]:
     """Block positions `[first, stop)` of a request of `num_tokens` computed tokens
     whose KV moves in `group`: all of them for full attention; from the first block the
     window still holds for a sliding window (vLLM's skipped tokens:
-    `max(0, num_tokens - window + 1)`)."""
+    `max(0, num_tokens - window + 1)`); the last, holding the state, for Mamba."""
     bs = group.block_size_tokens
     stop = _cdiv(num_tokens, bs)
+    if group.kind == "mamba":
+        return max(0, stop - 1), stop
     if group.kind != "sliding_window" or group.sliding_window is None:
         return 0, stop
     skipped_tokens = max(0, num_tokens - group.sliding_window + 1)
@@ -69,9 +78,29 @@ def received_blocks(
     out = []
     for group, ids in zip(groups, block_ids, strict=True):
         first, stop = moved_span(group, num_tokens)
-        start = max(first, min(local_hit_tokens // group.block_size_tokens, stop))
+        start = first
+        if group.kind != "mamba":
+            start = max(first, min(local_hit_tokens // group.block_size_tokens, stop))
         out.append(GroupBlocks(tuple(ids[start:stop]), start - first))
     return tuple(out)
+
+
+def prefill_backoff(groups: Sequence[KVCacheGroup], num_prompt_tokens: int) -> int:
+    """How many of a prompt's last tokens the prefill leaves for the decode to compute:
+    one where a Mamba group's state moves (and the prompt is longer than one token),
+    else none (the decode recomputes the last token on its own, which attention takes
+    twice unchanged)."""
+    has_state = any(g.kind == "mamba" for g in groups)
+    return 1 if has_state and num_prompt_tokens > 1 else 0
+
+
+def state_lost(group: KVCacheGroup, num_tokens: int, computed_tokens: int) -> bool:
+    """Whether a prefill request that computed `computed_tokens` of a `num_tokens`
+    prompt no longer holds what `group` moves: a sliding window's first blocks freed, or
+    a Mamba state advanced past the prompt."""
+    if group.kind == "mamba":
+        return computed_tokens > num_tokens
+    return moved_span(group, computed_tokens)[0] > moved_span(group, num_tokens)[0]
 
 
 def group_part_id(part_id: str, group: int) -> str:

@@ -8,6 +8,10 @@ compact, each block one run of `[heads, tokens, K|V]`). MLA's latent cache is
 `[blocks, tokens, latent]`, one latent per token on every rank: registered the same way,
 as one head. Other backends hand
 `[2, blocks, ...]` or `[blocks, 2, ...]` tensors: those kvpush's own layouts cover.
+A Mamba layer's cache is an untyped page per block (`[blocks, 1, 1, bytes]`, its conv
+and SSM states one after the other) that vLLM lays over an attention layer's blocks
+(it pads the state to the attention page): it is registered as the start of that
+layer's region, and a state moves as the whole block holding it.
 
 Nothing is assumed from the layout's name: the block axis is axis 0 of the view, and a
 block must be one contiguous run of bytes (the other axes dense, in any order); the
@@ -40,20 +44,39 @@ def register_vllm_kv_caches(
     kv_caches: Mapping[str, torch.Tensor],
     block_size_tokens: int,
     heads: KVHeads | None = None,
+    state_layers: frozenset[str] = frozenset(),
 ) -> CacheGeometry:
     """The geometry of vLLM's KV cache, from the tensors' own shapes, strides and storage.
 
     Packed per-layer tensors (`[B, H, N, C]`) become one region per layer; tensors of
     kvpush's 5-D layouts (`[2, B, N, H, D]`, `[B, 2, ...]`) go to
     `kvpush.kvcache.register_kv_cache`. `heads`: how this rank's blocks hold the model's
-    KV heads (from vLLM's config), checked against the tensors' head axis."""
+    KV heads (from vLLM's config), checked against the tensors' head axis.
+    `state_layers`: the Mamba layers, each of which must lie within an attention
+    layer's blocks (`check_state_pages`)."""
     if not kv_caches:
         raise KVLayoutError("vLLM handed an empty KV cache: expected at least one layer")
     slots = layer_slots(kv_caches)
     firsts: dict[int, str] = {}
     for name, slot in slots.items():
-        firsts.setdefault(slot, name)
-    kv_caches = {name: kv_caches[name] for name in firsts.values()}
+        if name not in state_layers:
+            firsts.setdefault(slot, name)
+    everything = kv_caches
+    kv_caches = {firsts[slot]: kv_caches[firsts[slot]] for slot in sorted(firsts)}
+    if not kv_caches:
+        raise KVLayoutError(
+            f"vLLM handed only Mamba state layers ({', '.join(sorted(state_layers))}): "
+            "kvpush moves a state within an attention layer's blocks, expected at least one "
+            "attention layer"
+        )
+    geometry = _register(kv_caches, block_size_tokens, heads)
+    check_state_pages(everything, state_layers, slots, geometry)
+    return geometry
+
+
+def _register(
+    kv_caches: Mapping[str, torch.Tensor], block_size_tokens: int, heads: KVHeads | None
+) -> CacheGeometry:
     first = next(iter(kv_caches.values()))
     if first.dim() == 3:
         # MLA's latent cache, `[B, N, C]`: one latent "head" per block, every rank the
@@ -84,20 +107,61 @@ def register_vllm_kv_caches(
 
 def layer_slots(kv_caches: Mapping[str, object]) -> dict[str, int]:
     """Each layer's region (its index, in the order the layers come): layers whose
-    tensors are the very same view of memory share one. vLLM's hybrid KV-cache manager
-    lays the layers of its KV-cache groups over each other (layer i of every group in
-    one view; a block belongs to one group at a time), so one region per distinct view
-    moves each group's blocks once."""
+    tensors start at one address, with one stride and count of blocks, share one.
+    vLLM's hybrid KV-cache manager lays the layers of its KV-cache groups over each
+    other (layer i of every group in one view, or a Mamba layer's state pages over an
+    attention layer's blocks; a block belongs to one group at a time), so one region per
+    place in memory moves each group's blocks once."""
     import torch
 
     slots: dict[str, int] = {}
     seen: dict[object, int] = {}
     for name, tensor in kv_caches.items():
         key: object = name  # not a tensor: its own region (registration names the problem)
-        if isinstance(tensor, torch.Tensor):
-            key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if isinstance(tensor, torch.Tensor) and tensor.dim() > 0:
+            key = (tensor.data_ptr(), tensor.stride(0) * tensor.element_size(), tensor.shape[0])
         slots[name] = seen.setdefault(key, len(seen))
     return slots
+
+
+def check_state_pages(
+    kv_caches: Mapping[str, torch.Tensor],
+    state_layers: frozenset[str],
+    slots: Mapping[str, int],
+    geometry: CacheGeometry,
+) -> None:
+    """Every Mamba layer's state lies within the blocks of the region it shares (its
+    block `b` inside that region's block `b`), so moving that block moves the state."""
+    import torch
+
+    for name in sorted(state_layers & kv_caches.keys()):
+        t = kv_caches[name]
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
+            raise KVLayoutError(
+                f"Mamba layer {name!r}: expected a tensor of state pages [blocks, ...], got "
+                f"{type(t).__name__}{'' if not isinstance(t, torch.Tensor) else tuple(t.shape)}"
+            )
+        region = next(
+            (r for r in geometry.regions if r.layer == slots[name] and r.base_addr == t.data_ptr()),
+            None,
+        )
+        extent = 1 + sum(
+            (int(n) - 1) * int(st) for n, st in zip(t.shape[1:], t.stride()[1:], strict=True)
+        )
+        page = extent * t.element_size()
+        if region is None or page > region.block_bytes:
+            where = (
+                "no attention layer's blocks"
+                if region is None
+                else f"region {region.name!r} ({region.block_bytes} bytes per block)"
+            )
+            raise KVLayoutError(
+                f"Mamba layer {name!r}: its state pages ({page} bytes per block, every "
+                f"{t.stride(0) * t.element_size()} bytes from {t.data_ptr():#x}, "
+                f"{t.shape[0]} blocks) do not fit within {where}: expected vLLM's hybrid "
+                "layout, where each state page is the start of an attention layer's block "
+                "padded to hold it"
+            )
 
 
 def _with_heads(

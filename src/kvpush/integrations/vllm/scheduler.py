@@ -38,7 +38,11 @@ list above is one per group (`request_finished_all_groups`, the cache manager's 
 ids), and only the blocks that move are named (`kvpush.integrations.vllm.groups`: a
 sliding window's from the first block its window holds); the decode's prefix hit is
 counted in each group. A prefill request that ran past its prompt (vLLM then freed
-the blocks of the prompt's last window) has its transfer cancelled, not sent wrong.
+the blocks of the prompt's last window, or advanced its Mamba state) has its transfer
+cancelled, not sent wrong. A model with a Mamba group moves the prompt but its last
+token (`groups.prefill_backoff`): the prefill drops that token from the request when
+vLLM adds it (`on_new_request`, as vLLM's NIXL connectors do), and the decode loads
+one token less and computes the last one itself.
 """
 
 from __future__ import annotations
@@ -48,7 +52,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvpush.geometry import KVCacheGroup
-from kvpush.integrations.vllm.groups import moved_span, received_blocks, sent_blocks
+from kvpush.integrations.vllm.groups import (
+    prefill_backoff,
+    received_blocks,
+    sent_blocks,
+    state_lost,
+)
 from kvpush.integrations.vllm.metadata import Receive, Refuse, Send, StepPlan
 from kvpush.integrations.vllm.params import ConnectorConfig, prefill_answer, prefill_transfer
 from kvpush.transfer_params import (
@@ -99,6 +108,9 @@ class SchedulerSide:
         self._layerwise_candidates: dict[str, Request] = {}
         self._opened_early: dict[str, tuple[tuple[int, ...], ...]] = {}
         self._ended_early: set[str] = set()
+        # Prefill, Mamba: requests whose prompt's last token was dropped (never twice,
+        # even when vLLM adds a preempted request again).
+        self._truncated: set[str] = set()
         self._block_ids_of: Callable[[str], BlockIds] | None = None
         self._ranks: dict[int, PeerMetadata] = {}
         self._server: MetadataServer | None = None
@@ -138,7 +150,33 @@ class SchedulerSide:
             self._server.close()
             self._server = None
 
+    # ----------------------------------------------------------------- prefill side
+
+    def on_new_request(self, request: Request) -> None:
+        """vLLM added a request: a prefill request of a model with a Mamba group drops
+        its prompt's last token, which its decode computes (`groups.prefill_backoff`)."""
+        rid = request.request_id
+        if not self._config.sends or not wants_remote_decode(request.kv_transfer_params):
+            return
+        prompt = request.prompt_token_ids
+        backoff = prefill_backoff(self._groups, request.num_prompt_tokens)
+        if not backoff or rid in self._truncated or prompt is None:
+            return
+        # As vLLM's NIXL connectors truncate it: the prompt, the request's token list
+        # (kept in step with it) and its count.
+        del prompt[-backoff:]
+        del request._all_token_ids[-backoff:]
+        request.num_prompt_tokens -= backoff
+        request.max_tokens = 1
+        self._truncated.add(rid)
+
     # ----------------------------------------------------------------- decode side
+
+    def _tokens_moved(self, request: Request) -> int:
+        """The prompt tokens whose KV a decode request receives: all but those the
+        prefill leaves for the decode to compute."""
+        n = len(request.prompt_token_ids or ())
+        return n - prefill_backoff(self._groups, n)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -149,7 +187,7 @@ class SchedulerSide:
         if request.request_id in self._planned:
             return 0, False
         self._local_hits[request.request_id] = num_computed_tokens
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        count = self._tokens_moved(request) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(
@@ -184,7 +222,7 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             self._refuse(remote, "the decode server had every block in its prefix cache")
             return
-        num_tokens = len(request.prompt_token_ids or ())
+        num_tokens = self._tokens_moved(request)
         ours = received_blocks(self._groups, blocks.get_block_ids(), num_tokens, local_hits)
         nulls = {b.block_id for group in blocks.blocks for b in group if b.is_null}
         if nulls & {b for group in ours for b in group.blocks}:
@@ -236,6 +274,7 @@ class SchedulerSide:
         params = request.kv_transfer_params
         self._local_hits.pop(rid, None)
         self._layerwise_candidates.pop(rid, None)
+        self._truncated.discard(rid)
         planned = rid in self._planned
         self._planned.discard(rid)
         if rid in self._receiving:
@@ -298,16 +337,20 @@ class SchedulerSide:
         )
 
     def _window_lost(self, request: Request, num_tokens: int) -> str | None:
-        """Why a finished prefill request no longer holds every block its sliding
-        windows move, if it does not: it ran past its prompt (max_tokens above 1, pushed
-        whole), and vLLM freed the blocks before its last window."""
+        """Why a finished prefill request no longer holds what its groups move, if it
+        does not: it ran past its prompt (max_tokens above 1, pushed whole), and vLLM
+        freed the blocks before its last window, or its Mamba state went on."""
         computed_tokens = int(getattr(request, "num_computed_tokens", num_tokens))
         for group in self._groups:
-            if moved_span(group, computed_tokens)[0] > moved_span(group, num_tokens)[0]:
+            if state_lost(group, num_tokens, computed_tokens):
+                lost = (
+                    "advanced its state"
+                    if group.kind == "mamba"
+                    else ("freed the blocks of its prompt's last window")
+                )
                 return (
-                    f"it computed {computed_tokens} tokens past its {num_tokens}-token "
-                    f"prompt, and vLLM freed the blocks of its prompt's last window "
-                    f"({group.describe()})"
+                    f"it computed {computed_tokens} tokens of its {num_tokens}-token "
+                    f"prompt and beyond, and vLLM {lost} ({group.describe()})"
                 )
         return None
 

@@ -137,11 +137,14 @@ class WorkerSide(Generic[S]):
         new_stats: Callable[[], S],
         transport_factory: TransportFactory = nixl_transport,
         groups: tuple[KVCacheGroup, ...] = (),
+        state_layers: frozenset[str] = frozenset(),
     ) -> None:
         self._config = config
         # A hybrid model's KV-cache groups (`kvpush.integrations.vllm.groups`); empty:
-        # one full-attention group.
+        # one full-attention group. Its Mamba layers, whose states lie in the blocks of
+        # attention layers' regions (`kvcache.check_state_pages`).
         self._groups = groups
+        self._state_layers = state_layers
         self._rank = rank
         self._new_stats = new_stats
         self._transport_factory = transport_factory
@@ -184,7 +187,9 @@ class WorkerSide(Generic[S]):
             tp_rank=self._rank,
             replicated=cfg.use_mla,
         )
-        geometry = register_vllm_kv_caches(kv_caches, cfg.block_size_tokens, heads)
+        geometry = register_vllm_kv_caches(
+            kv_caches, cfg.block_size_tokens, heads, self._state_layers
+        )
         if self._groups:
             geometry = msgspec.structs.replace(geometry, groups=self._groups)
         if cfg.switch_interval_ms is not None:
