@@ -23,13 +23,13 @@ import msgspec
 import pytest
 import torch
 
+from helpers.vllm_worker import RecordingStats as Stats
 from helpers.vllm_worker import loopback_factory, worker_config
 from kvpush.config import SideChannelConfig
 from kvpush.geometry import CacheGeometry, KVCacheGroup, Region, describe_compat_differences
 from kvpush.integrations.vllm.groups import moved_span, received_blocks, sent_blocks
 from kvpush.integrations.vllm.plan import Receive, Send, StepPlan, StepResults
 from kvpush.integrations.vllm.worker import WorkerSide
-from kvpush.runtime import TransferResult
 from kvpush.sidechannel import MetadataServer, PeerMetadata
 from kvpush.topology import rank_heads
 from kvpush.transports.loopback import LoopbackFabric
@@ -47,30 +47,6 @@ GROUPS = (
 # layers 2k and 2k + 1 share slot k.
 LAYERS = {f"model.layers.{i}.self_attn.attn": i // 2 for i in range(2 * SLOTS)}
 NUM_TOKENS = 70  # 5 blocks; the window's first token is 70 - 24 + 1 = 47, in block 2
-
-
-class Stats:
-    def __init__(self) -> None:
-        self.details: list[str] = []
-        self.bytes: dict[str, int] = {}  # per side: what the worker counts as moved
-
-    def opened(self, push: str) -> None:
-        pass
-
-    def layers_announced(self, by: str, n: int) -> None:
-        pass
-
-    def ended_at_once(self, side: str, why: str) -> None:
-        self.details.append(why)
-
-    def ended(self, result: TransferResult, seconds: float, bytes_per_block: int) -> None:
-        if not result.ok:
-            self.details.append(f"{result.reason}: {result.detail}")
-        moved = result.blocks_moved * bytes_per_block
-        self.bytes[result.side] = self.bytes.get(result.side, 0) + moved
-
-    def is_empty(self) -> bool:
-        return not self.details and not self.bytes
 
 
 class Engine:

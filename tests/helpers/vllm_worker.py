@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from kvpush.config import TimingConfig
 from kvpush.integrations.vllm.params import ConnectorConfig
+from kvpush.runtime import TransferResult
 from kvpush.transports.base import Transport
 from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
 
@@ -53,3 +54,30 @@ def loopback_factory(fabric: LoopbackFabric) -> Callable[[str], Transport]:
         return LoopbackTransport(fabric, agent_name)
 
     return make
+
+
+class RecordingStats:
+    """The worker's counts as a test reads them: why requests failed (at once or a part
+    ending), and the bytes each side counts as moved."""
+
+    def __init__(self) -> None:
+        self.details: list[str] = []
+        self.bytes: dict[str, int] = {}  # per side: what the worker counts as moved
+
+    def opened(self, push: str) -> None:
+        pass
+
+    def layers_announced(self, by: str, n: int) -> None:
+        pass
+
+    def ended_at_once(self, side: str, why: str) -> None:
+        self.details.append(why)
+
+    def ended(self, result: TransferResult, seconds: float, bytes_per_block: int) -> None:
+        if not result.ok:
+            self.details.append(f"{result.reason}: {result.detail}")
+        moved = result.blocks_moved * bytes_per_block
+        self.bytes[result.side] = self.bytes.get(result.side, 0) + moved
+
+    def is_empty(self) -> bool:
+        return not self.details and not self.bytes

@@ -85,13 +85,20 @@ def received_blocks(
     return tuple(out)
 
 
-def prefill_backoff(groups: Sequence[KVCacheGroup], num_prompt_tokens: int) -> int:
-    """How many of a prompt's last tokens the prefill leaves for the decode to compute:
-    one where a Mamba group's state moves (and the prompt is longer than one token),
-    else none (the decode recomputes the last token on its own, which attention takes
-    twice unchanged)."""
+def tokens_moved(groups: Sequence[KVCacheGroup], num_prompt_tokens: int) -> int:
+    """The prompt tokens whose KV (and state) moves: all but the last where a Mamba
+    group's state moves, as the decode computes that one (vLLM's decode recomputes the
+    last prompt token after a full load; attention takes it twice unchanged, a state
+    cannot), so none of a one-token prompt; else all."""
     has_state = any(g.kind == "mamba" for g in groups)
-    return 1 if has_state and num_prompt_tokens > 1 else 0
+    return num_prompt_tokens - 1 if has_state and num_prompt_tokens > 0 else num_prompt_tokens
+
+
+def prefill_backoff(groups: Sequence[KVCacheGroup], num_prompt_tokens: int) -> int:
+    """How many of a prompt's last tokens the prefill drops from its request, to compute
+    only what moves (`tokens_moved`); never the whole prompt."""
+    moved = tokens_moved(groups, num_prompt_tokens)
+    return num_prompt_tokens - moved if moved > 0 else 0
 
 
 def state_lost(group: KVCacheGroup, num_tokens: int, computed_tokens: int) -> bool:

@@ -57,6 +57,7 @@ from kvpush.integrations.vllm.groups import (
     received_blocks,
     sent_blocks,
     state_lost,
+    tokens_moved,
 )
 from kvpush.integrations.vllm.metadata import Receive, Refuse, Send, StepPlan
 from kvpush.integrations.vllm.params import ConnectorConfig, prefill_answer, prefill_transfer
@@ -173,10 +174,8 @@ class SchedulerSide:
     # ----------------------------------------------------------------- decode side
 
     def _tokens_moved(self, request: Request) -> int:
-        """The prompt tokens whose KV a decode request receives: all but those the
-        prefill leaves for the decode to compute."""
-        n = len(request.prompt_token_ids or ())
-        return n - prefill_backoff(self._groups, n)
+        """The prompt tokens whose KV a decode request receives (`groups.tokens_moved`)."""
+        return tokens_moved(self._groups, len(request.prompt_token_ids or ()))
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -219,10 +218,15 @@ class SchedulerSide:
             self._receiving[rid] = ""
             return
         local_hits = self._local_hits.pop(rid, 0)
-        if num_external_tokens <= 0:
-            self._refuse(remote, "the decode server had every block in its prefix cache")
-            return
         num_tokens = self._tokens_moved(request)
+        if num_external_tokens <= 0:
+            self._refuse(
+                remote,
+                "the decode server had every block in its prefix cache"
+                if num_tokens
+                else "a one-token prompt of a model with a Mamba state: the decode computes it",
+            )
+            return
         ours = received_blocks(self._groups, blocks.get_block_ids(), num_tokens, local_hits)
         nulls = {b.block_id for group in blocks.blocks for b in group if b.is_null}
         if nulls & {b for group in ours for b in group.blocks}:
