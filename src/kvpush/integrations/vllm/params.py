@@ -126,9 +126,10 @@ class ConnectorConfig:
             )
         # vLLM's NIXL connectors take the side channel from these variables; so do we,
         # so a deployment keeps its ports when it switches connector. Each data-parallel
-        # engine gets its own port, as there.
+        # engine gets its own port, as there: base + data_parallel_index, never the rank,
+        # which vLLM resets to 0 in every engine of a dense model (tests/test_vllm_e2e_dp.py).
         port = int(extra.get("side_channel_port", envs.VLLM_NIXL_SIDE_CHANNEL_PORT))
-        port += int(getattr(parallel, "data_parallel_rank", 0) or 0)
+        port += int(getattr(parallel, "data_parallel_index", 0) or 0)
         token_file = extra.get("token_file")
         use_mla = bool(getattr(vllm_config.model_config, "use_mla", False))
         return cls(
