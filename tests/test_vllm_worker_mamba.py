@@ -102,10 +102,15 @@ class Engine:
     def page(self, block: int) -> torch.Tensor:
         return self.raw[block * PAGE : (block + 1) * PAGE]
 
-    def step(self, plan: StepPlan | None = None) -> None:
+    def step(self, plan: StepPlan | None = None, *, computed: bool = True) -> None:
+        """One engine step; `computed`: its forward pass ended (`wait_for_save`)."""
         plan = plan or StepPlan(idle=True)
         self.worker.start_step(plan)
-        self.worker.step_saved(plan)
+        if computed:
+            self.worker.step_saved(plan)
+        self.collect()
+
+    def collect(self) -> None:
         out = self.worker.transfer_results()
         self.ended.finished_recving |= out.finished_recving
         self.ended.failed_recving |= out.failed_recving
@@ -129,13 +134,12 @@ PREFILL_IDS = ([5], [1, 2, 3])
 DECODE_IDS = ([9], [10, 11, 12])
 
 
-@pytest.mark.parametrize("hit_tokens", [0, TOKENS])
-def test_the_state_block_moves_whole_with_the_attention_blocks(
-    stack: ExitStack, hit_tokens: int
-) -> None:
-    """The state moves whatever the decode's prefix hit (it is of the whole prompt); the
-    attention blocks after the hit; every byte of the moved pages is the prefill's, and
-    nothing else of the decode changed."""
+def transfer(
+    stack: ExitStack, hit_tokens: int, *, layerwise: bool = False
+) -> tuple[Engine, Engine, torch.Tensor]:
+    """One request's transfer, its block ids as the scheduler derives them; returns the
+    engines and the decode's pages before. Layer-wise: the prefill's forward pass never
+    ends (no `wait_for_save`); only its attention layer says it is computed."""
     fabric = LoopbackFabric()
     prefill = Engine(stack, fabric, "prefill", "sender", seed=1)
     decode = Engine(stack, fabric, "decode", "receiver", seed=2)
@@ -147,14 +151,29 @@ def test_the_state_block_moves_whole_with_the_attention_blocks(
         "req-d", "t1", HOST, prefill.server.port, got[0].blocks, 0, 1, 1, more_groups=got[1:]
     )
     decode.step(StepPlan(receives=[receive]))
-    prefill.step(StepPlan(sends=[Send("req-p", "t1", sent[0], more_groups=sent[1:])]))
+    send = StepPlan(sends=[Send("req-p", "t1", sent[0], layerwise=layerwise, more_groups=sent[1:])])
+    prefill.step(send, computed=not layerwise)
+    if layerwise:
+        attention = vllm_views(prefill.raw)[ATTENTION_LAYER]
+        prefill.worker.layer_saved(send, ATTENTION_LAYER, attention)
     deadline = time.monotonic() + 30
     while not ("req-d" in decode.ended.finished_recving and prefill.ended.finished_sending):
         assert time.monotonic() < deadline, f"not ended: {decode.ended}, {prefill.ended}"
-        prefill.step()
+        prefill.collect()
         decode.step()
         time.sleep(0.002)
     assert decode.ended.failed_recving == set(), decode.stats.details
+    return prefill, decode, before
+
+
+@pytest.mark.parametrize("hit_tokens", [0, TOKENS])
+def test_the_state_block_moves_whole_with_the_attention_blocks(
+    stack: ExitStack, hit_tokens: int
+) -> None:
+    """The state moves whatever the decode's prefix hit (it is of the whole prompt); the
+    attention blocks after the hit; every byte of the moved pages is the prefill's, and
+    nothing else of the decode changed."""
+    prefill, decode, before = transfer(stack, hit_tokens)
     moved = {9: 5, **dict(zip(DECODE_IDS[1], PREFILL_IDS[1], strict=True))}
     moved = {d: p for d, p in moved.items() if d != 10 or hit_tokens < TOKENS}
     for ours, theirs in moved.items():
@@ -167,6 +186,18 @@ def test_the_state_block_moves_whole_with_the_attention_blocks(
             f"decode block {block} changed, but nothing moves into it"
         )
     assert decode.stats.bytes.get("receiver") == len(moved) * PAGE
+
+
+def test_layerwise_the_state_is_computed_with_the_attention_layer_after_it(
+    stack: ExitStack,
+) -> None:
+    """vLLM never says a Mamba layer is computed (only attention layers call
+    `save_kv_layer`), but layers run in order: once attention layer 2 is computed, so is
+    Mamba layer 0, and their region (the whole cache here) is announced; the transfer
+    ends before the step's end, with the state and KV moved."""
+    prefill, decode, _ = transfer(stack, 0, layerwise=True)
+    for ours, theirs in {9: 5, 10: 1, 11: 2, 12: 3}.items():
+        assert torch.equal(decode.page(ours), prefill.page(theirs))
 
 
 def test_one_region_holds_the_state_at_the_start_of_each_attention_block() -> None:

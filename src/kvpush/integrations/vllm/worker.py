@@ -88,6 +88,12 @@ def _receiver(snd: Send) -> PeerAddress | None:
 G = TypeVar("G")
 
 
+def _layer_number(name: str) -> int | None:
+    """A vLLM layer's number in the model, from its name (`model.layers.3.self_attn`)."""
+    number = next((part for part in name.split(".") if part.isdigit()), None)
+    return None if number is None else int(number)
+
+
 def _parts(
     tid: str,
     prefill_tp: int,
@@ -464,12 +470,23 @@ class WorkerSide(Generic[S]):
 
     def _computed(self, names: Iterable[str], by: str) -> None:
         """These layers are computed: announce the regions all of whose layers are (a
-        hybrid model's region holds a layer of each group, any block one's KV)."""
-        self._saved_names.update(names)
+        hybrid model's region holds a layer of each group, any block one's KV). A Mamba
+        layer never says it is computed (vLLM calls `save_kv_layer` from attention
+        layers only); the forward pass runs the layers in order, so each state layer
+        numbered before a computed layer is computed too."""
+        new = set(names)
+        for name in names:
+            number = _layer_number(name)
+            for state in self._state_layers:
+                before = _layer_number(state)
+                if number is not None and before is not None and before < number:
+                    new.add(state)
+        new -= self._saved_names
+        self._saved_names |= new
         complete = {
             self._layer_of[name]
-            for name in names
-            if self._names_of[self._layer_of[name]] <= self._saved_names
+            for name in new
+            if name in self._layer_of and self._names_of[self._layer_of[name]] <= self._saved_names
         }
         if complete:
             self._announce(complete, by)
