@@ -74,7 +74,14 @@ class Engine:
     the scheduler's side channel."""
 
     def __init__(
-        self, stack: ExitStack, fabric: LoopbackFabric, name: str, role: str, *, seed: int
+        self,
+        stack: ExitStack,
+        fabric: LoopbackFabric,
+        name: str,
+        role: str,
+        *,
+        seed: int,
+        groups: tuple[KVCacheGroup, ...] = GROUPS,
     ):
         ranks: dict[int, PeerMetadata] = {}
         self.server = stack.enter_context(MetadataServer(HOST, 0, SideChannelConfig(), ranks))
@@ -88,7 +95,7 @@ class Engine:
             0,
             new_stats=RecordingStats,
             transport_factory=loopback_factory(fabric),
-            groups=GROUPS,
+            groups=groups,
             state_layers=frozenset({MAMBA_LAYER}),
         )
         stack.callback(self.worker.shutdown)
@@ -275,6 +282,34 @@ def test_engines_whose_states_differ_are_refused_naming_both() -> None:
     (difference,) = describe_compat_differences(theirs.compat_fields(), ours.compat_fields())
     assert difference.startswith("kv_cache_groups: theirs [('mamba', 1024, None, 'mamba2 (288, 3)")
     assert "ours [('mamba', 1024, None, 'mamba2 (3, 288)" in difference
+
+
+def test_a_decode_whose_state_differs_fails_the_request_naming_both(stack: ExitStack) -> None:
+    """A decode whose conv state is stored the other way round (vLLM-CPU picks the
+    layout by CPU features) refuses the prefill at the handshake, and the request fails
+    saying which state each has; nothing is written."""
+    fabric = LoopbackFabric()
+    prefill = Engine(stack, fabric, "prefill", "sender", seed=1)
+    other = (KVCacheGroup("mamba", 1024, state=STATE.replace("(3, 288)", "(288, 3)")), GROUPS[1])
+    decode = Engine(stack, fabric, "decode", "receiver", seed=2, groups=other)
+    before = decode.raw.clone()
+    got = received_blocks(GROUPS, DECODE_IDS, NUM_TOKENS, 0)
+    receive = Receive(
+        "req-d", "t1", HOST, prefill.server.port, got[0].blocks, 0, 1, 1, more_groups=got[1:]
+    )
+    decode.step(StepPlan(receives=[receive]))
+    deadline = time.monotonic() + 30
+    while "req-d" not in decode.ended.finished_recving:
+        assert time.monotonic() < deadline, "the decode did not fail the request"
+        decode.step()
+        time.sleep(0.002)
+    assert decode.ended.failed_recving == {"req-d"}
+    differs = "differs in kv_cache_groups: theirs [('mamba', 1024, None, 'mamba2 (3, 288) "
+    assert any(
+        differs in d and "ours [('mamba', 1024, None, 'mamba2 (288, 3)" in d
+        for d in (decode.stats.details)
+    ), decode.stats.details
+    assert torch.equal(decode.raw, before)
 
 
 def test_a_state_never_moves_between_engines_of_other_tp_sizes() -> None:

@@ -194,9 +194,7 @@ class Rank:
             SideChannelPeerDirectory(
                 timeout_ms=settings.lookup_timeout_ms,
                 token=settings.token,
-                expect_compat_hash=(
-                    self._geometry.compat_hash() if settings.check_compat_in_lookup else None
-                ),
+                expect_geometry=self._geometry if settings.check_compat_in_lookup else None,
             ),
             timing=settings.timing,
             idle_poll_s=settings.idle_poll_s,

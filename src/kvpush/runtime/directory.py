@@ -17,6 +17,7 @@ from kvpush.errors import (
     TransportError,
     UnknownRank,
 )
+from kvpush.geometry import CacheGeometry
 from kvpush.protocol import PeerAddress
 from kvpush.sidechannel import PeerMetadata, fetch_metadata
 
@@ -71,7 +72,8 @@ class SideChannelPeerDirectory(PeerDirectory):
 
     The runtime compares every peer's cache with its own on every handshake whatever
     is passed here; `expect_compat_hash` only refuses a mismatch earlier, in the
-    side-channel client."""
+    side-channel client, and `expect_geometry` (our own) does too, naming every field
+    that differs."""
 
     def __init__(
         self,
@@ -79,10 +81,12 @@ class SideChannelPeerDirectory(PeerDirectory):
         timeout_ms: int = 2000,
         token: str | None = None,
         expect_compat_hash: str | None = None,
+        expect_geometry: CacheGeometry | None = None,
     ) -> None:
         self._timeout_ms = timeout_ms
         self._token = token
         self._expect = expect_compat_hash
+        self._expect_geometry = expect_geometry
 
     def lookup(self, host: str, port: int, rank: int) -> PeerMetadata:
         return fetch_metadata(
@@ -92,6 +96,7 @@ class SideChannelPeerDirectory(PeerDirectory):
             timeout_ms=self._timeout_ms,
             token=self._token,
             expect_compat_hash=self._expect,
+            expect_geometry=self._expect_geometry,
         )
 
 
