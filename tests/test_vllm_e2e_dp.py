@@ -62,7 +62,7 @@ from kvpush.lab.vllm_servers import (
 )
 from kvpush.procs.readiness import free_port
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 HOST = "127.0.0.1"
 DP = 2
