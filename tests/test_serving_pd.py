@@ -941,3 +941,27 @@ def test_a_client_gone_while_the_proxy_reads_its_body_is_counted_not_a_crash(
     log = stack.proxy.log_path.read_text(errors="replace")
     assert "Traceback" not in log
     assert "Exception in ASGI application" not in log
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (
+            ["--prefill-dp", "2"],
+            "ConfigError: prefill data parallelism 2: expected 1, or more for vLLM prefill "
+            "servers given their side channels",
+        ),
+        (
+            ["--decode-side-channel", "127.0.0.1:5600", "--decode-dp", "0"],
+            "ConfigError: decode data parallelism 0: expected 1",
+        ),
+    ],
+)
+def test_the_proxy_refuses_data_parallelism_it_cannot_route(args: list[str], words: str) -> None:
+    """A data-parallel server's engines are told apart by their side channels (the
+    given port plus each index): without one, or with no engine, the proxy refuses to
+    start, saying what it expected."""
+    urls = ["--prefill", "http://127.0.0.1:5500", "--decode", "http://127.0.0.1:5501"]
+    done = run_kvpush("proxy", *urls, *args, "--port", str(free_port()))
+    assert done.returncode == 1, done.stderr
+    assert words in done.stderr, done.stderr

@@ -13,16 +13,17 @@ instead, both engines take the base port: the second fails to start ("cannot ser
 side channel on tcp://...: Address already in use") and takes the server down with it.
 
 The API server spreads requests over its engines (least loaded first, ties in turn)
-unless the `X-data-parallel-rank` header names one. `kvpush proxy` sends both legs at
-once and names one side channel per server, which cannot say which engine a request
-will land on; so the legs here go as a DP-aware router would send them:
+unless the `X-data-parallel-rank` header names one. A proxy that sends both legs at once
+must know which engines they land on, to name their side channels; so the legs go:
 
 - one after the other, as vLLM's example proxy does: the prefill leg lands on either
   engine and answers with that engine's side channel (base or base + 1), and the decode
   leg, on either decode engine, registers there and is pushed its KV;
 - both at once, each leg pinned to an engine by the header, the prefill leg naming the
   decode engine's side channel and the decode leg the prefill engine's, for every pair
-  of engines.
+  of engines;
+- through `kvpush proxy --prefill-dp 2 --decode-dp 2`, which does just that: each
+  server's engines are instances of their own, each leg pinned to one.
 
 A DP 2 server is six processes (API server, DP coordinator, an engine core and a worker
 per engine); with the single instance they take about two minutes to start on a 2-core
@@ -58,6 +59,7 @@ from kvpush.lab.vllm_servers import (
     make_tiny_model,
     metric,
     servers_said,
+    start_kvpush_proxy,
     vllm_python,
 )
 from kvpush.procs.readiness import free_port
@@ -413,4 +415,41 @@ def test_legs_at_once_pinned_to_every_pair_of_engines_match_a_single_instance(
     each = DP * len(prompts)
     want = {"sent": [each] * DP, "received": [each] * DP}
     assert moved == want, f"transfers per engine: {moved}, expected {want}"
+    _assert_nothing_held(dep)
+
+
+def test_through_kvpush_proxy_every_engine_carries_transfers(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """`kvpush proxy --prefill-dp 2 --decode-dp 2`: two rounds of the batch at once,
+    every token identical to the single instance's; the proxy spreads the legs over
+    every engine of both servers (each carried transfers, all of them counted), and
+    nothing is held afterwards."""
+    dep = deployment
+    proxy, url = start_kvpush_proxy(dep.prefill, dep.decode, tmp_path, dp=DP)
+    rounds = 2
+
+    async def run() -> dict[str, list[float]]:
+        async with client() as http:
+            before = await _transfers(http, dep)
+            for i in range(rounds):
+                outcomes = await batch(
+                    [
+                        complete(http, url, completion_body(p, dep.model, MAX_TOKENS))
+                        for p in PROMPTS
+                    ]
+                )
+                _check_identical(dep, outcomes, f"round {i + 1} through kvpush proxy")
+            return await _settled_transfers(http, dep, before, rounds * len(PROMPTS))
+
+    try:
+        moved = asyncio.run(run())
+    finally:
+        proxy.terminate()
+        proxy.wait(10)
+    total = rounds * len(PROMPTS)
+    for side, per_engine in moved.items():
+        assert sum(per_engine) == total and all(per_engine), (
+            f"transfers {side} per engine: {per_engine}, expected {total} over both"
+        )
     _assert_nothing_held(dep)

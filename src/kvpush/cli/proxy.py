@@ -36,6 +36,19 @@ def add_parser(subparsers: Any) -> None:
             "then goes only to the decode it is for"
         ),
     )
+    for role in ("prefill", "decode"):
+        p.add_argument(
+            f"--{role}-dp",
+            type=int,
+            default=1,
+            metavar="N",
+            help=(
+                f"the data-parallel size of every --{role} server (vLLM's "
+                "--data-parallel-size): each leg goes to one engine, named by the "
+                "X-data-parallel-rank header, and names that engine's side channel (the "
+                f"given --{role}-side-channel port plus its index); default 1"
+            ),
+        )
     p.add_argument(
         "--token-file",
         default=None,
@@ -78,4 +91,6 @@ def run(args: argparse.Namespace) -> int:
         prefill_side_channels=side_channels("prefill"),
         decode_side_channels=side_channels("decode"),
         token=load_token(args.token_file),
+        prefill_dp=args.prefill_dp,
+        decode_dp=args.decode_dp,
     )

@@ -780,11 +780,12 @@ NGRAM_SPECULATION = ngram_speculation()
 
 
 def start_kvpush_proxy(
-    prefill: VllmServer, decode: VllmServer, log_dir: Path
+    prefill: VllmServer, decode: VllmServer, log_dir: Path, *, dp: int = 1
 ) -> tuple[subprocess.Popen[bytes], str]:
     """`kvpush proxy` in front of a vLLM pair on the prefill's host, given both side
-    channels (so each transfer goes to that decode only, split for both TP sizes): the
-    process and its URL, once its /health answers."""
+    channels (so each transfer goes to that decode only, split for both TP sizes), both
+    servers at data parallelism `dp`: the process and its URL, once its /health
+    answers."""
     host = prefill.spec.host
     sc = f"[{host}]" if ":" in host else host
     port = free_port(host)
@@ -803,6 +804,10 @@ def start_kvpush_proxy(
             f"{sc}:{prefill.spec.side_channel_port}",
             "--decode-side-channel",
             f"{sc}:{decode.spec.side_channel_port}",
+            "--prefill-dp",
+            str(dp),
+            "--decode-dp",
+            str(dp),
             "--host",
             host,
             "--port",

@@ -19,6 +19,12 @@ Servers whose `/health` says nothing of it (vLLM's, running `KvpushConnector`) h
 side channels given to the proxy, one per prefill server (`prefill_side_channels`); their
 prefill leg asks for one token, as vLLM's own proxy does.
 
+vLLM servers at data parallelism N (one API server in front of N engines, each with its
+own side channel on the given port plus its index, `prefill_dp`/`decode_dp`) are N
+instances each: a leg goes to one engine, named by vLLM's `X-data-parallel-rank` header,
+and names that engine's side channel, so both legs of a request meet whichever engines
+they go to.
+
 The prefill leg names the decode server's side channel too (`decode_host`, `decode_port`),
 learnt the same way (`decode_side_channels` for vLLM decode servers): the prefill sends
 the transfer only to a receiver that side channel serves, so a peer that registers the
@@ -42,6 +48,7 @@ import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from kvpush.errors import ConfigError
 from kvpush.serving.http import (
     DEFAULT_MAX_BODY_BYTES,
     BadBody,
@@ -64,6 +71,8 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class _Instance:
     url: str
+    # One engine of a data-parallel vLLM server (its index), which each leg names.
+    engine: int | None = None
     in_flight: int = 0
     info: dict[str, Any] | None = None
     # Given up front (a vLLM server's /health tells no side channel): never refetched.
@@ -71,6 +80,15 @@ class _Instance:
     # A vLLM server's tensor-parallel size, read from its side channel (rank 0's
     # geometry) when first needed and again after a failure; None: not known.
     tp_size: int | None = None
+
+    @property
+    def label(self) -> str:
+        return self.url if self.engine is None else f"{self.url} (engine {self.engine})"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What routes a leg to this engine (vLLM's API server honours the header)."""
+        return {} if self.engine is None else {"X-data-parallel-rank": str(self.engine)}
 
 
 @dataclass(slots=True)
@@ -135,11 +153,13 @@ def create_proxy_app(
     prefill_side_channels: Sequence[tuple[str, int]] | None = None,
     decode_side_channels: Sequence[tuple[str, int]] | None = None,
     token: str | None = None,
+    prefill_dp: int = 1,
+    decode_dp: int = 1,
 ) -> FastAPI:
     if not prefill_urls or not decode_urls:
         raise ValueError("a proxy needs at least one prefill and one decode server")
-    prefill = _pool("prefill", prefill_urls, prefill_side_channels)
-    decode = _pool("decode", decode_urls, decode_side_channels)
+    prefill = _pool("prefill", prefill_urls, prefill_side_channels, prefill_dp)
+    decode = _pool("decode", decode_urls, decode_side_channels, decode_dp)
     routes = ProxyRoutes(
         prefill, decode, timeout_s=timeout_s, max_body_bytes=max_body_bytes, token=token
     )
@@ -149,16 +169,34 @@ def create_proxy_app(
     return app
 
 
-def _pool(role: str, urls: Sequence[str], side_channels: Sequence[tuple[str, int]] | None) -> _Pool:
+def _pool(
+    role: str, urls: Sequence[str], side_channels: Sequence[tuple[str, int]] | None, dp: int
+) -> _Pool:
+    """A role's instances: one per server, or one per engine of a data-parallel server
+    (its side channel the given port plus the engine's index, as vLLM's connectors
+    serve them)."""
     if side_channels is not None and len(side_channels) != len(urls):
         raise ValueError(
             f"{len(side_channels)} {role} side channels for {len(urls)} {role} servers: "
             "give one per server, in the same order"
         )
-    pool = _Pool(role, [_Instance(u.rstrip("/")) for u in urls])
-    for inst, (sc_host, sc_port) in zip(pool.instances, side_channels or (), strict=False):
-        inst.fixed_info = {"side_channel_host": sc_host, "side_channel_port": sc_port}
-    return pool
+    if dp < 1 or (dp > 1 and side_channels is None):
+        raise ConfigError(
+            f"{role} data parallelism {dp}: expected 1, or more for vLLM {role} servers "
+            f"given their side channels (each engine's is that port plus its index)"
+        )
+    if side_channels is None:
+        return _Pool(role, [_Instance(u.rstrip("/")) for u in urls])
+    instances = [
+        _Instance(
+            url.rstrip("/"),
+            engine=engine if dp > 1 else None,
+            fixed_info={"side_channel_host": host, "side_channel_port": port + engine},
+        )
+        for url, (host, port) in zip(urls, side_channels, strict=True)
+        for engine in range(dp)
+    ]
+    return _Pool(role, instances)
 
 
 class ProxyRoutes:
@@ -232,7 +270,7 @@ class ProxyRoutes:
     async def metrics(self) -> Response:
         for pool in (self.prefill, self.decode):
             for inst in pool.instances:
-                labels = {"pool": pool.name, "url": inst.url}
+                labels = {"pool": pool.name, "url": inst.label}
                 self.registry.set("kvpush_proxy_in_flight", inst.in_flight, labels=labels)
         return PlainTextResponse(self.registry.render(), media_type="text/plain; version=0.0.4")
 
@@ -335,12 +373,12 @@ class ProxyRoutes:
         except (httpx.HTTPError, ValueError, RuntimeError) as exc:
             p_inst.info = p_inst.tp_size = None
             self.done("prefill_failed")
-            return error_response(502, f"prefill server {p_inst.url} is unavailable: {exc!s}")
+            return error_response(502, f"prefill server {p_inst.label} is unavailable: {exc!s}")
         try:
             to_decode = await self._decode_side_channel(d_inst)
         except (httpx.HTTPError, ValueError, RuntimeError) as exc:
             self.done("decode_failed")
-            return error_response(502, f"decode server {d_inst.url} is unavailable: {exc!s}")
+            return error_response(502, f"decode server {d_inst.label} is unavailable: {exc!s}")
         tid = f"xfer-{uuid.uuid4().hex}"
         # Both legs name both TP sizes: each side splits the transfer into the same
         # parts, one per pair of ranks (vLLM servers; kvpush serve runs TP 1).
@@ -431,7 +469,9 @@ class _Legs:
     ) -> Response:
         self.p_inst, self.d_inst = p_inst, d_inst
         self.p_task = asyncio.create_task(self._prefill_leg(p_body))
-        d_req = self.client.build_request("POST", f"{d_inst.url}{self.path}", json=d_body)
+        d_req = self.client.build_request(
+            "POST", f"{d_inst.url}{self.path}", json=d_body, headers=d_inst.headers
+        )
         self.d_task = asyncio.create_task(self.client.send(d_req, stream=True))
         self.gone = asyncio.create_task(wait_for_disconnect(self.request))
         try:
@@ -449,7 +489,7 @@ class _Legs:
             # A restarted server may have moved its side channel, or changed its TP.
             d_inst.info = d_inst.tp_size = None
             self._end("decode_failed")
-            return error_response(502, f"decode server {d_inst.url} failed: {exc}")
+            return error_response(502, f"decode server {d_inst.label} failed: {exc}")
         if d_resp.status_code != 200:
             self.gone.cancel()
             return await self._refused_by_decode(d_resp)
@@ -464,17 +504,19 @@ class _Legs:
         message; anything else is a 502 naming the server."""
         p_inst = self.p_inst
         try:
-            resp = await self.client.post(f"{p_inst.url}{self.path}", json=p_body)
+            resp = await self.client.post(
+                f"{p_inst.url}{self.path}", json=p_body, headers=p_inst.headers
+            )
         except httpx.HTTPError as exc:
             p_inst.info = p_inst.tp_size = None
-            return 502, f"prefill server {p_inst.url} failed: {type(exc).__name__}: {exc}"
+            return 502, f"prefill server {p_inst.label} failed: {type(exc).__name__}: {exc}"
         finally:
             self.lease.release(p_inst)
         if 400 <= resp.status_code < 500:
             return resp.status_code, _error_text(resp)
         if resp.status_code != 200:
             text = _error_text(resp)
-            return 502, f"prefill server {p_inst.url} answered {resp.status_code}: {text}"
+            return 502, f"prefill server {p_inst.label} answered {resp.status_code}: {text}"
         return None
 
     async def _prefill_outcome(self) -> tuple[int, str] | None:
@@ -602,7 +644,8 @@ class _Legs:
         except httpx.HTTPError as exc:
             raise _LegFailed(
                 502,
-                f"decode server {self.d_inst.url} failed mid-response: {type(exc).__name__}: {exc}",
+                f"decode server {self.d_inst.label} failed mid-response: "
+                f"{type(exc).__name__}: {exc}",
             ) from None
 
     async def _whole_events(self, buffer: bytes) -> tuple[bytes, bytes]:
@@ -670,6 +713,8 @@ def run_proxy(
     prefill_side_channels: Sequence[tuple[str, int]] | None = None,
     decode_side_channels: Sequence[tuple[str, int]] | None = None,
     token: str | None = None,
+    prefill_dp: int = 1,
+    decode_dp: int = 1,
 ) -> int:
     import uvicorn
 
@@ -681,6 +726,8 @@ def run_proxy(
         prefill_side_channels=prefill_side_channels,
         decode_side_channels=decode_side_channels,
         token=token,
+        prefill_dp=prefill_dp,
+        decode_dp=decode_dp,
     )
     server = uvicorn.Server(
         uvicorn.Config(app, host=unbracket_host(host), port=port, log_config=None, access_log=False)
