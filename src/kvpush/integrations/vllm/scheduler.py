@@ -312,7 +312,7 @@ class SchedulerSide:
         ours = sent_blocks(self._groups, block_ids, num_tokens)
         if not any(ours):
             return False, None
-        lost = self._window_lost(request, num_tokens)
+        lost = self._moved_lost(request, num_tokens)
         if lost is not None and computed:
             log.error("request %s: %s: its transfer is cancelled", rid, lost)
             computed = False
@@ -340,18 +340,16 @@ class SchedulerSide:
             decode_tp_size=xfer.decode_tp_size,
         )
 
-    def _window_lost(self, request: Request, num_tokens: int) -> str | None:
+    def _moved_lost(self, request: Request, num_tokens: int) -> str | None:
         """Why a finished prefill request no longer holds what its groups move, if it
         does not: it ran past its prompt (max_tokens above 1, pushed whole), and vLLM
         freed the blocks before its last window, or its Mamba state went on."""
         computed_tokens = int(getattr(request, "num_computed_tokens", num_tokens))
         for group in self._groups:
             if state_lost(group, num_tokens, computed_tokens):
-                lost = (
-                    "advanced its state"
-                    if group.kind == "mamba"
-                    else ("freed the blocks of its prompt's last window")
-                )
+                lost = "freed the blocks of its prompt's last window"
+                if group.kind == "mamba":
+                    lost = "advanced its state"
                 return (
                     f"it computed {computed_tokens} tokens of its {num_tokens}-token "
                     f"prompt and beyond, and vLLM {lost} ({group.describe()})"
