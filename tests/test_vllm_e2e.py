@@ -31,6 +31,8 @@ from typing import Any
 import httpx
 import pytest
 
+from helpers.vllm_e2e import LIVENESS_BOUND_S, MAX_TOKENS, TIMING
+from helpers.vllm_e2e import PROMPTS as COMMON_PROMPTS
 from kvpush.cli import main as cli_main
 from kvpush.errors import ConfigError
 from kvpush.lab.vllm_servers import (
@@ -57,28 +59,8 @@ from kvpush.procs.readiness import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-MAX_TOKENS = 12
-# Liveness 8 s: heartbeats come from a thread inside vLLM's worker process, whose main
-# thread busy-polls its queue with sched_yield while holding the GIL; on this 2-core
-# host under other work (load average 15) live peers went silent for 5 s both ways.
-# A decode request whose sender died waits at most liveness + fence
-# (lease + 2 x liveness), plus a few engine steps.
-TIMING = {"heartbeat_interval_s": 0.5, "liveness_timeout_s": 8.0, "lease_s": 5.0}
-LIVENESS_BOUND_S = 8.0 + 5.0 + 2 * 8.0 + 10.0
-
-_SHARED = "In the beginning the engine computed every key and value of the prompt, "
 PROMPTS = [
-    "hello world, this is a test of the kvpush connector inside vllm",
-    "short",
-    "The quick brown fox jumps over the lazy dog. " * 4,
-    # Prompts sharing a prefix longer than a block (32 tokens): once one of them moved,
-    # the decode server holds those blocks and the next needs only the rest
-    # (a partial prefix-cache hit, sender_offset > 0).
-    _SHARED + "then pushed them to the decoder.",
-    _SHARED + "and the decoder went on from there, token after token, to the end.",
-    _SHARED * 3 + "a long one, spanning several blocks of thirty-two tokens each.",
-    "0123456789" * 20,
-    "x",
+    *COMMON_PROMPTS,
     # Repeated n-grams. After the first, this tiny model's greedy output loops, so n-gram
     # drafts are proposed and accepted (5 tokens; "short" gets 1); the second gets none:
     # the test asks the single instance for at least two prompts with drafts accepted.

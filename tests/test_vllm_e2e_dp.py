@@ -45,6 +45,7 @@ from typing import Any
 import httpx
 import pytest
 
+from helpers.vllm_e2e import HOST, MAX_TOKENS, PROMPTS, TIMING
 from kvpush.cli import main as cli_main
 from kvpush.errors import ConfigError
 from kvpush.lab.vllm_servers import (
@@ -66,25 +67,13 @@ from kvpush.procs.readiness import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-HOST = "127.0.0.1"
 DP = 2
 ENGINES = tuple(range(DP))
-MAX_TOKENS = 12
-TIMING = {"heartbeat_interval_s": 0.5, "liveness_timeout_s": 8.0, "lease_s": 5.0}
 # Each engine answers its side channel from its engine-core process; with two engines
 # per server on two cores, and other servers starting beside them, both prefill engines
 # went 13 s without answering a handshake (the 10 s of the other modules failed every
 # pinned pair once). No test here kills a peer, so a long bound costs nothing.
 HANDSHAKE_TIMEOUT_MS = 30000
-_SHARED = "In the beginning the engine computed every key and value of the prompt, "
-PROMPTS = [
-    "hello world, this is a test of the kvpush connector inside vllm",
-    "short",
-    "The quick brown fox jumps over the lazy dog. " * 4,
-    _SHARED + "then pushed them to the decoder.",
-    _SHARED * 3 + "a long one, spanning several blocks of thirty-two tokens each.",
-    "0123456789" * 20,
-]
 # How long a server's engines may take to show a finished transfer in /metrics (vLLM
 # sends each engine's connector stats to the API server with its step outputs) and to
 # hand back its blocks.

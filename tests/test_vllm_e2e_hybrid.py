@@ -35,6 +35,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from helpers.vllm_e2e import HOST, LIVENESS_BOUND_S, MAX_TOKENS, TIMING
+from helpers.vllm_e2e import PROMPTS as COMMON_PROMPTS
 from kvpush.cli import main as cli_main
 from kvpush.errors import ConfigError
 from kvpush.lab.vllm_servers import (
@@ -61,22 +63,11 @@ from kvpush.topology import rank_pairs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-HOST = "127.0.0.1"
-MAX_TOKENS = 12
-TIMING = {"heartbeat_interval_s": 0.5, "liveness_timeout_s": 8.0, "lease_s": 5.0}
-LIVENESS_BOUND_S = 8.0 + 5.0 + 2 * 8.0 + 10.0  # as tests/test_vllm_e2e_shapes.py
-_SHARED = "In the beginning the engine computed every key and value of the prompt, "
+# Most prompts are longer than the window (48 tokens); those sharing a prefix longer
+# than a block and than the window make decode-side prefix-cache hits, before and inside
+# the window.
 PROMPTS = [
-    "hello world, this is a test of the kvpush connector inside vllm",
-    "short",
-    "The quick brown fox jumps over the lazy dog. " * 4,
-    # Shared prefixes longer than a block (32 tokens) and than the window (48 tokens):
-    # decode-side prefix-cache hits, before and inside the window.
-    _SHARED + "then pushed them to the decoder.",
-    _SHARED + "and the decoder went on from there, token after token, to the end.",
-    _SHARED * 3 + "a long one, spanning several blocks of thirty-two tokens each.",
-    "0123456789" * 20,
-    "x",
+    *COMMON_PROMPTS,
     # 48 - 1 + 32 * k tokens: the window's first token is the first of a block.
     "w" * (HYBRID_SLIDING_WINDOW - 1 + 64),
 ]

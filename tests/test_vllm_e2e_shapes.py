@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from helpers.vllm_e2e import HOST, LIVENESS_BOUND_S, MAX_TOKENS, PROMPTS, TIMING
 from kvpush.cli import main as cli_main
 from kvpush.errors import ConfigError
 from kvpush.lab.vllm_servers import (
@@ -60,22 +61,6 @@ from kvpush.topology import rank_pairs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-HOST = "127.0.0.1"
-MAX_TOKENS = 12
-TIMING = {"heartbeat_interval_s": 0.5, "liveness_timeout_s": 8.0, "lease_s": 5.0}
-LIVENESS_BOUND_S = 8.0 + 5.0 + 2 * 8.0 + 10.0
-_SHARED = "In the beginning the engine computed every key and value of the prompt, "
-PROMPTS = [
-    "hello world, this is a test of the kvpush connector inside vllm",
-    "short",
-    "The quick brown fox jumps over the lazy dog. " * 4,
-    # Shared prefixes longer than a block (32 tokens): decode-side prefix-cache hits.
-    _SHARED + "then pushed them to the decoder.",
-    _SHARED + "and the decoder went on from there, token after token, to the end.",
-    _SHARED * 3 + "a long one, spanning several blocks of thirty-two tokens each.",
-    "0123456789" * 20,
-    "x",
-]
 ROUNDS = 5
 # (model, prefill TP, decode TP)
 SHAPES = [("gqa", 2, 1), ("gqa", 1, 2), ("mla", 2, 1)]
