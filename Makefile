@@ -13,7 +13,7 @@ VLLM_STAMP := $(VLLM_VENV)/.kvpush-installed
 # libibverbs1 and libnuma1 for Mooncake's CPU build, which the benchmark compares against.
 DEB_PACKAGES := iproute2 libibverbs1 libnuma1
 
-.PHONY: all demo test lint typecheck pytest venv vllm-venv clean bench-full
+.PHONY: all demo test lint typecheck pytest venv vllm-venv clean bench-full test-dp
 
 all: test
 
@@ -44,6 +44,11 @@ pytest: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/pytest
 
 test: lint typecheck pytest
+
+# vLLM at data parallelism 2 (tests/test_vllm_e2e_dp.py): eight vLLM processes on one
+# host; on demand, not in make test (see the `dp` marker in pyproject.toml).
+test-dp: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/pytest -m dp tests/test_vllm_e2e_dp.py
 
 bench-full: $(STAMP)
 	$(BIN)/kvpush bench --json runs/bench.json --plot docs/bench.png

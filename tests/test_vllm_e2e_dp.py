@@ -65,7 +65,7 @@ from kvpush.lab.vllm_servers import (
 )
 from kvpush.procs.readiness import free_port
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.dp, pytest.mark.timeout(900)]
 
 DP = 2
 ENGINES = tuple(range(DP))
@@ -74,6 +74,10 @@ ENGINES = tuple(range(DP))
 # went 13 s without answering a handshake (the 10 s of the other modules failed every
 # pinned pair once). No test here kills a peer, so a long bound costs nothing.
 HANDSHAKE_TIMEOUT_MS = 30000
+# Four engine cores and four workers on two cores: a worker's heartbeat thread went 8 s
+# without the GIL (peer_timeout on a live pair, in a run at load average 9). No test
+# here kills a peer either, so liveness gets the same slack.
+DP_TIMING = {**TIMING, "liveness_timeout_s": 20.0}
 # How long a server's engines may take to show a finished transfer in /metrics (vLLM
 # sends each engine's connector stats to the API server with its step outputs) and to
 # hand back its blocks.
@@ -139,7 +143,7 @@ def _spec(name: str, role: str | None, taken: set[int]) -> ServerSpec:
         connector="KvpushConnector",
         kv_role=role,
         side_channel_port=_free_port_run(taken),
-        extra_config={**TIMING, "handshake_timeout_ms": HANDSHAKE_TIMEOUT_MS},
+        extra_config={**DP_TIMING, "handshake_timeout_ms": HANDSHAKE_TIMEOUT_MS},
         extra_args=("--data-parallel-size", str(DP)),
     )
 
