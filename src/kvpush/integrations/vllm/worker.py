@@ -151,6 +151,11 @@ class WorkerSide(Generic[S]):
         # attention layers' regions (`kvcache.check_state_pages`).
         self._groups = groups
         self._state_layers = state_layers
+        # Each numbered Mamba layer's number in the model, read once (`_computed` asks
+        # for every layer vLLM computes).
+        self._state_numbers = {
+            name: n for name in state_layers if (n := _layer_number(name)) is not None
+        }
         self._rank = rank
         self._new_stats = new_stats
         self._transport_factory = transport_factory
@@ -477,10 +482,8 @@ class WorkerSide(Generic[S]):
         new = set(names)
         for name in names:
             number = _layer_number(name)
-            for state in self._state_layers:
-                before = _layer_number(state)
-                if number is not None and before is not None and before < number:
-                    new.add(state)
+            if number is not None:
+                new.update(s for s, before in self._state_numbers.items() if before < number)
         new -= self._saved_names
         self._saved_names |= new
         complete = {
