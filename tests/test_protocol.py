@@ -740,13 +740,34 @@ def test_an_incompatible_receiver_is_never_written_to_even_if_it_registers(
 
 
 def test_fields_an_explicit_policy_allows_may_differ(wire: Wire) -> None:
-    policy = CompatibilityPolicy(frozenset({"block_size_tokens"}), reason="test mapping")
-    wire.add("p-x", "engine-px", compat=COMPAT | {"block_size_tokens": 32}, compatibility=policy)
+    policy = CompatibilityPolicy(frozenset({"layout"}), reason="test mapping")
+    wire.add("p-x", "engine-px", compat=COMPAT | {"layout": "kv_first/NHD"}, compatibility=policy)
     wire.add("d-x", "engine-dx", compatibility=policy)
     wire.submit("p-x", "t1", [1])
     wire.expect("d-x", "t1", "p-x", [3])
     wire.settle()
     assert wire.ended("p-x", "t1").ok and wire.ended("d-x", "t1").ok
+
+
+def test_a_register_counted_in_another_block_size_than_the_senders_is_refused(
+    wire: Wire,
+) -> None:
+    # Block sizes the compatibility check lets differ (here by policy; vLLM engines by
+    # their heads): the receiver's ids must count in the sender's blocks, and say so.
+    policy = CompatibilityPolicy(frozenset({"block_size_tokens"}), reason="test mapping")
+    wire.add("p-x", "engine-px", compat=COMPAT | {"block_size_tokens": 32}, compatibility=policy)
+    wire.add("d-x", "engine-dx", compatibility=policy)
+    wire.submit("p-x", "t1", [1])
+    wire.expect("d-x", "t1", "p-x", [3])  # counted in its own 16-token blocks
+    wire.settle()
+    r = wire.ended("p-x", "t1")
+    assert r.reason is FailureReason.BLOCK_MISMATCH and wire.write_log == []
+    assert "receiver counted in blocks of 16 tokens, but the sender's blocks hold 32" in r.detail
+    assert wire.ended("d-x", "t1").reason is FailureReason.BLOCK_MISMATCH
+    wire.submit("p-x", "t2", [2])
+    wire.expect("d-x", "t2", "p-x", [4], sender_block_tokens=32)
+    wire.settle()
+    assert wire.ended("p-x", "t2").ok and wire.ended("d-x", "t2").ok
 
 
 @pytest.mark.parametrize(

@@ -659,9 +659,9 @@ def test_a_sender_refuses_an_incompatible_receiver_on_its_own_handshake(
 
 
 def test_an_explicit_policy_lets_a_named_field_differ(cluster: Cluster) -> None:
-    policy = CompatibilityPolicy(frozenset({"block_size_tokens"}), reason="test mapping")
+    policy = CompatibilityPolicy(frozenset({"layout"}), reason="test mapping")
     p, p_addr = cluster.add(
-        "p-1", "engine-p", cache={"block_size_tokens": 32}, compatibility=policy
+        "p-1", "engine-p", cache={"layout": "kv_first/NHD"}, compatibility=policy
     )
     d, _ = cluster.add("d-1", "engine-d", compatibility=policy)
     p.send("t1", [1])

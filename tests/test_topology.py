@@ -374,7 +374,7 @@ def test_ranks_of_other_tp_sizes_are_compatible_and_what_differs_per_head_is_nam
     ]
     [regions] = describe_compat_differences(wider.compat_fields(), tp1.compat_fields())
     assert regions.startswith("regions differ first at #0: theirs (name, layer, bytes per ")
-    assert "('l0.kv', 0, 512), ours ('l0.kv', 0, 256)" in regions
+    assert "('l0.kv', 0, 32), ours ('l0.kv', 0, 16)" in regions  # per head per token
     # A rank that does not know its heads is never taken for one that does.
     blind = msgspec.structs.replace(tp1, heads=None)
     assert "kv_heads" in " ".join(
@@ -408,6 +408,84 @@ def test_write_views_cut_blocks_to_the_planned_heads_and_refuse_what_cannot_be_c
         write_views(hnd, msgspec.structs.replace(d0, layout="kv_separate/NHD"))
     with pytest.raises(UnsupportedShape, match=r"larger TP size to be a whole multiple"):
         write_views(_rank_geometry(KVHeads(6, 3, 2, 0)), _rank_geometry(KVHeads(6, 2, 3, 0)))
+
+
+def _dense_geometry(
+    heads: KVHeads, block_tokens: int, *, layout: str = "vllm_packed/BHNC", blocks: int = 8
+) -> CacheGeometry:
+    """A rank's cache with blocks back to back: 8 bytes per head per token."""
+    from kvpush.geometry import Region
+
+    size = 8 * block_tokens * heads.per_rank
+    regions = tuple(Region(f"l{i}.kv", i, 0x100000 * (i + 1), size, size, blocks) for i in range(2))
+    return CacheGeometry(layout, block_tokens, "bfloat16", regions, heads=heads)
+
+
+def test_engines_of_other_block_sizes_are_compatible_where_they_know_their_heads() -> None:
+    from kvpush.geometry import block_sizes_may_differ, describe_compat_differences
+
+    small = _dense_geometry(KVHeads(1, 1, 1, 0), 16)
+    large = _dense_geometry(KVHeads(1, 1, 1, 0), 32)
+    a, b = small.compat_fields(), large.compat_fields()
+    assert block_sizes_may_differ(a, b)
+    assert describe_compat_differences(a, b) == [
+        "block_size_tokens: theirs 16, ours 32"
+    ]  # the only difference, which the protocol leaves to the views
+    blind = msgspec.structs.replace(small, heads=None)
+    assert not block_sizes_may_differ(blind.compat_fields(), b)
+
+
+def test_write_views_split_the_larger_blocks_into_parts_of_the_smaller_size() -> None:
+    from kvpush.geometry import sub_block_ids, write_views
+
+    prefill = _dense_geometry(KVHeads(1, 1, 1, 0), 16)
+    decode = _dense_geometry(KVHeads(1, 1, 1, 0), 64)  # 4 prefill blocks per decode block
+    ours, theirs = write_views(prefill, decode)
+    assert ours == msgspec.structs.replace(prefill, heads=None)  # whole blocks, as they are
+    for view, whole in zip(theirs.regions, decode.regions, strict=True):
+        assert (view.base_addr, view.block_bytes, view.block_stride, view.num_blocks) == (
+            whole.base_addr,
+            whole.block_bytes // 4,
+            whole.block_bytes // 4,
+            whole.num_blocks * 4,
+        )
+    assert theirs.block_size_tokens == 16
+    # Decode block 5's third part starts half way through it.
+    [part] = sub_block_ids([3, 5], 4, 7)[-1:]
+    assert part == 22
+    r = theirs.regions[0]
+    assert r.base_addr + part * r.block_stride == decode.regions[0].base_addr + 5 * 512 + 256
+    assert sub_block_ids([3, 5], 4, 6) == (12, 13, 14, 15, 20, 21)
+    assert sub_block_ids([3, 5], 1, 1) == (3,)
+    with pytest.raises(ValueError, match="9 parts asked of 2 blocks"):
+        sub_block_ids([3, 5], 4, 9)
+    # The other way (a decode writing into a prefill, never in push): its blocks split.
+    back_ours, back_theirs = write_views(decode, prefill)
+    assert back_ours.regions == theirs.regions and back_theirs.regions == prefill.regions
+    # Tokens outermost (BNHC), the rank's every head: a part is one run, too.
+    bnhc = _dense_geometry(KVHeads(4, 4, 1, 0), 32, layout="vllm_packed/BNHC")
+    _, split = write_views(
+        _dense_geometry(KVHeads(4, 4, 1, 0), 16, layout="vllm_packed/BNHC"), bnhc
+    )
+    assert [r.block_bytes for r in split.regions] == [8 * 16 * 4] * 2
+
+
+def test_block_sizes_whose_parts_are_not_one_run_are_refused_naming_what_is_expected() -> None:
+    from kvpush.geometry import KVCacheGroup, write_views
+
+    heads = KVHeads(4, 4, 1, 0)
+    with pytest.raises(UnsupportedShape) as caught:
+        write_views(_dense_geometry(heads, 16), _dense_geometry(heads, 32))
+    text = str(caught.value)
+    assert "16-token block would land in 2 parts of each of the 4 heads" in text
+    assert "layout vllm_packed/BHNC" in text and "expected one KV head per rank" in text
+    with pytest.raises(UnsupportedShape, match=r"block sizes 16 and 24 tokens: expected one"):
+        write_views(_dense_geometry(heads, 16), _dense_geometry(heads, 24))
+    one = KVHeads(1, 1, 1, 0)
+    window = (KVCacheGroup("full_attention", 16), KVCacheGroup("sliding_window", 16, 64))
+    hybrid = msgspec.structs.replace(_dense_geometry(one, 16), groups=window)
+    with pytest.raises(UnsupportedShape, match=r"sliding window of 64 tokens counts its blocks"):
+        write_views(hybrid, _dense_geometry(one, 32))
 
 
 def test_rank_pairs_give_every_rank_of_both_sides_a_part() -> None:

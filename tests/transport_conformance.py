@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvpush.errors import ClosedError, FailureReason, KVPushError, TransportError
-from kvpush.geometry import CacheGeometry, KVHeads, Region, write_views
+from kvpush.geometry import CacheGeometry, KVHeads, Region, sub_block_ids, write_views
 from kvpush.runtime.scratch import ScratchBuffer, digest, pattern
 from kvpush.transports.base import (
     MessageReceived,
@@ -404,6 +404,48 @@ class TransportConformance:
                 assert rest == bytes(len(rest)), f"region {r} block {t}: other heads written"
             for b in (1, 2, 3, 4, 7):
                 assert pair.receiver_kv.block(r, b) == bytes(len(pair.receiver_kv.block(r, b)))
+
+    # ------------------------------------------------ blocks of other sizes
+    @pytest.mark.parametrize("ratio", [2, 4])
+    def test_a_write_of_smaller_blocks_lands_in_parts_of_larger_ones(
+        self, new_endpoint: Callable[[str, KVBuffers], Transport], ratio: int
+    ) -> None:
+        """A prefill of 16-token blocks into a decode of `ratio` times larger ones (one KV
+        head per rank): each prefill block moves whole into its part of a decode block,
+        in token order, and nothing else of the decode's cache is written."""
+
+        def rank_kv(tokens: int) -> KVBuffers:
+            kv = self.kv(block_bytes=HEAD_BYTES * tokens // 16)
+            kv.geometry = msgspec.structs.replace(
+                kv.geometry,
+                layout="vllm_packed/BHNC",
+                block_size_tokens=tokens,
+                heads=KVHeads(1, 1, 1, 0),
+            )
+            return kv
+
+        sender_kv, receiver_kv = rank_kv(16), rank_kv(16 * ratio)
+        sender_kv.fill_random(5)
+        sender = new_endpoint("sender", sender_kv)
+        receiver = new_endpoint("receiver", receiver_kv)
+        ours, theirs = write_views(sender_kv.geometry, receiver_kv.geometry)
+        sender.add_peer(receiver.agent_name, receiver.metadata(), theirs, ours=ours)
+        # The request's five prefill blocks, into decode blocks 6 and 2 (and 5 for ratio 2).
+        decode_blocks = [6, 2, 5][: -(-5 // ratio)]
+        parts = sub_block_ids(decode_blocks, ratio, 5)
+        prefill_blocks = [3, 0, 7, 1, 4]
+        sender.write_blocks(receiver.agent_name, 9, prefill_blocks, list(parts), b"parts")
+        pump([sender, receiver], lambda ev: WriteDone(9) in ev[0] and bool(messages(ev[1])))
+        for r in range(len(sender_kv.geometry.regions)):
+            expected = {b: bytearray(len(receiver_kv.block(r, b))) for b in range(8)}
+            for i, src in enumerate(prefill_blocks):
+                block, part = divmod(i, ratio)
+                at = part * HEAD_BYTES
+                expected[decode_blocks[block]][at : at + HEAD_BYTES] = sender_kv.block(r, src)
+            for b in range(8):
+                assert receiver_kv.block(r, b) == bytes(expected[b]), (
+                    f"region {r} decode block {b}: not the prefill blocks the parts name"
+                )
 
     def test_a_rank_pair_that_shares_no_heads_moves_nothing_and_still_notifies(
         self, new_endpoint: Callable[[str, KVBuffers], Transport]

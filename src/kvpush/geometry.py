@@ -13,7 +13,7 @@ same token slots in every region.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -31,7 +31,11 @@ from kvpush.topology import EngineShape, UnsupportedShape, plan_transfer
 # 5: the geometry may say how its blocks hold KV heads (`KVHeads`), and compatibility
 # compares bytes per head, not per block; a version-4 peer would refuse (or, worse, write
 # whole blocks into) a decode rank of another tensor-parallel size.
-PROTOCOL_VERSION = 5
+# 6: where the geometry knows its heads, block sizes may differ by a whole multiple
+# (regions are compared per head per token) and a Register names the block size its ids
+# are in (`Register.sender_block_tokens`); a version-5 peer would take those ids for its
+# own blocks.
+PROTOCOL_VERSION = 6
 
 # Layouts in which a block holds its KV heads one after another, each head one run of
 # bytes (`[H, N, C]` per block): where a rank can take a slice of another rank's heads.
@@ -124,18 +128,19 @@ class CacheGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         return self.bytes_per_block * self.num_blocks
 
     def region_unit_bytes(self, region: Region) -> int:
-        """The bytes of `region`'s block that must agree with a peer's: one head's where
-        the geometry knows its heads (ranks of other TP sizes hold other counts), else
-        the whole block's."""
+        """The bytes of `region` that must agree with a peer's: one head's for one token
+        where the geometry knows its heads (ranks of other TP sizes hold other counts,
+        engines of other block sizes other tokens per block), else a whole block's."""
         if self.heads is None:
             return region.block_bytes
-        return region.block_bytes // max(1, self.heads.per_rank)
+        return region.block_bytes // max(1, self.heads.per_rank) // max(1, self.block_size_tokens)
 
     def compat_fields(self) -> dict[str, object]:
         """What two peers must agree on; addresses, block counts and (where the geometry
-        knows its heads) tensor-parallel sizes may differ. Regions are compared by the
-        bytes of one head per block then, with `kv_heads` the model's head count; a
-        hybrid model's KV-cache groups by kind, block size and window."""
+        knows its heads) tensor-parallel sizes and block sizes may differ
+        (`block_sizes_may_differ`; `write_views` says which pairs carry). Regions are
+        compared by the bytes of one head per token then, with `kv_heads` the model's
+        head count; a hybrid model's KV-cache groups by kind, block size and window."""
         fields: dict[str, object] = {
             "protocol_version": PROTOCOL_VERSION,
             "layout": self.layout,
@@ -177,6 +182,13 @@ class ScratchRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         return None
 
 
+def block_sizes_may_differ(a: Mapping[str, object], b: Mapping[str, object]) -> bool:
+    """Whether two peers' `compat_fields()` leave their block sizes to `write_views`:
+    where both know their heads (vLLM engines), whose regions are then compared per
+    token. Elsewhere blocks move whole and must be equal."""
+    return a.get("kv_heads") is not None and b.get("kv_heads") is not None
+
+
 def describe_compat_differences(
     theirs: Mapping[str, object], ours: Mapping[str, object]
 ) -> list[str]:
@@ -202,7 +214,7 @@ def _describe_region_difference(theirs: Any, ours: Any) -> str:
         if tuple(a) != tuple(b):
             return (
                 f"regions differ first at #{i}: theirs (name, layer, bytes per block or "
-                f"per head per block) = "
+                f"per head per token) = "
                 f"{tuple(a)}, ours {tuple(b)}"
             )
     return "regions differ"
@@ -212,54 +224,141 @@ def write_views(ours: CacheGeometry, theirs: CacheGeometry) -> tuple[CacheGeomet
     """What a write from our rank to theirs moves, as two geometries whose blocks are
     exactly those bytes: the heads of each of our blocks it reads, and where they land in
     each of theirs (`kvpush.topology`'s plan, with us the prefill). A transport writes
-    whole blocks of these views, so it needs to know nothing of heads.
+    whole blocks of these views, so it needs to know nothing of heads or block sizes.
+
+    Where one side's blocks are `k` times the other's, that side's view is of blocks of
+    the smaller size: its block `b` is view blocks `b * k ... b * k + k - 1`, in token
+    order (`sub_block_ids`), so a block of the smaller side moves whole into (or from)
+    a part of one of the larger's.
 
     Unchanged where the geometries do not know their heads (both, or compatibility
-    refused the pair) or hold the same heads. A rank pair the plan gives no heads to
-    gets views of empty blocks: its writes move nothing and still notify. Raises
-    `UnsupportedShape` for a pair the plan cannot carry, or a layout in which a block's
-    heads are not one run each."""
+    refused the pair) or hold the same heads in blocks of one size. A rank pair the plan
+    gives no heads to gets views of empty blocks: its writes move nothing and still
+    notify. Raises `UnsupportedShape` for a pair the plan cannot carry, a layout in which
+    a block's heads are not one run each, or block sizes whose parts are not one run."""
     a, b = ours.heads, theirs.heads
-    if a is None or b is None or (a.tp_size, a.tp_rank) == (b.tp_size, b.tp_rank):
+    if a is None or b is None:
         return ours, theirs
-    states = [g.describe() for g in (*ours.groups, *theirs.groups) if g.kind == "mamba"]
-    if states:
-        raise UnsupportedShape(
-            f"TP {a.tp_size} rank {a.tp_rank} and TP {b.tp_size} rank {b.tp_rank} would "
-            f"exchange parts of blocks, but this model's {states[0]} moves only whole, "
-            f"between engines of one tensor-parallel size: expected prefill and decode at "
-            f"one TP size"
-        )
-    if ours.layout not in HEAD_SLICEABLE_LAYOUTS:
-        raise UnsupportedShape(
-            f"TP {a.tp_size} rank {a.tp_rank} and TP {b.tp_size} rank {b.tp_rank} exchange "
-            f"parts of blocks, which layout {ours.layout} does not hold as one run per head: "
-            f"expected one of {', '.join(HEAD_SLICEABLE_LAYOUTS)} (ask vLLM for LBHNC)"
-        )
-    plan = plan_transfer(
-        prefill=EngineShape(a.tp_size, ours.block_size_tokens),
-        decode=EngineShape(b.tp_size, theirs.block_size_tokens),
-        total_kv_heads=a.total,
-        replicated_kv=a.replicated,
-        bytes_per_head_per_block=1,
+    same_heads = (a.tp_size, a.tp_rank) == (b.tp_size, b.tp_rank)
+    ratio = _block_ratio(ours, theirs)
+    if same_heads and ratio == 1:
+        return ours, theirs
+    shape = (
+        f"TP {a.tp_size} rank {a.tp_rank} ({ours.block_size_tokens}-token blocks) and "
+        f"TP {b.tp_size} rank {b.tp_rank} ({theirs.block_size_tokens}-token blocks)"
     )
-    for s in plan.for_decode(b.tp_rank).sources:
-        if s.prefill_rank == a.tp_rank:
-            return (
-                _head_view(ours, s.first_head_in_prefill_rank, s.num_heads),
-                _head_view(theirs, s.first_head_in_decode_rank, s.num_heads),
+    states = [g.describe() for g in (*ours.groups, *theirs.groups) if g.kind == "mamba"]
+    if states and not same_heads:
+        raise UnsupportedShape(
+            f"{shape} would exchange parts of blocks, but this model's {states[0]} moves "
+            f"only whole, between engines of one tensor-parallel size: expected prefill and "
+            f"decode at one TP size"
+        )
+    if ratio != 1:
+        others = [
+            g.describe() for g in (*ours.groups, *theirs.groups) if g.kind != "full_attention"
+        ]
+        if others:
+            raise UnsupportedShape(
+                f"{shape}: this model's {others[0]} counts its blocks in the engine's block "
+                f"size, so it moves only between engines of one block size: expected both "
+                f"at one --block-size"
             )
-    return _head_view(ours, 0, 0), _head_view(theirs, 0, 0)
+    if not same_heads and ours.layout not in HEAD_SLICEABLE_LAYOUTS:
+        raise UnsupportedShape(
+            f"{shape} exchange parts of blocks, which layout {ours.layout} does not hold as "
+            f"one run per head: expected one of {', '.join(HEAD_SLICEABLE_LAYOUTS)} (ask "
+            f"vLLM for LBHNC)"
+        )
+    first_ours, first_theirs, count = 0, 0, a.per_rank
+    if not same_heads:
+        plan = plan_transfer(
+            prefill=EngineShape(a.tp_size, 1),
+            decode=EngineShape(b.tp_size, 1),
+            total_kv_heads=a.total,
+            replicated_kv=a.replicated,
+            bytes_per_head_per_block=1,
+        )
+        first_ours, first_theirs, count = 0, 0, 0
+        for s in plan.for_decode(b.tp_rank).sources:
+            if s.prefill_rank == a.tp_rank:
+                first_ours, first_theirs = s.first_head_in_prefill_rank, s.first_head_in_decode_rank
+                count = s.num_heads
+    tokens = min(ours.block_size_tokens, theirs.block_size_tokens)
+    return (
+        _head_view(ours, first_ours, count, tokens, shape),
+        _head_view(theirs, first_theirs, count, tokens, shape),
+    )
 
 
-def _head_view(geometry: CacheGeometry, first: int, count: int) -> CacheGeometry:
-    """`geometry` with each block cut down to heads `[first, first + count)` of it."""
+def _block_ratio(ours: CacheGeometry, theirs: CacheGeometry) -> int:
+    """How many blocks of the smaller side one block of the larger holds."""
+    small, large = sorted((ours.block_size_tokens, theirs.block_size_tokens))
+    if small < 1 or large % small:
+        raise UnsupportedShape(
+            f"block sizes {ours.block_size_tokens} and {theirs.block_size_tokens} tokens: "
+            f"expected one to be a whole multiple of the other"
+        )
+    return large // small
+
+
+def sub_block_ids(blocks: Sequence[int], ratio: int, count: int) -> tuple[int, ...]:
+    """The first `count` view blocks of `blocks` where each holds `ratio` blocks of a
+    peer's smaller size (`write_views`): block `b`'s parts are `b * ratio + i`, in token
+    order. `count` must not exceed `len(blocks) * ratio`."""
+    if ratio == 1:
+        return tuple(blocks[:count])
+    if count > len(blocks) * ratio:
+        raise ValueError(f"{count} parts asked of {len(blocks)} blocks of {ratio} parts each")
+    return tuple(b * ratio + i for b in blocks for i in range(ratio))[:count]
+
+
+def _tokens_outermost(layout: str) -> bool:
+    """Whether a block of `layout` holds its tokens one after another, all heads of a
+    token together (`vllm_packed/BNHC`, `*/NHD`): then its first tokens are one run."""
+    order = layout.rsplit("/", 1)[-1]
+    if layout.startswith("vllm_packed/"):
+        return order[1:2] == "N"
+    return order.startswith("N")
+
+
+def _head_view(
+    geometry: CacheGeometry, first: int, count: int, tokens: int, shape: str
+) -> CacheGeometry:
+    """`geometry` with each block cut down to heads `[first, first + count)` of it, in
+    blocks of `tokens` tokens: where the geometry's blocks hold more, each becomes that
+    many view blocks, one after another, which must then each be one run of bytes."""
+    ratio = geometry.block_size_tokens // tokens
     regions = []
     for r in geometry.regions:
-        per_head = geometry.region_unit_bytes(r)
+        unit = geometry.region_unit_bytes(r)  # one head, one token
+        head = unit * geometry.block_size_tokens
+        if ratio == 1:
+            regions.append(
+                msgspec.structs.replace(
+                    r, base_addr=r.base_addr + first * head, block_bytes=count * head
+                )
+            )
+            continue
+        part = count * unit * tokens
+        held = geometry.heads.per_rank if geometry.heads is not None else 1
+        if not (
+            (held == 1 or _tokens_outermost(geometry.layout))
+            and count in (0, held)
+            and r.block_stride == r.block_bytes
+        ):
+            raise UnsupportedShape(
+                f"{shape}: a {tokens}-token block would land in {ratio} parts of each of "
+                f"the {held} heads of a {geometry.block_size_tokens}-token block of region "
+                f"{r.name} (layout {geometry.layout}, blocks {r.block_stride} bytes apart), "
+                f"not one run of bytes: expected one KV head per rank, or tokens outermost "
+                f"in a block, with blocks back to back"
+            )
         regions.append(
             msgspec.structs.replace(
-                r, base_addr=r.base_addr + first * per_head, block_bytes=count * per_head
+                r, block_bytes=part, block_stride=part, num_blocks=r.num_blocks * ratio
             )
         )
-    return msgspec.structs.replace(geometry, regions=tuple(regions), heads=None)
+    return msgspec.structs.replace(
+        geometry, regions=tuple(regions), heads=None, block_size_tokens=tokens
+    )

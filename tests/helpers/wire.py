@@ -189,12 +189,25 @@ class Wire:
 
     # ----- engine calls, as effects applied at once
 
-    def expect(self, d: str, tid: str, p: str, blocks: Sequence[int], offset: int = 0) -> None:
+    def expect(
+        self,
+        d: str,
+        tid: str,
+        p: str,
+        blocks: Sequence[int],
+        offset: int = 0,
+        sender_block_tokens: int | None = None,
+    ) -> None:
         for b in blocks:
             owner = self.owner[d].get(b)
             assert owner is None, f"test bug: block {b} of {d} is in use"
         effects = self.ends[d].receiver.expect(
-            self.now, tid, self.address_of[p], blocks, sender_offset=offset
+            self.now,
+            tid,
+            self.address_of[p],
+            blocks,
+            sender_offset=offset,
+            sender_block_tokens=sender_block_tokens,
         )
         self.expected[(d, tid)] = (p, offset)
         for b in blocks:

@@ -17,7 +17,7 @@ from kvpush.errors import (
     LocalProtocolError,
     TransferFailed,
 )
-from kvpush.geometry import describe_compat_differences
+from kvpush.geometry import block_sizes_may_differ, describe_compat_differences
 from kvpush.protocol.messages import (
     Message,
     Register,
@@ -295,9 +295,7 @@ class _Compatibility:
 
     def problem(self, theirs: Mapping[str, object]) -> str | None:
         """None when `theirs` may be used with ours; else what differs, theirs and ours."""
-        allowed = self.policy.may_differ
-        ours = {k: v for k, v in self.ours.items() if k not in allowed}
-        their = {k: v for k, v in theirs.items() if k not in allowed}
+        ours, their = self._compared(theirs)
         differences = describe_compat_differences(their, ours)
         if not differences:
             return None
@@ -305,10 +303,26 @@ class _Compatibility:
 
     def their_view(self, theirs: Mapping[str, object]) -> str:
         """What differs as the peer sees it (its values are "ours" there), to tell it."""
-        allowed = self.policy.may_differ
+        ours, their = self._compared(theirs)
+        return "; ".join(describe_compat_differences(ours, their))
+
+    def _compared(
+        self, theirs: Mapping[str, object]
+    ) -> tuple[dict[str, object], dict[str, object]]:
+        """Ours and theirs without the fields that may differ: the policy's, and the
+        block size where the geometry leaves it to the data plane's views."""
+        allowed = set(self.policy.may_differ)
+        if block_sizes_may_differ(self.ours, theirs):
+            allowed.add("block_size_tokens")
         ours = {k: v for k, v in self.ours.items() if k not in allowed}
         their = {k: v for k, v in theirs.items() if k not in allowed}
-        return "; ".join(describe_compat_differences(ours, their))
+        return ours, their
+
+    @property
+    def block_tokens(self) -> int:
+        """Our block size in tokens; 0 where our fields do not say (models, tests)."""
+        value = self.ours.get("block_size_tokens", 0)
+        return value if isinstance(value, int) else 0
 
 
 def _check_blocks(blocks: Sequence[int], call: str, transfer_id: object) -> tuple[int, ...]:

@@ -56,6 +56,11 @@ class Register(msgspec.Struct, frozen=True, tag_field="type", tag="register"):
     list the sender's engine submitted). A prefix-cache hit of `k` blocks is
     `sender_offset=k`; a full hit is an empty `block_ids`. The receiver's side-channel
     address lets the sender handshake back before its first write.
+
+    `sender_block_tokens`: the sender's block size, in tokens, that the receiver counted
+    in. Where the receiver's blocks are `k` times larger, its `block_ids` are parts of
+    them (`kvpush.geometry.sub_block_ids`), one per sender block; a sender whose blocks
+    are of another size refuses the registration rather than take them for its own.
     """
 
     transfer_id: TransferId
@@ -71,6 +76,7 @@ class Register(msgspec.Struct, frozen=True, tag_field="type", tag="register"):
     # this grants runs `lease_s` from here, on the receiver's clock. None (an old peer):
     # the Register grants no lease, so nothing is written for it.
     sent_at: float | None = None
+    sender_block_tokens: Count = 0
 
 
 class Done(msgspec.Struct, frozen=True, tag_field="type", tag="done"):

@@ -53,6 +53,7 @@ class _Incoming:
     blocks: tuple[int, ...]
     sender_offset: int
     deadline: float
+    sender_block_tokens: int = 0
     first_attempt: bool = True
     state: ReceiverState = ReceiverState.HANDSHAKING
     peer: str | None = None  # the sender's agent, once handshaken
@@ -140,9 +141,12 @@ class ReceiverProtocol(_Side["_Incoming"]):
         blocks: Sequence[int],
         *,
         sender_offset: int = 0,
+        sender_block_tokens: int | None = None,
     ) -> list[Effect]:
         """Expect `transfer_id` from the sender whose side channel is `sender` into our
         `blocks`; `blocks[i]` receives the sender's block `sender_offset + i`.
+        `sender_block_tokens`: the sender's block size our ids count in (None: ours; where
+        ours is `k` times larger, `blocks` are parts of our blocks, `sub_block_ids`).
 
         Registers at once from a cached handshake of `sender` (heard from within
         `revalidate_after_s`), else asks for a `Handshake` of `sender` first (one per
@@ -171,6 +175,9 @@ class ReceiverProtocol(_Side["_Incoming"]):
             ours,
             sender_offset,
             deadline=now + self._timing.transfer_deadline_s,
+            sender_block_tokens=(
+                self._compat.block_tokens if sender_block_tokens is None else sender_block_tokens
+            ),
         )
         self._transfers[transfer_id] = rec
         known = self._known.get(sender)
@@ -410,6 +417,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
             rec.blocks,
             rec.sender_offset,
             sent_at=now,
+            sender_block_tokens=rec.sender_block_tokens,
         )
         rec.peer = peer
         rec.state = ReceiverState.WAITING

@@ -113,6 +113,7 @@ class Receive:
     sender: PeerAddress
     blocks: tuple[int, ...]
     sender_offset: int
+    sender_block_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -579,7 +580,16 @@ class Driver:
                     # Never sent: nothing is in flight under that id, so nothing to end.
                     log.debug("layers_ready for %s, which was never sent", tid)
             case Receive(transfer_id=tid, sender=address, blocks=blocks, sender_offset=off):
-                self._apply(receiver.expect(now, tid, address, blocks, sender_offset=off))
+                self._apply(
+                    receiver.expect(
+                        now,
+                        tid,
+                        address,
+                        blocks,
+                        sender_offset=off,
+                        sender_block_tokens=cmd.sender_block_tokens,
+                    )
+                )
                 if receiver.state_of(tid) is ReceiverState.WAITING:
                     self._unconfirmed.append(tid)  # registered from the cache just now
             case RejectRequest(transfer_id=tid, sender=address, detail=detail):

@@ -268,16 +268,43 @@ class PushRuntime:
         blocks: Sequence[int],
         *,
         sender_offset: int = 0,
+        sender_block_tokens: int | None = None,
     ) -> None:
         """Expect `transfer_id` from `sender` into `blocks`; `blocks[i]` receives the
-        sender's block `sender_offset + i`. Empty `blocks`: a full prefix-cache hit."""
-        ours = self._check_blocks(transfer_id, blocks)
+        sender's block `sender_offset + i`. Empty `blocks`: a full prefix-cache hit.
+
+        `sender_block_tokens`: the sender's block size, where ours is a whole multiple
+        `k` of it (None: ours). `blocks` and `sender_offset` then count in its blocks:
+        our block `b` is `b * k ... b * k + k - 1` (`kvpush.geometry.sub_block_ids`). The
+        sender refuses the registration if its blocks are of another size."""
+        ratio = self._block_ratio(transfer_id, sender_block_tokens)
+        ours = self._check_blocks(transfer_id, blocks, ratio)
         self._check_address(sender)
         if isinstance(sender_offset, bool) or not isinstance(sender_offset, int):
             raise LocalProtocolError(f"sender_offset must be an int, got {sender_offset!r}")
         if sender_offset < 0:
             raise LocalProtocolError(f"sender_offset must be >= 0, got {sender_offset}")
-        self._submit(("receiver", transfer_id), Receive(transfer_id, sender, ours, sender_offset))
+        self._submit(
+            ("receiver", transfer_id),
+            Receive(transfer_id, sender, ours, sender_offset, sender_block_tokens),
+        )
+
+    def _block_ratio(self, transfer_id: str, sender_block_tokens: int | None) -> int:
+        ours = self._geometry.block_size_tokens
+        if sender_block_tokens is None:
+            return 1
+        if (
+            isinstance(sender_block_tokens, bool)
+            or not isinstance(sender_block_tokens, int)
+            or sender_block_tokens < 1
+            or ours % sender_block_tokens
+        ):
+            raise LocalProtocolError(
+                f"transfer {transfer_id!r}: sender_block_tokens {sender_block_tokens!r} does "
+                f"not divide our {ours}-token blocks: expected a sender whose blocks are ours "
+                f"or a whole fraction of them"
+            )
+        return ours // sender_block_tokens
 
     def reject(self, transfer_id: str, sender: PeerAddress, detail: str = "") -> None:
         """Refuse `transfer_id` before allocating: the sender frees its blocks at once.
@@ -454,9 +481,12 @@ class PushRuntime:
                 f"{what} must be a kvpush.runtime.PeerAddress(host, port, rank), got {address!r}"
             )
 
-    def _check_blocks(self, transfer_id: str, blocks: Sequence[int]) -> tuple[int, ...]:
+    def _check_blocks(
+        self, transfer_id: str, blocks: Sequence[int], ratio: int = 1
+    ) -> tuple[int, ...]:
+        """`blocks` as a tuple, checked: ids of our blocks, or of their `ratio` parts."""
         self._check_id(transfer_id)
-        n = self._num_blocks
+        n = self._num_blocks * ratio
         out = tuple(blocks)
         # Plain ints in range (the usual case) pass without building the list of bad ones.
         if all(type(b) is int and 0 <= b < n for b in out):
