@@ -427,12 +427,18 @@ def test_engines_of_other_block_sizes_are_compatible_where_they_know_their_heads
     small = _dense_geometry(KVHeads(1, 1, 1, 0), 16)
     large = _dense_geometry(KVHeads(1, 1, 1, 0), 32)
     a, b = small.compat_fields(), large.compat_fields()
-    assert block_sizes_may_differ(a, b)
-    assert describe_compat_differences(a, b) == [
-        "block_size_tokens: theirs 16, ours 32"
-    ]  # the only difference, which the protocol leaves to the views
+    assert block_sizes_may_differ(a, b) and a["block_size_tokens"] != b["block_size_tokens"]
+    assert describe_compat_differences(a, b) == []  # left to `write_views`
+    assert small.compat_hash() == large.compat_hash()
     blind = msgspec.structs.replace(small, heads=None)
-    assert not block_sizes_may_differ(blind.compat_fields(), b)
+    blind_large = msgspec.structs.replace(large, heads=None)
+    assert not block_sizes_may_differ(blind.compat_fields(), blind_large.compat_fields())
+    assert describe_compat_differences(blind.compat_fields(), blind_large.compat_fields()) == [
+        "block_size_tokens: theirs 16, ours 32",
+        "regions differ first at #0: theirs (name, layer, bytes per block or per head per "
+        "token) = ('l0.kv', 0, 128), ours ('l0.kv', 0, 256)",
+    ]
+    assert blind.compat_hash() != blind_large.compat_hash()
 
 
 def test_write_views_split_the_larger_blocks_into_parts_of_the_smaller_size() -> None:

@@ -22,11 +22,13 @@ import torch
 
 from helpers.vllm_worker import loopback_factory, worker_config
 from kvpush.config import SideChannelConfig
-from kvpush.integrations.vllm.plan import Receive, Send, StepPlan, StepResults
+from kvpush.geometry import KVCacheGroup, sub_block_ids
+from kvpush.integrations.vllm.groups import in_sender_blocks, received_blocks
+from kvpush.integrations.vllm.plan import GroupBlocks, Receive, Send, StepPlan, StepResults
 from kvpush.integrations.vllm.worker import WorkerSide
 from kvpush.runtime import TransferResult
 from kvpush.sidechannel import MetadataServer, PeerMetadata
-from kvpush.topology import rank_heads
+from kvpush.topology import UnsupportedShape, rank_heads
 from kvpush.transports.loopback import LoopbackFabric
 
 pytestmark = pytest.mark.timeout(120)
@@ -56,9 +58,9 @@ class Stats:
         return not (self.failed_at_once or self.parts_ended)
 
 
-def model_kv(seed: int, total_heads: int) -> torch.Tensor:
+def model_kv(seed: int, total_heads: int, tokens: int = TOKENS) -> torch.Tensor:
     """The model's whole KV cache: [layers, blocks, heads, tokens, C] random bytes."""
-    kv = torch.empty((LAYERS, BLOCKS, total_heads, TOKENS, C), dtype=torch.bfloat16)
+    kv = torch.empty((LAYERS, BLOCKS, total_heads, tokens, C), dtype=torch.bfloat16)
     flat = kv.view(torch.uint8).reshape(-1)
     gen = torch.Generator().manual_seed(seed)
     flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
@@ -79,6 +81,7 @@ class Engine:
         total_heads: int,
         seed: int,
         mla: bool = False,
+        tokens: int = TOKENS,
     ) -> None:
         self.tp = tp
         self.ranks: dict[int, PeerMetadata] = {}
@@ -88,14 +91,14 @@ class Engine:
             role,
             self.server.port,
             total_kv_heads=total_heads,
-            block_size_tokens=TOKENS,
+            block_size_tokens=tokens,
             tp_size=tp,
             use_mla=mla,
         )
         loopback = loopback_factory(fabric)
 
         self.mla = mla
-        self.model = model_kv(seed, total_heads)
+        self.model = model_kv(seed, total_heads, tokens)
         self.workers: list[WorkerSide[Stats]] = []
         self.caches: list[torch.Tensor] = []
         for rank in range(tp):
@@ -243,6 +246,125 @@ def check_every_decode_rank(engines: tuple[Engine, Engine], layerwise: bool) -> 
             assert reports == {"req-p" if engine is prefill else "req-d": 1}, (
                 f"rank {rank} reported {reports}: expected the request once"
             )
+
+
+BLOCK_SHAPES = [
+    # (prefill TP, decode TP, KV heads, decode blocks per prefill block)
+    (1, 1, 1, 2),
+    (1, 1, 1, 4),
+    (2, 2, 2, 2),  # one head per rank
+    (2, 1, 1, 2),  # prefill TP above the head count: rank 1's copy moves nothing
+]
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "heads", "ratio"),
+    BLOCK_SHAPES,
+    ids=[f"tp{p}-to-tp{d}-{h}heads-x{r}" for p, d, h, r in BLOCK_SHAPES],
+)
+def test_decode_blocks_a_whole_multiple_of_the_prefills_take_each_prefill_block_in_place(
+    stack: ExitStack, p_tp: int, d_tp: int, heads: int, ratio: int
+) -> None:
+    """The decode's blocks `ratio` times the prefill's (16 tokens), one KV head per rank:
+    the decode registers the parts of its blocks (`sub_block_ids`), and each prefill
+    block lands whole in its part, in token order; the rest of the last decode block,
+    and every other block, stay as they were."""
+    fabric = LoopbackFabric()
+    prefill = Engine(stack, fabric, "prefill", "sender", tp=p_tp, total_heads=heads, seed=1)
+    decode = Engine(
+        stack,
+        fabric,
+        "decode",
+        "receiver",
+        tp=d_tp,
+        total_heads=heads,
+        seed=2,
+        tokens=TOKENS * ratio,
+    )
+    sent = (1, 2, 3, 7, 0)  # five prefill blocks: the last decode block partly filled
+    ours = (5, 6, 2)[: -(-len(sent) // ratio)]
+    parts = sub_block_ids(ours, ratio, len(sent))
+    before = [cache.clone() for cache in decode.caches]
+    receive = Receive(
+        "req-d", "tb", HOST, prefill.server.port, parts, 0, p_tp, d_tp, sender_block_tokens=TOKENS
+    )
+    decode.step(StepPlan(receives=[receive]))
+    prefill.step(StepPlan(sends=[Send("req-p", "tb", sent, decode_tp_size=d_tp)]))
+    run_until_ended(prefill, decode)
+    for rank in range(d_tp):
+        assert decode.ended[rank].failed_recving == set(), f"decode rank {rank} failed"
+        want = before[rank].clone()
+        held = rank_heads(rank, d_tp, heads, False)
+        for i, block in enumerate(sent):
+            at = (i % ratio) * TOKENS
+            want[:, ours[i // ratio], :, at : at + TOKENS] = prefill.model[
+                :, block, held.first_head : held.stop
+            ]
+        assert torch.equal(decode.caches[rank].view(torch.uint8), want.view(torch.uint8)), (
+            f"decode rank {rank}: not each prefill block in its part, or more written"
+        )
+
+
+def test_the_decode_counts_its_blocks_in_the_prefills_as_many_as_the_prefill_sends() -> None:
+    """What the decode's scheduler registers (`in_sender_blocks`): a 100-token prompt in
+    16-token prefill blocks (7 of them) into 32-token decode blocks (4): the parts of
+    each decode block after its prefix hit, one per prefill block, the offset in
+    prefill blocks; the prefill's sizes that are no whole fraction of the decode's, or
+    a hybrid model's, refused naming both sizes."""
+    full = (KVCacheGroup("full_attention", 32),)
+    decode_ids = [[9, 4, 6, 2]]
+    got = received_blocks(full, decode_ids, 100, 0)
+    assert in_sender_blocks(full, got, 100, 16) == (GroupBlocks((18, 19, 8, 9, 12, 13, 4), 0),)
+    hit = received_blocks(full, decode_ids, 100, 64)  # two decode blocks cached
+    assert in_sender_blocks(full, hit, 100, 16) == (GroupBlocks((12, 13, 4), 4),)
+    assert in_sender_blocks(full, got, 100, 32) is got
+    with pytest.raises(UnsupportedShape) as caught:
+        in_sender_blocks(full, got, 100, 64)
+    assert str(caught.value) == (
+        "the prefill's blocks hold 64 tokens, the decode's 32: expected the decode's block "
+        "size to be a whole multiple of the prefill's (--block-size 64 on the decode, say)"
+    )
+    with pytest.raises(UnsupportedShape, match=r"--block-size 48 on the decode"):
+        in_sender_blocks(full, got, 100, 24)
+    hybrid = (*full, KVCacheGroup("sliding_window", 32, 64))
+    two = received_blocks(hybrid, [[9, 4, 6, 2], [0, 0, 6, 2]], 100, 0)
+    with pytest.raises(UnsupportedShape, match=r"sliding window of 64 tokens count in"):
+        in_sender_blocks(hybrid, two, 100, 16)
+
+
+def test_a_decode_block_of_several_heads_per_rank_is_refused_naming_the_layout(
+    stack: ExitStack, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's packed layout holds a block's heads outermost: a 16-token prefill block of
+    a 32-token decode block with 2 heads per rank would be 2 runs, which kvpush does not
+    carry. The decode's handshake refuses the pair: the request fails at once, the
+    reason naming the layout and what is expected; nothing is written."""
+    fabric = LoopbackFabric()
+    prefill = Engine(stack, fabric, "prefill", "sender", tp=1, total_heads=2, seed=1)
+    decode = Engine(
+        stack, fabric, "decode", "receiver", tp=1, total_heads=2, seed=2, tokens=2 * TOKENS
+    )
+    before = decode.caches[0].clone()
+    receive = Receive(
+        "req-d", "tc", HOST, prefill.server.port, (10, 11), 0, 1, 1, sender_block_tokens=TOKENS
+    )
+    decode.step(StepPlan(receives=[receive]))
+    prefill.step(StepPlan(sends=[Send("req-p", "tc", (1, 2), decode_tp_size=1)]))
+    deadline = time.monotonic() + 20
+    while "req-d" not in decode.ended[0].finished_recving:
+        assert time.monotonic() < deadline, "the decode did not fail the request at once"
+        prefill.step()
+        decode.step()
+        time.sleep(0.002)
+    assert decode.ended[0].failed_recving == {"req-d"}
+    assert "a 16-token block would land in 2 parts of each of the 2 heads" in caplog.text
+    assert "expected one KV head per rank, or tokens outermost" in caplog.text
+    assert torch.equal(decode.caches[0].view(torch.uint8), before.view(torch.uint8))
+    prefill.step(StepPlan(aborts=["tc"]))
+    while "req-p" not in prefill.ended[0].finished_sending:
+        assert time.monotonic() < deadline, "the prefill's aborted send did not end"
+        prefill.step()
+        time.sleep(0.002)
 
 
 def test_one_part_failing_fails_the_request_once_after_every_part_ended(

@@ -156,7 +156,12 @@ class CacheGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         return fields
 
     def compat_hash(self) -> str:
-        encoded = msgspec.json.encode(self.compat_fields())
+        """A digest of what must be equal: `compat_fields()`, but for the block size
+        where it may differ (`block_sizes_may_differ`: `write_views` judges it)."""
+        fields = self.compat_fields()
+        if self.heads is not None:
+            del fields["block_size_tokens"]
+        encoded = msgspec.json.encode(fields)
         return hashlib.sha256(encoded).hexdigest()[:32]
 
 
@@ -193,11 +198,13 @@ def describe_compat_differences(
     theirs: Mapping[str, object], ours: Mapping[str, object]
 ) -> list[str]:
     """What differs between two `CacheGeometry.compat_fields()`, one phrase per field,
-    each naming theirs and ours (regions: the first region that differs)."""
+    each naming theirs and ours (regions: the first region that differs); block sizes
+    only where they must be equal (`block_sizes_may_differ`)."""
     out: list[str] = []
+    sizes_may_differ = block_sizes_may_differ(theirs, ours)
     for key in sorted(set(ours) | set(theirs)):
         ours_value, their_value = ours.get(key), theirs.get(key)
-        if their_value == ours_value:
+        if their_value == ours_value or (key == "block_size_tokens" and sizes_may_differ):
             continue
         if key == "regions":
             out.append(_describe_region_difference(their_value, ours_value))

@@ -31,6 +31,8 @@ from kvpush.net import unbracket_host
 MAX_TEXT_CHARS = 256
 # Tensor-parallel sizes in params beyond any deployment: refused, not planned for.
 MAX_TP_SIZE = 1024
+# Block sizes in params beyond any engine's (vLLM's largest is a few thousand tokens).
+MAX_BLOCK_SIZE = 1 << 20
 
 # The flags that say which shape a request's params have.
 REMOTE_PREFILL = "do_remote_prefill"
@@ -53,6 +55,8 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     tp_size: int | None = None  # the prefill's tensor-parallel size
     # The decode TP the prefill split the transfer for (its parts, one per rank pair).
     decode_tp_size: int | None = None
+    # The prefill's block size in tokens (None: not said; taken to be the decode's).
+    block_size: int | None = None
 
     def to_params(self) -> dict[str, Any]:
         return {REMOTE_PREFILL: True, **msgspec.to_builtins(self)}
@@ -103,6 +107,7 @@ class PrefillAnswer(msgspec.Struct, frozen=True, kw_only=True):
     transfer_mode: str
     transfer_id: str
     decode_tp_size: int  # the decode TP the transfer was split for
+    block_size: int  # the prefill's, in tokens: the unit the decode registers in
 
     def to_params(self) -> dict[str, Any]:
         out: dict[str, Any] = msgspec.to_builtins(self)
@@ -146,6 +151,7 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
         decode_tp_size=_tp_size(
             params, "decode_tp_size", "the decode TP the prefill split the transfer for"
         ),
+        block_size=_block_size(params),
     )
 
 
@@ -177,6 +183,16 @@ def _tp_size(params: Mapping[str, Any], key: str, hint: str) -> int | None:
     raise BadTransferParams(
         f"kv_transfer_params.{key} must be an integer in 1..{MAX_TP_SIZE} ({hint}), got "
         f"{type(value).__name__} {value!r}"
+    )
+
+
+def _block_size(params: Mapping[str, Any]) -> int | None:
+    value = params.get("block_size")
+    if value is None or (_is_int(value) and 0 < value <= MAX_BLOCK_SIZE):
+        return value
+    raise BadTransferParams(
+        f"kv_transfer_params.block_size must be an integer in 1..{MAX_BLOCK_SIZE} (the "
+        f"prefill's block size in tokens), got {type(value).__name__} {value!r}"
     )
 
 

@@ -36,7 +36,12 @@ from kvpush.errors import (
     SideChannelError,
     UnknownRank,
 )
-from kvpush.geometry import PROTOCOL_VERSION, CacheGeometry, write_views
+from kvpush.geometry import (
+    PROTOCOL_VERSION,
+    CacheGeometry,
+    block_sizes_may_differ,
+    write_views,
+)
 from kvpush.net import is_wildcard
 from kvpush.sidechannel.client import FetchResult, fetch_metadata_timed
 from kvpush.topology import UnsupportedShape, rank_pairs
@@ -610,10 +615,11 @@ def _paired_ranks(
 def geometry_differences(prefill: CacheGeometry, decode: CacheGeometry) -> list[tuple[str, str]]:
     """(field, phrase) for every compatibility field that differs, naming both sides."""
     ours, theirs = prefill.compat_fields(), decode.compat_fields()
+    sizes_may_differ = block_sizes_may_differ(ours, theirs)  # then `write_views` judges
     out: list[tuple[str, str]] = []
     for key in sorted(set(ours) | set(theirs)):
         a, b = ours.get(key), theirs.get(key)
-        if a == b:
+        if a == b or (key == "block_size_tokens" and sizes_may_differ):
             continue
         if key == "regions":
             if _same_bytes_per_token(prefill, decode) and "block_size_tokens" in dict(out):

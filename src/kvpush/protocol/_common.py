@@ -17,7 +17,7 @@ from kvpush.errors import (
     LocalProtocolError,
     TransferFailed,
 )
-from kvpush.geometry import block_sizes_may_differ, describe_compat_differences
+from kvpush.geometry import describe_compat_differences
 from kvpush.protocol.messages import (
     Message,
     Register,
@@ -309,11 +309,8 @@ class _Compatibility:
     def _compared(
         self, theirs: Mapping[str, object]
     ) -> tuple[dict[str, object], dict[str, object]]:
-        """Ours and theirs without the fields that may differ: the policy's, and the
-        block size where the geometry leaves it to the data plane's views."""
-        allowed = set(self.policy.may_differ)
-        if block_sizes_may_differ(self.ours, theirs):
-            allowed.add("block_size_tokens")
+        """Ours and theirs without the fields the policy lets differ."""
+        allowed = self.policy.may_differ
         ours = {k: v for k, v in self.ours.items() if k not in allowed}
         their = {k: v for k, v in theirs.items() if k not in allowed}
         return ours, their

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvpush.geometry import KVCacheGroup
+from kvpush.geometry import KVCacheGroup, sub_block_ids
 from kvpush.integrations.vllm.plan import GroupBlocks
+from kvpush.topology import UnsupportedShape
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -83,6 +84,40 @@ def received_blocks(
             start = max(first, min(local_hit_tokens // group.block_size_tokens, stop))
         out.append(GroupBlocks(tuple(ids[start:stop]), start - first))
     return tuple(out)
+
+
+def in_sender_blocks(
+    groups: Sequence[KVCacheGroup],
+    received: tuple[GroupBlocks, ...],
+    num_tokens: int,
+    sender_block_tokens: int,
+) -> tuple[GroupBlocks, ...]:
+    """`received_blocks` counted in the prefill's blocks, where the decode's are a whole
+    multiple `k` of them (vLLM lets the two engines' block sizes differ so): each decode
+    block is `k` parts (`kvpush.geometry.sub_block_ids`), one per prefill block, as many
+    as the prefill has after the decode's prefix hit. Unchanged at one block size.
+    Raises `UnsupportedShape` for sizes that are not so, or a model with more than one
+    full-attention KV-cache group (whose other groups count in the engine's blocks)."""
+    ours = groups[0].block_size_tokens
+    if sender_block_tokens == ours:
+        return received
+    both = f"the prefill's blocks hold {sender_block_tokens} tokens, the decode's {ours}"
+    if sender_block_tokens > ours or ours % sender_block_tokens:
+        larger = -(-ours // sender_block_tokens) * sender_block_tokens
+        raise UnsupportedShape(
+            f"{both}: expected the decode's block size to be a whole multiple of the "
+            f"prefill's (--block-size {larger} on the decode, say)"
+        )
+    if len(groups) != 1 or groups[0].kind != "full_attention":
+        raise UnsupportedShape(
+            f"{both}: expected one block size on both, as this model's "
+            f"{' and '.join(g.describe() for g in groups)} count in the engine's blocks"
+        )
+    ratio = ours // sender_block_tokens
+    [group] = received
+    offset = group.sender_offset * ratio
+    parts = sub_block_ids(group.blocks, ratio, _cdiv(num_tokens, sender_block_tokens) - offset)
+    return (GroupBlocks(parts, offset),)
 
 
 def tokens_moved(groups: Sequence[KVCacheGroup], num_prompt_tokens: int) -> int:

@@ -238,6 +238,7 @@ def prefill_answer(
         transfer_mode="push",
         transfer_id=transfer_id,
         decode_tp_size=decode_tp_size,
+        block_size=config.block_size_tokens,
     ).to_params()
 
 

@@ -43,6 +43,9 @@ class Receive:
     sender_tp_size: int | None = None
     split_for_tp: int | None = None
     more_groups: tuple[GroupBlocks, ...] = ()
+    # The prefill's block size where the decode's is a whole multiple of it: `blocks`
+    # and `sender_offset` are then parts of our blocks, one per prefill block (None: ours).
+    sender_block_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

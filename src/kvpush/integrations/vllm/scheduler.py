@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpush.geometry import KVCacheGroup
 from kvpush.integrations.vllm.groups import (
+    in_sender_blocks,
     prefill_backoff,
     received_blocks,
     sent_blocks,
@@ -61,6 +62,7 @@ from kvpush.integrations.vllm.groups import (
 )
 from kvpush.integrations.vllm.metadata import Receive, Refuse, Send, StepPlan
 from kvpush.integrations.vllm.params import ConnectorConfig, prefill_answer, prefill_transfer
+from kvpush.topology import UnsupportedShape
 from kvpush.transfer_params import (
     BadTransferParams,
     RemotePrefill,
@@ -232,11 +234,16 @@ class SchedulerSide:
         if nulls & {b for group in ours for b in group.blocks}:
             # vLLM freed a block the window needs (it never should): receiving into its
             # null block would corrupt every request. Recompute instead.
-            detail = "the decode's sliding-window blocks for this prompt were freed"
-            log.error("request %s: %s", rid, detail)
-            self._refuse(remote, detail)
-            self._plan.receives.append(Receive(rid, "", "", 0, (), 0))
-            self._receiving[rid] = ""
+            self._cannot_receive(
+                rid, remote, "the decode's sliding-window blocks for this prompt were freed"
+            )
+            return
+        own_size = self._groups[0].block_size_tokens
+        sender_size = remote.block_size or own_size
+        try:
+            ours = in_sender_blocks(self._groups, ours, num_tokens, sender_size)
+        except UnsupportedShape as exc:
+            self._cannot_receive(rid, remote, str(exc))
             return
         self._plan.receives.append(
             Receive(
@@ -249,9 +256,18 @@ class SchedulerSide:
                 remote.tp_size,
                 remote.decode_tp_size,
                 more_groups=ours[1:],
+                sender_block_tokens=None if sender_size == own_size else sender_size,
             )
         )
         self._receiving[rid] = remote.transfer_id
+
+    def _cannot_receive(self, rid: str, remote: RemotePrefill, detail: str) -> None:
+        """Refuse the transfer (the prefill frees its blocks at once) and fail the
+        request on the next step: vLLM then computes its prompt here."""
+        log.error("request %s: %s", rid, detail)
+        self._refuse(remote, detail)
+        self._plan.receives.append(Receive(rid, "", "", 0, (), 0))
+        self._receiving[rid] = ""
 
     def _refuse(self, remote: RemotePrefill, detail: str) -> None:
         self._plan.refusals.append(

@@ -324,6 +324,7 @@ class WorkerSide(Generic[S]):
                 PeerAddress(rcv.host, rcv.port, p),
                 group.blocks,
                 sender_offset=group.sender_offset,
+                sender_block_tokens=rcv.sender_block_tokens,
             )
 
         self._open("receiver", rcv.request_id, rcv.transfer_id, parts, register, now)
