@@ -586,6 +586,15 @@ def test_engine_misuse_raises_at_the_call(cluster: Cluster) -> None:
         p.layers_ready("t1", [5])
     with pytest.raises(LocalProtocolError, match="sender_offset"):
         p.receive("t3", p_addr, [1], sender_offset=-1)
+    # Counted in a sender's smaller blocks: ids of the parts of ours (16 blocks, 2 each).
+    with pytest.raises(LocalProtocolError, match=r"outside the cache: expected integers in 0..31"):
+        p.receive("t3", p_addr, [31, 32], sender_block_tokens=8)
+    for size in (3, 32, 0):
+        with pytest.raises(
+            LocalProtocolError,
+            match=rf"sender_block_tokens {size} does not divide our 16-token blocks: expected",
+        ):
+            p.receive("t3", p_addr, [1], sender_block_tokens=size)
     with pytest.raises(LocalProtocolError, match="non-empty"):
         p.abort("")
     fresh = PushRuntime(

@@ -411,7 +411,7 @@ def test_write_views_cut_blocks_to_the_planned_heads_and_refuse_what_cannot_be_c
 
 
 def _dense_geometry(
-    heads: KVHeads, block_tokens: int, *, layout: str = "vllm_packed/BHNC", blocks: int = 8
+    heads: KVHeads, block_tokens: int, *, layout: str = "kv_first/HND", blocks: int = 8
 ) -> CacheGeometry:
     """A rank's cache with blocks back to back: 8 bytes per head per token."""
     from kvpush.geometry import Region
@@ -468,12 +468,15 @@ def test_write_views_split_the_larger_blocks_into_parts_of_the_smaller_size() ->
     # The other way (a decode writing into a prefill, never in push): its blocks split.
     back_ours, back_theirs = write_views(decode, prefill)
     assert back_ours.regions == theirs.regions and back_theirs.regions == prefill.regions
-    # Tokens outermost (BNHC), the rank's every head: a part is one run, too.
-    bnhc = _dense_geometry(KVHeads(4, 4, 1, 0), 32, layout="vllm_packed/BNHC")
-    _, split = write_views(
-        _dense_geometry(KVHeads(4, 4, 1, 0), 16, layout="vllm_packed/BNHC"), bnhc
-    )
+    # Tokens outermost (NHD), the rank's every head: a part is one run, too.
+    nhd = _dense_geometry(KVHeads(4, 4, 1, 0), 32, layout="kv_first/NHD")
+    _, split = write_views(_dense_geometry(KVHeads(4, 4, 1, 0), 16, layout="kv_first/NHD"), nhd)
     assert [r.block_bytes for r in split.regions] == [8 * 16 * 4] * 2
+    # MLA's latent (vLLM's packed layout, one replicated "head"): one run per token.
+    latent = KVHeads(1, 1, 1, 0, replicated=True)
+    mla = _dense_geometry(latent, 32, layout="vllm_packed/BHNC")
+    _, split = write_views(_dense_geometry(latent, 16, layout="vllm_packed/BHNC"), mla)
+    assert [r.num_blocks for r in split.regions] == [16] * 2
 
 
 def test_block_sizes_whose_parts_are_not_one_run_are_refused_naming_what_is_expected() -> None:
@@ -484,10 +487,16 @@ def test_block_sizes_whose_parts_are_not_one_run_are_refused_naming_what_is_expe
         write_views(_dense_geometry(heads, 16), _dense_geometry(heads, 32))
     text = str(caught.value)
     assert "16-token block would land in 2 parts of each of the 4 heads" in text
-    assert "layout vllm_packed/BHNC" in text and "expected one KV head per rank" in text
+    assert "layout kv_first/HND" in text and "expected one KV head per rank" in text
+    # vLLM-CPU's packed layout holds a head's K rows, then its V rows: two runs a part.
+    one = KVHeads(1, 1, 1, 0)
+    with pytest.raises(UnsupportedShape, match=r"holds a head's K for every token of a block"):
+        write_views(
+            _dense_geometry(one, 32, layout="vllm_packed/BHNC"),
+            _dense_geometry(one, 64, layout="vllm_packed/BHNC"),
+        )
     with pytest.raises(UnsupportedShape, match=r"block sizes 16 and 24 tokens: expected one"):
         write_views(_dense_geometry(heads, 16), _dense_geometry(heads, 24))
-    one = KVHeads(1, 1, 1, 0)
     window = (KVCacheGroup("full_attention", 16), KVCacheGroup("sliding_window", 16, 64))
     hybrid = msgspec.structs.replace(_dense_geometry(one, 16), groups=window)
     with pytest.raises(UnsupportedShape, match=r"sliding window of 64 tokens counts its blocks"):

@@ -103,6 +103,18 @@ def test_tp_sizes_are_read_and_checked_but_may_differ_from_the_receivers() -> No
         parse_remote_decode({"decode_tp_size": "4"})
 
 
+def test_the_prefills_block_size_is_read_and_checked() -> None:
+    assert parse_remote_prefill({**DECODE, "block_size": 16}).block_size == 16
+    assert parse_remote_prefill(DECODE).block_size is None  # the decode's own, then
+    for bad in ("16", 0, -1, 1 << 21, True, 16.0):
+        with pytest.raises(
+            BadTransferParams,
+            match=r"block_size must be an integer in 1\.\.1048576 \(the prefill's block "
+            r"size in tokens\), got",
+        ):
+            parse_remote_prefill({**DECODE, "block_size": bad})
+
+
 def test_bad_params_are_a_config_error_and_a_bracketed_host_is_used_bare() -> None:
     assert issubclass(BadTransferParams, ConfigError)
     assert parse_remote_prefill({**DECODE, "remote_host": "[::1]"}).remote_host == "::1"

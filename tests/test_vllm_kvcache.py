@@ -160,8 +160,8 @@ def test_the_prefill_answer_keeps_every_nixl_field_and_adds_the_transfer_id() ->
     # and a decode server reads back exactly where to register
     remote = parse_remote_prefill(answer)
     assert (remote.transfer_id, remote.remote_host, remote.remote_port) == ("t-1", "::1", 5600)
-    # and which TP sizes the transfer was split between
-    assert (remote.tp_size, remote.decode_tp_size) == (1, 2)
+    # and which TP sizes the transfer was split between, and the prefill's block size
+    assert (remote.tp_size, remote.decode_tp_size, remote.block_size) == (1, 2, 32)
 
 
 @pytest.mark.parametrize(

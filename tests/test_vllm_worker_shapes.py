@@ -58,9 +58,16 @@ class Stats:
         return not (self.failed_at_once or self.parts_ended)
 
 
-def model_kv(seed: int, total_heads: int, tokens: int = TOKENS) -> torch.Tensor:
-    """The model's whole KV cache: [layers, blocks, heads, tokens, C] random bytes."""
-    kv = torch.empty((LAYERS, BLOCKS, total_heads, tokens, C), dtype=torch.bfloat16)
+def model_kv(
+    seed: int, total_heads: int, tokens: int = TOKENS, kv_first: bool = False
+) -> torch.Tensor:
+    """The model's whole KV cache, random bytes: [layers, blocks, heads, tokens, C] in
+    vLLM-CPU's packed layout, or [layers, 2, blocks, heads, tokens, C / 2] with K and V
+    tensors of their own (`kv_first`, as vLLM's GPU attention backends hand them)."""
+    shape = (LAYERS, BLOCKS, total_heads, tokens, C)
+    if kv_first:
+        shape = (LAYERS, 2, BLOCKS, total_heads, tokens, C // 2)
+    kv = torch.empty(shape, dtype=torch.bfloat16)
     flat = kv.view(torch.uint8).reshape(-1)
     gen = torch.Generator().manual_seed(seed)
     flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
@@ -82,8 +89,10 @@ class Engine:
         seed: int,
         mla: bool = False,
         tokens: int = TOKENS,
+        kv_first: bool = False,
     ) -> None:
         self.tp = tp
+        self.head_axis = 3 if kv_first else 2
         self.ranks: dict[int, PeerMetadata] = {}
         self.server = stack.enter_context(MetadataServer(HOST, 0, SideChannelConfig(), self.ranks))
         config = worker_config(
@@ -98,12 +107,12 @@ class Engine:
         loopback = loopback_factory(fabric)
 
         self.mla = mla
-        self.model = model_kv(seed, total_heads, tokens)
+        self.model = model_kv(seed, total_heads, tokens, kv_first)
         self.workers: list[WorkerSide[Stats]] = []
         self.caches: list[torch.Tensor] = []
         for rank in range(tp):
             held = rank_heads(rank, tp, total_heads, mla)
-            cache = self.model[:, :, held.first_head : held.stop].clone()
+            cache = self.model.narrow(self.head_axis, held.first_head, held.num_heads).clone()
             worker: WorkerSide[Stats] = WorkerSide(
                 config, rank, new_stats=Stats, transport_factory=loopback
             )
@@ -139,8 +148,14 @@ class Engine:
 
     def heads_of(self, rank: int, model: torch.Tensor, block: int) -> torch.Tensor:
         """The bytes rank `rank` of this engine should hold for `block` of `model`."""
-        held = rank_heads(rank, self.tp, model.shape[2], self.mla)
-        return model[:, block, held.first_head : held.stop]
+        held = rank_heads(rank, self.tp, model.shape[self.head_axis], self.mla)
+        blocks = self.head_axis - 1
+        return model.select(blocks, block).narrow(blocks, held.first_head, held.num_heads)
+
+    def blocks(self, cache: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        """Blocks `ids` of one rank's cache, as raw bytes."""
+        index = torch.tensor(ids)
+        return cache.index_select(self.head_axis - 1, index).view(torch.uint8)
 
 
 @pytest.fixture
@@ -150,15 +165,12 @@ def stack() -> Iterator[ExitStack]:
 
 
 def pair(
-    stack: ExitStack, p_tp: int, d_tp: int, heads: int, *, mla: bool = False
+    stack: ExitStack, p_tp: int, d_tp: int, heads: int, *, mla: bool = False, kv_first: bool = False
 ) -> tuple[Engine, Engine]:
     fabric = LoopbackFabric()
-    prefill = Engine(
-        stack, fabric, "prefill", "sender", tp=p_tp, total_heads=heads, seed=1, mla=mla
-    )
-    decode = Engine(
-        stack, fabric, "decode", "receiver", tp=d_tp, total_heads=heads, seed=2, mla=mla
-    )
+    shape = {"total_heads": heads, "mla": mla, "kv_first": kv_first}
+    prefill = Engine(stack, fabric, "prefill", "sender", tp=p_tp, seed=1, **shape)
+    decode = Engine(stack, fabric, "decode", "receiver", tp=d_tp, seed=2, **shape)
     return prefill, decode
 
 
@@ -220,6 +232,16 @@ def test_mla_every_decode_rank_holds_the_whole_latent_from_one_prefill_rank(
     check_every_decode_rank((prefill, decode), layerwise=False)
 
 
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)], ids=str)
+def test_k_and_v_tensors_of_their_own_are_cut_to_heads_too(
+    stack: ExitStack, p_tp: int, d_tp: int
+) -> None:
+    """K and V tensors of their own per layer, heads outermost in a block
+    (`[2, blocks, heads, tokens, head_size]`: vLLM's GPU backends in HND): each region a
+    K or V tensor, its blocks cut to the planned heads as in the packed layout."""
+    check_every_decode_rank(pair(stack, p_tp, d_tp, 4, kv_first=True), layerwise=False)
+
+
 def check_every_decode_rank(engines: tuple[Engine, Engine], layerwise: bool) -> None:
     prefill, decode = engines
     d_tp = decode.tp
@@ -233,13 +255,13 @@ def check_every_decode_rank(engines: tuple[Engine, Engine], layerwise: bool) -> 
         assert decode.ended[rank].failed_recving == set(), f"decode rank {rank} failed"
         cache = decode.caches[rank]
         for ours, theirs in zip((5, 6, 7), (1, 2, 3), strict=True):
-            want = decode.heads_of(rank, prefill.model, theirs)
-            assert torch.equal(cache[:, ours].view(torch.uint8), want.view(torch.uint8)), (
+            want = decode.heads_of(rank, prefill.model, theirs).unsqueeze(decode.head_axis - 1)
+            assert torch.equal(decode.blocks(cache, [ours]), want.view(torch.uint8)), (
                 f"decode rank {rank} block {ours} is not the prefill's block {theirs} of its heads"
             )
         untouched = [b for b in range(BLOCKS) if b not in (5, 6, 7)]
         assert torch.equal(
-            cache[:, untouched].view(torch.uint8), before[rank][:, untouched].view(torch.uint8)
+            decode.blocks(cache, untouched), decode.blocks(before[rank], untouched)
         ), f"decode rank {rank}: a block outside the request changed"
     for engine in (prefill, decode):
         for rank, reports in enumerate(engine.reports):
@@ -265,12 +287,16 @@ BLOCK_SHAPES = [
 def test_decode_blocks_a_whole_multiple_of_the_prefills_take_each_prefill_block_in_place(
     stack: ExitStack, p_tp: int, d_tp: int, heads: int, ratio: int
 ) -> None:
-    """The decode's blocks `ratio` times the prefill's (16 tokens), one KV head per rank:
-    the decode registers the parts of its blocks (`sub_block_ids`), and each prefill
-    block lands whole in its part, in token order; the rest of the last decode block,
-    and every other block, stay as they were."""
+    """The decode's blocks `ratio` times the prefill's (16 tokens), K and V tensors of
+    their own per layer (`[2, blocks, heads, tokens, head_size]`, as vLLM's GPU backends
+    hand them), one KV head per rank: the decode registers the parts of its blocks
+    (`sub_block_ids`), and each prefill block lands whole in its part of K and of V, in
+    token order; the rest of the last decode block, and every other block, stay as
+    they were."""
     fabric = LoopbackFabric()
-    prefill = Engine(stack, fabric, "prefill", "sender", tp=p_tp, total_heads=heads, seed=1)
+    prefill = Engine(
+        stack, fabric, "prefill", "sender", tp=p_tp, total_heads=heads, seed=1, kv_first=True
+    )
     decode = Engine(
         stack,
         fabric,
@@ -280,6 +306,7 @@ def test_decode_blocks_a_whole_multiple_of_the_prefills_take_each_prefill_block_
         total_heads=heads,
         seed=2,
         tokens=TOKENS * ratio,
+        kv_first=True,
     )
     sent = (1, 2, 3, 7, 0)  # five prefill blocks: the last decode block partly filled
     ours = (5, 6, 2)[: -(-len(sent) // ratio)]
@@ -293,12 +320,12 @@ def test_decode_blocks_a_whole_multiple_of_the_prefills_take_each_prefill_block_
     run_until_ended(prefill, decode)
     for rank in range(d_tp):
         assert decode.ended[rank].failed_recving == set(), f"decode rank {rank} failed"
-        want = before[rank].clone()
+        want = before[rank].clone()  # [layers, 2, blocks, heads, tokens, head_size]
         held = rank_heads(rank, d_tp, heads, False)
         for i, block in enumerate(sent):
             at = (i % ratio) * TOKENS
-            want[:, ours[i // ratio], :, at : at + TOKENS] = prefill.model[
-                :, block, held.first_head : held.stop
+            want[:, :, ours[i // ratio], :, at : at + TOKENS] = prefill.model[
+                :, :, block, held.first_head : held.stop
             ]
         assert torch.equal(decode.caches[rank].view(torch.uint8), want.view(torch.uint8)), (
             f"decode rank {rank}: not each prefill block in its part, or more written"
@@ -332,17 +359,38 @@ def test_the_decode_counts_its_blocks_in_the_prefills_as_many_as_the_prefill_sen
         in_sender_blocks(hybrid, two, 100, 16)
 
 
-def test_a_decode_block_of_several_heads_per_rank_is_refused_naming_the_layout(
-    stack: ExitStack, caplog: pytest.LogCaptureFixture
+REFUSED_BLOCKS = [
+    # (K and V tensors of their own, KV heads per rank, what the refusal says)
+    (True, 2, "a 16-token block would land in 2 parts of each of the 2 heads"),
+    (False, 1, "holds a head's K for every token of a block, then its V"),
+]
+
+
+@pytest.mark.parametrize(
+    ("kv_first", "heads", "words"), REFUSED_BLOCKS, ids=["two-heads-hnd", "packed-cpu"]
+)
+def test_decode_blocks_whose_parts_are_not_one_run_are_refused_naming_the_layout(
+    stack: ExitStack, caplog: pytest.LogCaptureFixture, kv_first: bool, heads: int, words: str
 ) -> None:
-    """vLLM's packed layout holds a block's heads outermost: a 16-token prefill block of
-    a 32-token decode block with 2 heads per rank would be 2 runs, which kvpush does not
-    carry. The decode's handshake refuses the pair: the request fails at once, the
-    reason naming the layout and what is expected; nothing is written."""
+    """Where a prefill block would land as several runs of a decode block (its heads
+    outermost with two of them per rank; vLLM-CPU's packed layout, which holds each
+    head's K rows then its V rows), the decode's handshake refuses the pair: the request
+    fails at once, the reason naming the layout and what is expected; nothing is
+    written."""
     fabric = LoopbackFabric()
-    prefill = Engine(stack, fabric, "prefill", "sender", tp=1, total_heads=2, seed=1)
+    prefill = Engine(
+        stack, fabric, "prefill", "sender", tp=1, total_heads=heads, seed=1, kv_first=kv_first
+    )
     decode = Engine(
-        stack, fabric, "decode", "receiver", tp=1, total_heads=2, seed=2, tokens=2 * TOKENS
+        stack,
+        fabric,
+        "decode",
+        "receiver",
+        tp=1,
+        total_heads=heads,
+        seed=2,
+        tokens=2 * TOKENS,
+        kv_first=kv_first,
     )
     before = decode.caches[0].clone()
     receive = Receive(
@@ -357,8 +405,7 @@ def test_a_decode_block_of_several_heads_per_rank_is_refused_naming_the_layout(
         decode.step()
         time.sleep(0.002)
     assert decode.ended[0].failed_recving == {"req-d"}
-    assert "a 16-token block would land in 2 parts of each of the 2 heads" in caplog.text
-    assert "expected one KV head per rank, or tokens outermost" in caplog.text
+    assert words in caplog.text
     assert torch.equal(decode.caches[0].view(torch.uint8), before.view(torch.uint8))
     prefill.step(StepPlan(aborts=["tc"]))
     while "req-p" not in prefill.ended[0].finished_sending:

@@ -411,14 +411,15 @@ class TransportConformance:
         self, new_endpoint: Callable[[str, KVBuffers], Transport], ratio: int
     ) -> None:
         """A prefill of 16-token blocks into a decode of `ratio` times larger ones (one KV
-        head per rank): each prefill block moves whole into its part of a decode block,
-        in token order, and nothing else of the decode's cache is written."""
+        head per rank, K and V regions of their own): each prefill block moves whole into
+        its part of a decode block, in token order, and nothing else of the decode's
+        cache is written."""
 
         def rank_kv(tokens: int) -> KVBuffers:
             kv = self.kv(block_bytes=HEAD_BYTES * tokens // 16)
             kv.geometry = msgspec.structs.replace(
                 kv.geometry,
-                layout="vllm_packed/BHNC",
+                layout="kv_separate/HND",
                 block_size_tokens=tokens,
                 heads=KVHeads(1, 1, 1, 0),
             )

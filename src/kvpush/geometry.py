@@ -39,7 +39,15 @@ PROTOCOL_VERSION = 6
 
 # Layouts in which a block holds its KV heads one after another, each head one run of
 # bytes (`[H, N, C]` per block): where a rank can take a slice of another rank's heads.
-HEAD_SLICEABLE_LAYOUTS = ("vllm_packed/BHNC",)
+HEAD_SLICEABLE_LAYOUTS = (
+    "vllm_packed/BHNC",
+    "kv_separate/HND",
+    "kv_first/HND",
+    "blocks_first/HND",
+)
+# vLLM's packed per-layer caches (`kvpush.integrations.vllm.kvcache`): `[B, H, N, C]`,
+# where C is K then V of each head's rows (`[H, 2, N, D]` in memory), or MLA's latent.
+PACKED_PREFIX = "vllm_packed/"
 
 
 class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -324,7 +332,7 @@ def _tokens_outermost(layout: str) -> bool:
     """Whether a block of `layout` holds its tokens one after another, all heads of a
     token together (`vllm_packed/BNHC`, `*/NHD`): then its first tokens are one run."""
     order = layout.rsplit("/", 1)[-1]
-    if layout.startswith("vllm_packed/"):
+    if layout.startswith(PACKED_PREFIX):
         return order[1:2] == "N"
     return order.startswith("N")
 
@@ -349,6 +357,16 @@ def _head_view(
             continue
         part = count * unit * tokens
         held = geometry.heads.per_rank if geometry.heads is not None else 1
+        replicated = geometry.heads is not None and geometry.heads.replicated
+        if geometry.layout.startswith(PACKED_PREFIX) and not replicated:
+            raise UnsupportedShape(
+                f"{shape}: vLLM's packed layout ({geometry.layout}, its CPU attention) holds "
+                f"a head's K for every token of a block, then its V, so a {tokens}-token "
+                f"block would land in two runs of each head of a "
+                f"{geometry.block_size_tokens}-token block: expected one block size on "
+                f"both engines with this layout (a latent cache, MLA's, or an attention "
+                f"backend whose K and V are tensors of their own carries larger blocks)"
+            )
         if not (
             (held == 1 or _tokens_outermost(geometry.layout))
             and count in (0, held)

@@ -561,8 +561,9 @@ def _compatibility(options: DoctorOptions, seen: _Observed, step: StepResult) ->
                 step.add(
                     Verdict.FAIL,
                     f"{pair}: {exc}",
-                    next_action="run TP sizes of which one is a whole multiple of the other, "
-                    "with a KV cache layout that holds heads one after another (LBHNC)",
+                    next_action="run TP sizes of which one is a whole multiple of the other "
+                    "(and a decode block size a whole multiple of the prefill's), with a KV "
+                    "cache layout that holds heads one after another (LBHNC)",
                 )
                 continue
             step.add(Verdict.OK, f"{pair}: compatible (hash {p.compat_hash})")

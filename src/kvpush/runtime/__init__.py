@@ -16,10 +16,12 @@ Public engine API (every method is thread-safe and never blocks on the network):
         # its result already taken from poll() (accepted, a no-op, while still queued)
 
     # receiving side (decode)
-    rt.receive(transfer_id, sender, blocks, sender_offset=0)
+    rt.receive(transfer_id, sender, blocks, sender_offset=0, sender_block_tokens=None)
         # `sender` is a PeerAddress(host, port, rank): the sender's side channel.
         # blocks[i] receives the sender's block number sender_offset + i
         # (sender_offset = number of blocks we already had from the prefix cache).
+        # sender_block_tokens: the sender's block size where ours is k times it; blocks
+        # are then parts of ours (kvpush.geometry.sub_block_ids); None: ours.
     rt.reject(transfer_id, sender, detail)            # refuse before allocating
         # reported here too: poll() returns it on the receiver side, REJECTED, no blocks
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvpush.errors import KVLayoutError
-from kvpush.geometry import CacheGeometry, KVHeads, Region
+from kvpush.geometry import PACKED_PREFIX, CacheGeometry, KVHeads, Region
 from kvpush.kvcache import KVLayout, dtype_name, register_kv_cache, storage_shortfall
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 # Logical axis letters of one packed layer view, in vLLM's own naming (RFC 42082).
 _AXES = "BHNC"
-LAYOUT_PREFIX = "vllm_packed/"
+LAYOUT_PREFIX = PACKED_PREFIX
 
 
 def register_vllm_kv_caches(
