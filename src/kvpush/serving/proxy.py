@@ -68,6 +68,14 @@ from kvpush.transfer_params import RemoteDecode, RemotePrefill
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """A vLLM server's tensor-parallel size and block size (tokens); None: not known."""
+
+    tp_size: int | None = None
+    block_size: int | None = None
+
+
 @dataclass(slots=True)
 class _Instance:
     url: str
@@ -77,9 +85,9 @@ class _Instance:
     info: dict[str, Any] | None = None
     # Given up front (a vLLM server's /health tells no side channel): never refetched.
     fixed_info: dict[str, Any] | None = None
-    # A vLLM server's tensor-parallel size, read from its side channel (rank 0's
-    # geometry) when first needed and again after a failure; None: not known.
-    tp_size: int | None = None
+    # A vLLM server's shape, read from its side channel (rank 0's geometry) when first
+    # needed and again after a failure; None: not known.
+    shape: _Shape | None = None
 
     @property
     def label(self) -> str:
@@ -321,12 +329,15 @@ class ProxyRoutes:
             return None
         return info["side_channel_host"], info["side_channel_port"]
 
-    async def _tp_size(self, inst: _Instance, side_channel: tuple[str, int] | None) -> int | None:
-        """A vLLM server's tensor-parallel size, from its side channel (once, kept until
-        a failure resets it). None where it is not a vLLM server given to us, or its side
-        channel does not say: the legs then name no TP, and both sides take their own."""
-        if inst.fixed_info is None or side_channel is None or inst.tp_size is not None:
-            return inst.tp_size
+    async def _shape(self, inst: _Instance, side_channel: tuple[str, int] | None) -> _Shape:
+        """A vLLM server's tensor-parallel size and block size, from its side channel
+        (once, kept until a failure resets it). Unknown (None) where it is not a vLLM
+        server given to us, or its side channel does not say: the legs then name none,
+        and both sides take their own."""
+        if inst.fixed_info is None or side_channel is None:
+            return _Shape()
+        if inst.shape is not None:
+            return inst.shape
         from kvpush.errors import KVPushError
         from kvpush.sidechannel.client import fetch_metadata
 
@@ -335,15 +346,17 @@ class ProxyRoutes:
             meta = await asyncio.to_thread(fetch_metadata, host, port, 0, token=self.token)
         except KVPushError as exc:
             log.warning(
-                "%s: its side channel did not say its TP size (%s): transfers assume both "
-                "sides run the same",
+                "%s: its side channel did not say its TP and block size (%s): transfers "
+                "assume both sides run the same",
                 inst.url,
                 exc,
             )
-            return None
+            return _Shape()
         heads = meta.geometry.heads
-        inst.tp_size = None if heads is None else heads.tp_size
-        return inst.tp_size
+        if heads is None:
+            return _Shape()
+        inst.shape = _Shape(heads.tp_size, meta.geometry.block_size_tokens)
+        return inst.shape
 
     async def _read_body(self, request: Request) -> dict[str, Any] | Response:
         """The client's body, or the answer that refuses it."""
@@ -371,7 +384,7 @@ class ProxyRoutes:
         try:
             info = await self._info(p_inst, "prefill", named=True)
         except (httpx.HTTPError, ValueError, RuntimeError) as exc:
-            p_inst.info = p_inst.tp_size = None
+            p_inst.info = p_inst.shape = None
             self.done("prefill_failed")
             return error_response(502, f"prefill server {p_inst.label} is unavailable: {exc!s}")
         try:
@@ -381,16 +394,18 @@ class ProxyRoutes:
             return error_response(502, f"decode server {d_inst.label} is unavailable: {exc!s}")
         tid = f"xfer-{uuid.uuid4().hex}"
         # Both legs name both TP sizes: each side splits the transfer into the same
-        # parts, one per pair of ranks (vLLM servers; kvpush serve runs TP 1).
-        p_tp = await self._tp_size(p_inst, (info["side_channel_host"], info["side_channel_port"]))
-        d_tp = await self._tp_size(d_inst, to_decode)
+        # parts, one per pair of ranks (vLLM servers; kvpush serve runs TP 1); the decode
+        # leg names the prefill's block size, the unit the decode registers in.
+        p = await self._shape(p_inst, (info["side_channel_host"], info["side_channel_port"]))
+        d_tp = (await self._shape(d_inst, to_decode)).tp_size
         remote = RemotePrefill(
             transfer_id=tid,
             remote_host=info["side_channel_host"],
             remote_port=info["side_channel_port"],
             remote_engine_id=info.get("engine_id"),
-            tp_size=p_tp,
+            tp_size=p.tp_size,
             decode_tp_size=d_tp,
+            block_size=p.block_size,
         )
         d_body = {**body, "kv_transfer_params": remote.to_params()}
         # The prefill leg keeps the client's max_tokens: its checks (context length) then
@@ -487,7 +502,7 @@ class _Legs:
             self.gone.cancel()
             self._abort_prefill()
             # A restarted server may have moved its side channel, or changed its TP.
-            d_inst.info = d_inst.tp_size = None
+            d_inst.info = d_inst.shape = None
             self._end("decode_failed")
             return error_response(502, f"decode server {d_inst.label} failed: {exc}")
         if d_resp.status_code != 200:
@@ -508,7 +523,7 @@ class _Legs:
                 f"{p_inst.url}{self.path}", json=p_body, headers=p_inst.headers
             )
         except httpx.HTTPError as exc:
-            p_inst.info = p_inst.tp_size = None
+            p_inst.info = p_inst.shape = None
             return 502, f"prefill server {p_inst.label} failed: {type(exc).__name__}: {exc}"
         finally:
             self.lease.release(p_inst)
