@@ -519,20 +519,20 @@ class SenderProtocol(SenderGate, SenderLeases):
         """Both sides known: check the mapping, then write (or finish on a full hit)."""
         assert rec.blocks is not None and rec.register is not None and rec.peer is not None
         reg = rec.register
+        detail = None
         if reg.sender_block_tokens != self._compat.block_tokens:
             detail = (
                 f"receiver counted in blocks of {reg.sender_block_tokens} tokens, but the "
                 f"sender's blocks hold {self._compat.block_tokens}: expected the receiver to "
                 f"name the sender's block size (its kv_transfer_params)"
             )
-            failure = FailureReason.BLOCK_MISMATCH
-            return self._fail(now, rec, failure, detail, Failed(rec.transfer_id, failure, detail))
-        if reg.sender_offset + len(reg.block_ids) != len(rec.blocks):
+        elif reg.sender_offset + len(reg.block_ids) != len(rec.blocks):
             detail = (
                 f"receiver registered {len(reg.block_ids)} blocks at offset "
                 f"{reg.sender_offset}, but the sender has {len(rec.blocks)} blocks: expected "
                 f"offset + registered blocks = {len(rec.blocks)}"
             )
+        if detail is not None:
             failure = FailureReason.BLOCK_MISMATCH
             return self._fail(now, rec, failure, detail, Failed(rec.transfer_id, failure, detail))
         return self._issue_writes(now, rec)
