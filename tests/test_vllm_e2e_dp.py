@@ -29,6 +29,17 @@ A DP 2 server is six processes (API server, DP coordinator, an engine core and a
 per engine); with the single instance they take about two minutes to start on a 2-core
 host, so the two servers are shared by the module's tests and the single instance runs
 only for the reference.
+
+The servers run with vLLM-CPU's thread binding off (`VLLM_CPU_OMP_THREADS_BIND=nobind`).
+Its automatic binding pins each worker's main thread (OpenMP's first thread), and every
+thread that thread starts, to CPU 0 of this 2-core host: all five workers shared one
+core. A prefill engine whose transfers wait for their receiver keeps stepping, and its
+engine core spins (`sched_yield`) on each answer of its worker; with two such engines,
+one spun on CPU 0, and there the decode's two workers, runnable, went 60 s without
+running once (not one context switch), so the step registering their receives never
+ran; they ran again within a second of the prefill's transfers ending at their 60 s
+deadline, which then failed the requests (`deadline_exceeded`, "the sender registered").
+Unbound, the kernel runs them on the other core.
 """
 
 from __future__ import annotations
@@ -200,8 +211,10 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     )
     servers = [prefill, decode, single]
     try:
-        for server in servers:  # all at once: a start is mostly waiting
-            server.start()
+        with pytest.MonkeyPatch.context() as env:  # read by each server when it starts
+            env.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # see the module's docstring
+            for server in servers:  # all at once: a start is mostly waiting
+                server.start()
         for server in servers:
             server.wait_ready()
 
