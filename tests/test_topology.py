@@ -479,28 +479,64 @@ def test_write_views_split_the_larger_blocks_into_parts_of_the_smaller_size() ->
     assert [r.num_blocks for r in split.regions] == [16] * 2
 
 
-def test_block_sizes_whose_parts_are_not_one_run_are_refused_naming_what_is_expected() -> None:
+def test_a_block_of_several_runs_moves_run_by_run_into_the_same_runs() -> None:
+    """Heads outermost, several per rank (HND): each prefill block is a run per head,
+    each landing in its part of the same head's run of a decode block (`BlockParts`)."""
+    from kvpush.geometry import write_plan
+
+    heads = KVHeads(4, 4, 1, 0)
+    plan = write_plan(_dense_geometry(heads, 16), _dense_geometry(heads, 32))
+    assert plan.our_ids is not None and plan.their_ids is not None
+    # Prefill block 3 is runs 12..15 (a head each); the part 2 * 5 + 1 (decode block 5,
+    # its second half) is run h's second half: 5 * 8 + h * 2 + 1.
+    assert plan.our_ids.view_ids([3]) == (12, 13, 14, 15)
+    assert plan.their_ids.view_ids([11]) == (41, 43, 45, 47)
+    assert {r.block_bytes for r in plan.ours.regions + plan.theirs.regions} == {8 * 16}
+    # TP 2 into TP 1 over 4 heads: prefill rank 1's heads are the decode's runs 2 and 3.
+    rank1 = _dense_geometry(KVHeads(4, 2, 2, 1), 16)
+    split = write_plan(rank1, _dense_geometry(heads, 32))
+    assert split.our_ids is not None and split.their_ids is not None
+    assert split.our_ids.view_ids([3]) == (6, 7)
+    assert split.their_ids.view_ids([11]) == (45, 47)
+    # Tokens outermost (NHD), a rank's every head: one run a block.
+    nhd = write_plan(
+        _dense_geometry(heads, 16, layout="kv_first/NHD"),
+        _dense_geometry(heads, 32, layout="kv_first/NHD"),
+    )
+    assert nhd.our_ids is not None and nhd.their_ids is not None
+    assert (nhd.our_ids.view_ids([3]), nhd.their_ids.view_ids([11])) == ((3,), (11,))
+
+
+def test_block_sizes_whose_runs_cannot_be_cut_are_refused_naming_what_is_expected() -> None:
     from kvpush.geometry import KVCacheGroup, write_views
 
     heads = KVHeads(4, 4, 1, 0)
-    with pytest.raises(UnsupportedShape) as caught:
-        write_views(_dense_geometry(heads, 16), _dense_geometry(heads, 32))
-    text = str(caught.value)
-    assert "16-token block would land in 2 parts of each of the 4 heads" in text
-    assert "layout kv_first/HND" in text and "expected one KV head per rank" in text
-    # vLLM-CPU's packed layout holds a head's K rows, then its V rows: two runs a part.
-    one = KVHeads(1, 1, 1, 0)
-    with pytest.raises(UnsupportedShape, match=r"holds a head's K for every token of a block"):
-        write_views(
-            _dense_geometry(one, 32, layout="vllm_packed/BHNC"),
-            _dense_geometry(one, 64, layout="vllm_packed/BHNC"),
-        )
     with pytest.raises(UnsupportedShape, match=r"block sizes 16 and 24 tokens: expected one"):
         write_views(_dense_geometry(heads, 16), _dense_geometry(heads, 24))
+    one = KVHeads(1, 1, 1, 0)
     window = (KVCacheGroup("full_attention", 16), KVCacheGroup("sliding_window", 16, 64))
     hybrid = msgspec.structs.replace(_dense_geometry(one, 16), groups=window)
     with pytest.raises(UnsupportedShape, match=r"sliding window of 64 tokens counts its blocks"):
         write_views(hybrid, _dense_geometry(one, 32))
+    # Blocks with gaps between them (a hybrid model's pages, a K/V-interleaved tensor).
+    gapped = _dense_geometry(one, 32)
+    gapped = msgspec.structs.replace(
+        gapped,
+        regions=tuple(
+            msgspec.structs.replace(r, block_stride=2 * r.block_bytes) for r in gapped.regions
+        ),
+    )
+    with pytest.raises(UnsupportedShape) as caught:
+        write_views(_dense_geometry(one, 16), gapped)
+    assert "are not 2 runs of 128 bytes back to back" in str(caught.value)
+    # vLLM-CPU's packed layout: its attention keeps a block's K transposed.
+    with pytest.raises(UnsupportedShape) as caught:
+        write_views(
+            _dense_geometry(one, 32, layout="vllm_packed/BHNC"),
+            _dense_geometry(one, 64, layout="vllm_packed/BHNC"),
+        )
+    assert "vLLM-CPU's attention keeps each head's K of a block transposed" in str(caught.value)
+    assert "expected one block size on both engines with this layout" in str(caught.value)
 
 
 def test_rank_pairs_give_every_rank_of_both_sides_a_part() -> None:

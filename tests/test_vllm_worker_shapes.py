@@ -273,8 +273,9 @@ def check_every_decode_rank(engines: tuple[Engine, Engine], layerwise: bool) -> 
 BLOCK_SHAPES = [
     # (prefill TP, decode TP, KV heads, decode blocks per prefill block)
     (1, 1, 1, 2),
-    (1, 1, 1, 4),
+    (1, 1, 2, 4),  # a run per head
     (2, 2, 2, 2),  # one head per rank
+    (2, 1, 4, 2),  # two parts into each decode block: the heads of each prefill rank
     (2, 1, 1, 2),  # prefill TP above the head count: rank 1's copy moves nothing
 ]
 
@@ -289,24 +290,15 @@ def test_decode_blocks_a_whole_multiple_of_the_prefills_take_each_prefill_block_
 ) -> None:
     """The decode's blocks `ratio` times the prefill's (16 tokens), K and V tensors of
     their own per layer (`[2, blocks, heads, tokens, head_size]`, as vLLM's GPU backends
-    hand them), one KV head per rank: the decode registers the parts of its blocks
-    (`sub_block_ids`), and each prefill block lands whole in its part of K and of V, in
-    token order; the rest of the last decode block, and every other block, stay as
-    they were."""
+    hand them): the decode registers the parts of its blocks (`sub_block_ids`), and
+    each prefill block lands whole, every head's K and V, in its part of the decode
+    block, in token order; the rest of the last decode block, and every other block,
+    stay as they were."""
     fabric = LoopbackFabric()
-    prefill = Engine(
-        stack, fabric, "prefill", "sender", tp=p_tp, total_heads=heads, seed=1, kv_first=True
-    )
+    shape = {"total_heads": heads, "kv_first": True}
+    prefill = Engine(stack, fabric, "prefill", "sender", tp=p_tp, seed=1, **shape)
     decode = Engine(
-        stack,
-        fabric,
-        "decode",
-        "receiver",
-        tp=d_tp,
-        total_heads=heads,
-        seed=2,
-        tokens=TOKENS * ratio,
-        kv_first=True,
+        stack, fabric, "decode", "receiver", tp=d_tp, seed=2, tokens=TOKENS * ratio, **shape
     )
     sent = (1, 2, 3, 7, 0)  # five prefill blocks: the last decode block partly filled
     ours = (5, 6, 2)[: -(-len(sent) // ratio)]
@@ -330,6 +322,39 @@ def test_decode_blocks_a_whole_multiple_of_the_prefills_take_each_prefill_block_
         assert torch.equal(decode.caches[rank].view(torch.uint8), want.view(torch.uint8)), (
             f"decode rank {rank}: not each prefill block in its part, or more written"
         )
+
+
+def test_vllm_cpus_packed_layout_of_other_block_sizes_is_refused_naming_why(
+    stack: ExitStack, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM-CPU's attention keeps a block's K transposed, so a smaller block's tokens are
+    no run of a larger one: the decode's handshake refuses the pair, the request fails
+    at once, naming the layout and what is expected; nothing is written."""
+    fabric = LoopbackFabric()
+    prefill = Engine(stack, fabric, "prefill", "sender", tp=1, total_heads=2, seed=1)
+    decode = Engine(
+        stack, fabric, "decode", "receiver", tp=1, total_heads=2, seed=2, tokens=2 * TOKENS
+    )
+    before = decode.caches[0].clone()
+    receive = Receive(
+        "req-d", "tc", HOST, prefill.server.port, (10, 11), 0, 1, 1, sender_block_tokens=TOKENS
+    )
+    decode.step(StepPlan(receives=[receive]))
+    prefill.step(StepPlan(sends=[Send("req-p", "tc", (1, 2), decode_tp_size=1)]))
+    deadline = time.monotonic() + 20
+    while "req-d" not in decode.ended[0].finished_recving:
+        assert time.monotonic() < deadline, "the decode did not fail the request at once"
+        prefill.step()
+        decode.step()
+        time.sleep(0.002)
+    assert decode.ended[0].failed_recving == {"req-d"}
+    assert "vLLM-CPU's attention keeps each head's K of a block transposed" in caplog.text
+    assert torch.equal(decode.caches[0].view(torch.uint8), before.view(torch.uint8))
+    prefill.step(StepPlan(aborts=["tc"]))
+    while "req-p" not in prefill.ended[0].finished_sending:
+        assert time.monotonic() < deadline, "the prefill's aborted send did not end"
+        prefill.step()
+        time.sleep(0.002)
 
 
 def test_the_decode_counts_its_blocks_in_the_prefills_as_many_as_the_prefill_sends() -> None:
@@ -359,59 +384,26 @@ def test_the_decode_counts_its_blocks_in_the_prefills_as_many_as_the_prefill_sen
         in_sender_blocks(hybrid, two, 100, 16)
 
 
-REFUSED_BLOCKS = [
-    # (K and V tensors of their own, KV heads per rank, what the refusal says)
-    (True, 2, "a 16-token block would land in 2 parts of each of the 2 heads"),
-    (False, 1, "holds a head's K for every token of a block, then its V"),
-]
-
-
-@pytest.mark.parametrize(
-    ("kv_first", "heads", "words"), REFUSED_BLOCKS, ids=["two-heads-hnd", "packed-cpu"]
-)
-def test_decode_blocks_whose_parts_are_not_one_run_are_refused_naming_the_layout(
-    stack: ExitStack, caplog: pytest.LogCaptureFixture, kv_first: bool, heads: int, words: str
+def test_a_receive_counted_in_blocks_larger_than_the_decodes_fails_at_once(
+    stack: ExitStack,
 ) -> None:
-    """Where a prefill block would land as several runs of a decode block (its heads
-    outermost with two of them per rank; vLLM-CPU's packed layout, which holds each
-    head's K rows then its V rows), the decode's handshake refuses the pair: the request
-    fails at once, the reason naming the layout and what is expected; nothing is
-    written."""
+    """A decode told the prefill's blocks are larger than its own (the prefill's answer,
+    or a router, says 32 tokens; the decode's are 16): its runtime refuses to register
+    parts of blocks it does not have, and the request fails at once, nothing written."""
     fabric = LoopbackFabric()
-    prefill = Engine(
-        stack, fabric, "prefill", "sender", tp=1, total_heads=heads, seed=1, kv_first=kv_first
-    )
-    decode = Engine(
-        stack,
-        fabric,
-        "decode",
-        "receiver",
-        tp=1,
-        total_heads=heads,
-        seed=2,
-        tokens=2 * TOKENS,
-        kv_first=kv_first,
-    )
+    prefill = Engine(stack, fabric, "prefill", "sender", tp=1, total_heads=2, seed=1)
+    decode = Engine(stack, fabric, "decode", "receiver", tp=1, total_heads=2, seed=2)
     before = decode.caches[0].clone()
     receive = Receive(
-        "req-d", "tc", HOST, prefill.server.port, (10, 11), 0, 1, 1, sender_block_tokens=TOKENS
+        "req-d", "tc", HOST, prefill.server.port, (5,), 0, 1, 1, sender_block_tokens=32
     )
     decode.step(StepPlan(receives=[receive]))
-    prefill.step(StepPlan(sends=[Send("req-p", "tc", (1, 2), decode_tp_size=1)]))
-    deadline = time.monotonic() + 20
-    while "req-d" not in decode.ended[0].finished_recving:
-        assert time.monotonic() < deadline, "the decode did not fail the request at once"
-        prefill.step()
-        decode.step()
-        time.sleep(0.002)
     assert decode.ended[0].failed_recving == {"req-d"}
-    assert words in caplog.text
+    stats = decode.workers[0].take_stats()
+    assert stats is not None
+    [why] = stats.failed_at_once
+    assert "sender_block_tokens 32 does not divide our 16-token blocks" in why
     assert torch.equal(decode.caches[0].view(torch.uint8), before.view(torch.uint8))
-    prefill.step(StepPlan(aborts=["tc"]))
-    while "req-p" not in prefill.ended[0].finished_sending:
-        assert time.monotonic() < deadline, "the prefill's aborted send did not end"
-        prefill.step()
-        time.sleep(0.002)
 
 
 def test_one_part_failing_fails_the_request_once_after_every_part_ended(

@@ -18,7 +18,14 @@ import pytest
 import torch
 
 from kvpush.errors import ClosedError, FailureReason, KVPushError, TransportError
-from kvpush.geometry import CacheGeometry, KVHeads, Region, sub_block_ids, write_views
+from kvpush.geometry import (
+    CacheGeometry,
+    KVHeads,
+    Region,
+    sub_block_ids,
+    write_plan,
+    write_views,
+)
 from kvpush.runtime.scratch import ScratchBuffer, digest, pattern
 from kvpush.transports.base import (
     MessageReceived,
@@ -406,22 +413,36 @@ class TransportConformance:
                 assert pair.receiver_kv.block(r, b) == bytes(len(pair.receiver_kv.block(r, b)))
 
     # ------------------------------------------------ blocks of other sizes
-    @pytest.mark.parametrize("ratio", [2, 4])
+    @pytest.mark.parametrize(
+        ("ratio", "heads", "layout"),
+        [
+            (2, 1, "kv_separate/HND"),
+            (4, 2, "kv_separate/HND"),
+            (2, 2, "kv_separate/NHD"),
+        ],
+        ids=["x2-1head-hnd", "x4-2heads-hnd", "x2-2heads-nhd"],
+    )
     def test_a_write_of_smaller_blocks_lands_in_parts_of_larger_ones(
-        self, new_endpoint: Callable[[str, KVBuffers], Transport], ratio: int
+        self,
+        new_endpoint: Callable[[str, KVBuffers], Transport],
+        ratio: int,
+        heads: int,
+        layout: str,
     ) -> None:
-        """A prefill of 16-token blocks into a decode of `ratio` times larger ones (one KV
-        head per rank, K and V regions of their own): each prefill block moves whole into
-        its part of a decode block, in token order, and nothing else of the decode's
-        cache is written."""
+        """A prefill of 16-token blocks into a decode of `ratio` times larger ones,
+        through `write_plan`'s views and ids, as the runtime writes them: each run of a
+        prefill block (a head's tokens where heads are outermost, the whole block where
+        tokens are) lands in its part of the same run of a decode block, in token order,
+        and nothing else of the decode's cache is written."""
+        runs = heads if layout.endswith("/HND") else 1
 
         def rank_kv(tokens: int) -> KVBuffers:
-            kv = self.kv(block_bytes=HEAD_BYTES * tokens // 16)
+            kv = self.kv(block_bytes=HEAD_BYTES * heads * tokens // 16)
             kv.geometry = msgspec.structs.replace(
                 kv.geometry,
-                layout="kv_separate/HND",
+                layout=layout,
                 block_size_tokens=tokens,
-                heads=KVHeads(1, 1, 1, 0),
+                heads=KVHeads(heads, heads, 1, 0),
             )
             return kv
 
@@ -429,20 +450,30 @@ class TransportConformance:
         sender_kv.fill_random(5)
         sender = new_endpoint("sender", sender_kv)
         receiver = new_endpoint("receiver", receiver_kv)
-        ours, theirs = write_views(sender_kv.geometry, receiver_kv.geometry)
-        sender.add_peer(receiver.agent_name, receiver.metadata(), theirs, ours=ours)
+        plan = write_plan(sender_kv.geometry, receiver_kv.geometry)
+        assert plan.our_ids is not None and plan.their_ids is not None
+        sender.add_peer(receiver.agent_name, receiver.metadata(), plan.theirs, ours=plan.ours)
         # The request's five prefill blocks, into decode blocks 6 and 2 (and 5 for ratio 2).
         decode_blocks = [6, 2, 5][: -(-5 // ratio)]
         parts = sub_block_ids(decode_blocks, ratio, 5)
         prefill_blocks = [3, 0, 7, 1, 4]
-        sender.write_blocks(receiver.agent_name, 9, prefill_blocks, list(parts), b"parts")
+        sender.write_blocks(
+            receiver.agent_name,
+            9,
+            plan.our_ids.view_ids(prefill_blocks),
+            plan.their_ids.view_ids(parts),
+            b"parts",
+        )
         pump([sender, receiver], lambda ev: WriteDone(9) in ev[0] and bool(messages(ev[1])))
+        run = HEAD_BYTES * heads // runs  # one run of one prefill block
         for r in range(len(sender_kv.geometry.regions)):
             expected = {b: bytearray(len(receiver_kv.block(r, b))) for b in range(8)}
             for i, src in enumerate(prefill_blocks):
                 block, part = divmod(i, ratio)
-                at = part * HEAD_BYTES
-                expected[decode_blocks[block]][at : at + HEAD_BYTES] = sender_kv.block(r, src)
+                sent = sender_kv.block(r, src)
+                for q in range(runs):
+                    at = (q * ratio + part) * run
+                    expected[decode_blocks[block]][at : at + run] = sent[q * run : (q + 1) * run]
             for b in range(8):
                 assert receiver_kv.block(r, b) == bytes(expected[b]), (
                     f"region {r} decode block {b}: not the prefill blocks the parts name"

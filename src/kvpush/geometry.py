@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -235,29 +235,64 @@ def _describe_region_difference(theirs: Any, ours: Any) -> str:
     return "regions differ"
 
 
+class BlockParts(NamedTuple):
+    """How one side's block ids become its view's, where block sizes differ
+    (`write_plan`): each block holds `planes_per_block` runs (a head's tokens where heads
+    are outermost, one where tokens are), each `ratio` parts of the smaller side's block
+    size, back to back; a write takes `planes` of each part."""
+
+    planes_per_block: int
+    ratio: int
+    planes: tuple[int, ...]
+
+    def view_ids(self, ids: Sequence[int]) -> tuple[int, ...]:
+        """The view blocks of ids in the smaller side's blocks (`sub_block_ids`)."""
+        r, per_block = self.ratio, self.planes_per_block * self.ratio
+        return tuple(p // r * per_block + q * r + p % r for p in ids for q in self.planes)
+
+
+class WritePlan(NamedTuple):
+    """`write_plan`'s answer: the two views, and where block sizes differ, how each
+    side's ids become its view's (None: as they are)."""
+
+    ours: CacheGeometry
+    theirs: CacheGeometry
+    our_ids: BlockParts | None = None
+    their_ids: BlockParts | None = None
+
+
 def write_views(ours: CacheGeometry, theirs: CacheGeometry) -> tuple[CacheGeometry, CacheGeometry]:
+    """The two views of `write_plan`, for pairs whose ids need no mapping (one block
+    size) or callers that only check that a pair can be carried."""
+    plan = write_plan(ours, theirs)
+    return plan.ours, plan.theirs
+
+
+def write_plan(ours: CacheGeometry, theirs: CacheGeometry) -> WritePlan:
     """What a write from our rank to theirs moves, as two geometries whose blocks are
     exactly those bytes: the heads of each of our blocks it reads, and where they land in
     each of theirs (`kvpush.topology`'s plan, with us the prefill). A transport writes
     whole blocks of these views, so it needs to know nothing of heads or block sizes.
 
-    Where one side's blocks are `k` times the other's, that side's view is of blocks of
-    the smaller size: its block `b` is view blocks `b * k ... b * k + k - 1`, in token
-    order (`sub_block_ids`), so a block of the smaller side moves whole into (or from)
-    a part of one of the larger's.
+    Where one side's blocks are `k` times the other's, both views are of runs of the
+    smaller size: a block is cut into its runs (`BlockParts`: one per head where heads
+    are outermost, one where tokens are), each of `k` parts on the larger side, and a
+    write maps each side's ids to its runs. Ids on the larger side count its parts
+    (`sub_block_ids`), so a block of the smaller side moves whole into (or from) one
+    part of one of the larger's.
 
     Unchanged where the geometries do not know their heads (both, or compatibility
     refused the pair) or hold the same heads in blocks of one size. A rank pair the plan
-    gives no heads to gets views of empty blocks: its writes move nothing and still
-    notify. Raises `UnsupportedShape` for a pair the plan cannot carry, a layout in which
-    a block's heads are not one run each, or block sizes whose parts are not one run."""
+    gives no heads to gets views of empty blocks (or maps its ids to none): its writes
+    move nothing and still notify. Raises `UnsupportedShape` for a pair the plan cannot
+    carry, or a layout in which a block's heads (or runs) are not one run each."""
     a, b = ours.heads, theirs.heads
     if a is None or b is None:
-        return ours, theirs
+        return WritePlan(ours, theirs)
     same_heads = (a.tp_size, a.tp_rank) == (b.tp_size, b.tp_rank)
     ratio = _block_ratio(ours, theirs)
     if same_heads and ratio == 1:
-        return ours, theirs
+        return WritePlan(ours, theirs)
     shape = (
         f"TP {a.tp_size} rank {a.tp_rank} ({ours.block_size_tokens}-token blocks) and "
         f"TP {b.tp_size} rank {b.tp_rank} ({theirs.block_size_tokens}-token blocks)"
@@ -299,11 +334,14 @@ def write_views(ours: CacheGeometry, theirs: CacheGeometry) -> tuple[CacheGeomet
             if s.prefill_rank == a.tp_rank:
                 first_ours, first_theirs = s.first_head_in_prefill_rank, s.first_head_in_decode_rank
                 count = s.num_heads
+    if ratio == 1:
+        return WritePlan(
+            _head_view(ours, first_ours, count), _head_view(theirs, first_theirs, count)
+        )
     tokens = min(ours.block_size_tokens, theirs.block_size_tokens)
-    return (
-        _head_view(ours, first_ours, count, tokens, shape),
-        _head_view(theirs, first_theirs, count, tokens, shape),
-    )
+    our_view, our_ids = _parts_view(ours, first_ours, count, tokens, shape)
+    their_view, their_ids = _parts_view(theirs, first_theirs, count, tokens, shape)
+    return WritePlan(our_view, their_view, our_ids, their_ids)
 
 
 def _block_ratio(ours: CacheGeometry, theirs: CacheGeometry) -> int:
@@ -328,62 +366,74 @@ def sub_block_ids(blocks: Sequence[int], ratio: int, count: int) -> tuple[int, .
     return tuple(b * ratio + i for b in blocks for i in range(ratio))[:count]
 
 
-def _tokens_outermost(layout: str) -> bool:
-    """Whether a block of `layout` holds its tokens one after another, all heads of a
-    token together (`vllm_packed/BNHC`, `*/NHD`): then its first tokens are one run."""
-    order = layout.rsplit("/", 1)[-1]
-    if layout.startswith(PACKED_PREFIX):
-        return order[1:2] == "N"
-    return order.startswith("N")
-
-
-def _head_view(
-    geometry: CacheGeometry, first: int, count: int, tokens: int, shape: str
-) -> CacheGeometry:
-    """`geometry` with each block cut down to heads `[first, first + count)` of it, in
-    blocks of `tokens` tokens: where the geometry's blocks hold more, each becomes that
-    many view blocks, one after another, which must then each be one run of bytes."""
-    ratio = geometry.block_size_tokens // tokens
+def _head_view(geometry: CacheGeometry, first: int, count: int) -> CacheGeometry:
+    """`geometry` with each block cut down to heads `[first, first + count)` of it."""
     regions = []
     for r in geometry.regions:
-        unit = geometry.region_unit_bytes(r)  # one head, one token
-        head = unit * geometry.block_size_tokens
-        if ratio == 1:
-            regions.append(
-                msgspec.structs.replace(
-                    r, base_addr=r.base_addr + first * head, block_bytes=count * head
-                )
+        head = geometry.region_unit_bytes(r) * geometry.block_size_tokens
+        regions.append(
+            msgspec.structs.replace(
+                r, base_addr=r.base_addr + first * head, block_bytes=count * head
             )
-            continue
-        part = count * unit * tokens
-        held = geometry.heads.per_rank if geometry.heads is not None else 1
-        replicated = geometry.heads is not None and geometry.heads.replicated
-        if geometry.layout.startswith(PACKED_PREFIX) and not replicated:
+        )
+    return msgspec.structs.replace(geometry, regions=tuple(regions), heads=None)
+
+
+def _parts_view(
+    geometry: CacheGeometry, first: int, count: int, tokens: int, shape: str
+) -> tuple[CacheGeometry, BlockParts]:
+    """`geometry` as runs of `tokens` tokens (`BlockParts`), heads `[first, first +
+    count)` of each block taken."""
+    assert geometry.heads is not None
+    held, ratio = geometry.heads.per_rank, geometry.block_size_tokens // tokens
+    order = geometry.layout.rsplit("/", 1)[-1]
+    whole: tuple[int, ...] = (0,) if count else ()
+    planes: tuple[int, ...]
+    # Per layout: the runs a block holds, those the heads are, and how many heads' bytes
+    # for one token a run holds (`region_unit_bytes` each).
+    if geometry.heads.replicated:  # MLA's latent: one run of tokens
+        planes_per_block, planes, per_token = 1, whole, held
+    elif geometry.layout.startswith(PACKED_PREFIX):
+        # vLLM-CPU's attention: its kernels keep a head's K of a block transposed
+        # ([head_size, tokens]) with its V after it, or in AMX tiles.
+        raise UnsupportedShape(
+            f"{shape}: vLLM-CPU's attention keeps each head's K of a block transposed (its "
+            f"head_size rows each hold every token: `cpu_attn_reshape_and_cache`) and its V "
+            f"after it, so the {tokens} tokens of a smaller block are no run of a "
+            f"{geometry.block_size_tokens}-token block (layout {geometry.layout}): expected "
+            f"one block size on both engines with this layout (K and V tensors of their "
+            f"own, as vLLM's GPU backends hand them, or MLA's latent carry larger blocks)"
+        )
+    elif order == "HND":
+        planes_per_block, planes, per_token = held, tuple(range(first, first + count)), 1
+    elif order == "NHD" and count in (0, held):
+        planes_per_block, planes, per_token = 1, whole, held
+    else:
+        raise UnsupportedShape(
+            f"{shape}: heads {first}..{first + count - 1} of the {held} of a "
+            f"{geometry.block_size_tokens}-token block (layout {geometry.layout}) are no "
+            f"whole runs of {tokens} tokens: expected heads outermost in a block (HND) or "
+            f"a rank's every head"
+        )
+    regions = []
+    for r in geometry.regions:
+        run = geometry.region_unit_bytes(r) * per_token * tokens
+        if r.block_stride != r.block_bytes or run * planes_per_block * ratio != r.block_bytes:
             raise UnsupportedShape(
-                f"{shape}: vLLM's packed layout ({geometry.layout}, its CPU attention) holds "
-                f"a head's K for every token of a block, then its V, so a {tokens}-token "
-                f"block would land in two runs of each head of a "
-                f"{geometry.block_size_tokens}-token block: expected one block size on "
-                f"both engines with this layout (a latent cache, MLA's, or an attention "
-                f"backend whose K and V are tensors of their own carries larger blocks)"
-            )
-        if not (
-            (held == 1 or _tokens_outermost(geometry.layout))
-            and count in (0, held)
-            and r.block_stride == r.block_bytes
-        ):
-            raise UnsupportedShape(
-                f"{shape}: a {tokens}-token block would land in {ratio} parts of each of "
-                f"the {held} heads of a {geometry.block_size_tokens}-token block of region "
-                f"{r.name} (layout {geometry.layout}, blocks {r.block_stride} bytes apart), "
-                f"not one run of bytes: expected one KV head per rank, or tokens outermost "
-                f"in a block, with blocks back to back"
+                f"{shape}: region {r.name}'s blocks ({r.block_bytes} bytes, "
+                f"{r.block_stride} apart) are not {planes_per_block * ratio} runs of "
+                f"{run} bytes back to back: expected blocks of one run of heads each, with "
+                f"no gap between blocks"
             )
         regions.append(
             msgspec.structs.replace(
-                r, block_bytes=part, block_stride=part, num_blocks=r.num_blocks * ratio
+                r,
+                block_bytes=run,
+                block_stride=run,
+                num_blocks=r.num_blocks * planes_per_block * ratio,
             )
         )
-    return msgspec.structs.replace(
+    view = msgspec.structs.replace(
         geometry, regions=tuple(regions), heads=None, block_size_tokens=tokens
     )
+    return view, BlockParts(planes_per_block, ratio, planes)

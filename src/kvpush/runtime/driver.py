@@ -31,7 +31,7 @@ from kvpush.errors import (
     RemoteProtocolError,
     TransportError,
 )
-from kvpush.geometry import CacheGeometry, write_views
+from kvpush.geometry import BlockParts, CacheGeometry, WritePlan, write_plan, write_views
 from kvpush.protocol import (
     DropPeer,
     Effect,
@@ -284,6 +284,8 @@ class Driver:
         self._active = False  # set when the loop's pass wrote or sent something
         self._lookups: set[PeerAddress] = set()  # addresses being looked up
         self._infos: dict[str, PeerInfo] = {}  # agent -> what its handshake said
+        # agent -> how our ids and its ids become the views' where block sizes differ
+        self._id_maps: dict[str, tuple[BlockParts | None, BlockParts | None]] = {}
         # Transfers registered in this loop pass from a cached handshake: if the data
         # plane reports their sender gone in the same pass, the Register went nowhere.
         self._unconfirmed: list[str] = []
@@ -647,10 +649,10 @@ class Driver:
         )
         ours = meta.agent_name == self._transport.agent_name
         compatible = self._protocol.incompatibility(info.compat) is None
-        views = (self._geometry, meta.geometry)
+        views = WritePlan(self._geometry, meta.geometry)
         if compatible and not ours:
             try:
-                views = write_views(self._geometry, meta.geometry)
+                views = write_plan(self._geometry, meta.geometry)
             except UnsupportedShape as exc:
                 reason = FailureReason.INCOMPATIBLE_PEER
                 self._apply(self._protocol.handshake_failed(now, address, reason, str(exc)))
@@ -675,6 +677,8 @@ class Driver:
                 log.info("could not load incompatible peer %s to tell it: %s", address, exc)
             if compatible:
                 self._infos[meta.agent_name] = info
+                if views.our_ids is not None or views.their_ids is not None:
+                    self._id_maps[meta.agent_name] = (views.our_ids, views.their_ids)
             self._probe_peers.discard(meta.agent_name)  # the protocol's from now on
         self._apply(self._protocol.handshake_done(now, address, info))
 
@@ -736,6 +740,7 @@ class Driver:
                 case DropPeer(peer=agent):
                     self._transport.remove_peer(agent)
                     self._infos.pop(agent, None)
+                    self._id_maps.pop(agent, None)
                 case TransferEnded():
                     self._sink.report(eff)
 
@@ -747,12 +752,18 @@ class Driver:
             regions = [r for layer in w.layers for r in self._layer_regions.get(layer, [])]
             per_block = sum(self._geometry.regions[r].block_bytes for r in regions)
             nbytes = per_block * len(w.our_blocks)
+        our_blocks, their_blocks = w.our_blocks, w.their_blocks
+        if (maps := self._id_maps.get(w.peer)) is not None:
+            # Blocks of different sizes: each id is the runs of its part (`BlockParts`).
+            ours, theirs = maps
+            our_blocks = ours.view_ids(our_blocks) if ours is not None else our_blocks
+            their_blocks = theirs.view_ids(their_blocks) if theirs is not None else their_blocks
         try:
             self._transport.write_blocks(
                 w.peer,
                 w.write_id,
-                w.our_blocks,
-                w.their_blocks,
+                our_blocks,
+                their_blocks,
                 None if w.notification is None else self._protocol.wire(w.peer, w.notification),
                 regions,
             )

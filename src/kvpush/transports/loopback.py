@@ -698,7 +698,7 @@ class LoopbackTransport(Transport):
                 FailureReason.LOCAL_ERROR, f"write id {write_id} is already in flight"
             )
         region_ids = validate_write(
-            self._geometry, target.geometry, peer, our_blocks, their_blocks, regions, notification
+            target.source, target.geometry, peer, our_blocks, their_blocks, regions, notification
         )
         self._write_ids.add(write_id)
         self._pending.append(

@@ -138,6 +138,10 @@ class _Peer:
     # rank of another TP size): its own descriptors and prepared list; None: the cache's.
     source_descriptors: npt.NDArray[np.uint64] | None = None
     source_dlist: Any = None
+    # That view's geometry, and the rows of (region r, block 0) in its list (None: ours);
+    # a view of blocks of another size has more blocks than our cache.
+    source: CacheGeometry | None = None
+    source_rows: npt.NDArray[np.int32] | None = None
     # Bytes each region's block moves (the view's), and their sum; empty: messages only.
     region_bytes: tuple[int, ...] = ()
     bytes_per_block: int = 0
@@ -483,6 +487,10 @@ class NixlTransport(Transport):
             bytes_per_block=sum(region_bytes),
         )
         if ours is not None:
+            state.source = ours
+            state.source_rows = np.arange(len(ours.regions), dtype=np.int32) * np.int32(
+                ours.num_blocks
+            )
             state.source_descriptors = block_descriptors(ours)
             try:
                 state.source_dlist = agent.prep_xfer_dlist(
@@ -538,7 +546,7 @@ class NixlTransport(Transport):
         if target.moves_nothing:
             # The rank pair shares no heads: the write moves nothing, and still notifies.
             validate_write(
-                self._geometry,
+                target.source or self._geometry,
                 target.geometry,
                 peer,
                 our_blocks,
@@ -561,23 +569,25 @@ class NixlTransport(Transport):
             raise TransportError(
                 FailureReason.LOCAL_ERROR, f"write id {write_id} is already in flight"
             )
+        source = target.source or self._geometry
         if (
             regions is None
             and notification
             and len(our_blocks) == 1 == len(their_blocks)
             and type(ob := our_blocks[0]) is int
             and type(tb := their_blocks[0]) is int
-            and 0 <= ob < self._num_blocks
+            and 0 <= ob < source.num_blocks
             and 0 <= tb < target.geometry.num_blocks
             and len(self._region_rows)
         ):
             # The common small write, checked as validate_write would pass it: one
             # block, every region, a notification; its descriptor rows from the plans.
-            rows, their_rows = self._region_rows + ob, target.region_rows + tb
+            source_rows = self._region_rows if target.source_rows is None else target.source_rows
+            rows, their_rows = source_rows + ob, target.region_rows + tb
             self._post(target, write_id, rows, their_rows, bytes(notification), 1)
             return
         region_ids = validate_write(
-            self._geometry, target.geometry, peer, our_blocks, their_blocks, regions, notification
+            source, target.geometry, peer, our_blocks, their_blocks, regions, notification
         )
         notif = b"" if notification is None else bytes(notification)
         if not our_blocks or not region_ids:
@@ -589,7 +599,7 @@ class NixlTransport(Transport):
             self._events.append(WriteDone(write_id))
             return
         # Descriptor row of (region r, block b) is r * num_blocks + b on each side.
-        nb, their_nb = self._geometry.num_blocks, target.geometry.num_blocks
+        nb, their_nb = source.num_blocks, target.geometry.num_blocks
         region_arr = np.asarray(region_ids, dtype=np.int64)[:, None]
         our_index = (
             (region_arr * nb + np.asarray(our_blocks, dtype=np.int64)).astype(np.int32).ravel()
@@ -632,7 +642,8 @@ class NixlTransport(Transport):
             self._events.append(WriteFailed(write_id, reason, f"NIXL refused the write: {exc!r}"))
             return
         self._writes_posted += 1
-        rb, nb = target.region_bytes, self._num_blocks
+        rb = target.region_bytes
+        nb = self._num_blocks if target.source is None else target.source.num_blocks
         if len(our_index) == len(rb) * num_blocks:
             self._bytes_posted += target.bytes_per_block * num_blocks
         else:
