@@ -192,7 +192,8 @@ def test_http_deadline_names_the_check(http_server: tuple[str, int]) -> None:
     host, port = http_server
     _Handler.statuses = [500] * 1000
     with pytest.raises(NotReady) as exc:
-        wait_ready(os.getpid(), http_url=http_url(host, port), http_timeout_s=0.3, timeout_s=30)
+        # Long enough for one answer on a loaded host (0.3 s once saw none: "timed out").
+        wait_ready(os.getpid(), http_url=http_url(host, port), http_timeout_s=3.0, timeout_s=30)
     assert exc.value.check == "http"
     assert "HTTP 500" in str(exc.value)
     _Handler.statuses = []
