@@ -30,7 +30,8 @@ per engine); with the single instance they take about two minutes to start on a 
 host, so the two servers are shared by the module's tests and the single instance runs
 only for the reference.
 
-The servers run with vLLM-CPU's thread binding off (`VLLM_CPU_OMP_THREADS_BIND=nobind`).
+The DP servers run with vLLM-CPU's thread binding off (`VLLM_CPU_OMP_THREADS_BIND=nobind`,
+set by `kvpush.lab.VllmServer` for `--data-parallel-size`).
 Its automatic binding pins each worker's main thread (OpenMP's first thread), and every
 thread that thread starts, to CPU 0 of this 2-core host: all five workers shared one
 core. A prefill engine whose transfers wait for their receiver keeps stepping, and its
@@ -211,10 +212,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     )
     servers = [prefill, decode, single]
     try:
-        with pytest.MonkeyPatch.context() as env:  # read by each server when it starts
-            env.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # see the module's docstring
-            for server in servers:  # all at once: a start is mostly waiting
-                server.start()
+        for server in servers:  # all at once: a start is mostly waiting
+            server.start()
         for server in servers:
             server.wait_ready()
 

