@@ -45,8 +45,7 @@ pytest: $(STAMP) $(VLLM_STAMP)
 
 test: lint typecheck pytest
 
-# vLLM at data parallelism 2 (tests/test_vllm_e2e_dp.py): eight vLLM processes on one
-# host; on demand, not in make test (see the `dp` marker in pyproject.toml).
+# vLLM at data parallelism 2 (tests/test_vllm_e2e_dp.py) alone; make test runs it too.
 test-dp: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/pytest -m dp tests/test_vllm_e2e_dp.py
 
