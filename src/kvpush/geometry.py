@@ -46,7 +46,8 @@ HEAD_SLICEABLE_LAYOUTS = (
     "blocks_first/HND",
 )
 # vLLM's packed per-layer caches (`kvpush.integrations.vllm.kvcache`): `[B, H, N, C]`,
-# where C is K then V of each head's rows (`[H, 2, N, D]` in memory), or MLA's latent.
+# MLA's latent, or vLLM-CPU's attention, whose kernels keep in a head's `N x C` what
+# they choose (K transposed, then V; AMX tiles): whole heads move, never token ranges.
 PACKED_PREFIX = "vllm_packed/"
 
 
@@ -146,7 +147,7 @@ class CacheGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     def compat_fields(self) -> dict[str, object]:
         """What two peers must agree on; addresses, block counts and (where the geometry
         knows its heads) tensor-parallel sizes and block sizes may differ
-        (`block_sizes_may_differ`; `write_views` says which pairs carry). Regions are
+        (`block_sizes_may_differ`; `write_plan` says which pairs carry). Regions are
         compared by the bytes of one head per token then, with `kv_heads` the model's
         head count; a hybrid model's KV-cache groups by kind, block size and window."""
         fields: dict[str, object] = {
@@ -165,7 +166,7 @@ class CacheGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
     def compat_hash(self) -> str:
         """A digest of what must be equal: `compat_fields()`, but for the block size
-        where it may differ (`block_sizes_may_differ`: `write_views` judges it)."""
+        where it may differ (`block_sizes_may_differ`: `write_plan` judges it)."""
         fields = self.compat_fields()
         if self.heads is not None:
             del fields["block_size_tokens"]
@@ -196,7 +197,7 @@ class ScratchRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
 
 def block_sizes_may_differ(a: Mapping[str, object], b: Mapping[str, object]) -> bool:
-    """Whether two peers' `compat_fields()` leave their block sizes to `write_views`:
+    """Whether two peers' `compat_fields()` leave their block sizes to `write_plan`:
     where both know their heads (vLLM engines), whose regions are then compared per
     token. Elsewhere blocks move whole and must be equal."""
     return a.get("kv_heads") is not None and b.get("kv_heads") is not None
@@ -357,7 +358,7 @@ def _block_ratio(ours: CacheGeometry, theirs: CacheGeometry) -> int:
 
 def sub_block_ids(blocks: Sequence[int], ratio: int, count: int) -> tuple[int, ...]:
     """The first `count` view blocks of `blocks` where each holds `ratio` blocks of a
-    peer's smaller size (`write_views`): block `b`'s parts are `b * ratio + i`, in token
+    peer's smaller size (`write_plan`): block `b`'s parts are `b * ratio + i`, in token
     order. `count` must not exceed `len(blocks) * ratio`."""
     if ratio == 1:
         return tuple(blocks[:count])
