@@ -46,8 +46,9 @@ HEAD_SLICEABLE_LAYOUTS = (
     "blocks_first/HND",
 )
 # vLLM's packed per-layer caches (`kvpush.integrations.vllm.kvcache`): `[B, H, N, C]`,
-# MLA's latent, or vLLM-CPU's attention, whose kernels keep in a head's `N x C` what
-# they choose (K transposed, then V; AMX tiles): whole heads move, never token ranges.
+# MLA's latent (a token's C in one run), or vLLM-CPU's attention, whose kernels keep in
+# a head's `N x C` what they choose (K transposed, then V; AMX tiles): its heads move
+# whole, never a range of their tokens.
 PACKED_PREFIX = "vllm_packed/"
 
 
