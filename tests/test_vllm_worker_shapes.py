@@ -366,22 +366,26 @@ def test_the_decode_counts_its_blocks_in_the_prefills_as_many_as_the_prefill_sen
     full = (KVCacheGroup("full_attention", 32),)
     decode_ids = [[9, 4, 6, 2]]
     got = received_blocks(full, decode_ids, 100, 0)
-    assert in_sender_blocks(full, got, 100, 16) == (GroupBlocks((18, 19, 8, 9, 12, 13, 4), 0),)
+    assert in_sender_blocks(full, got, 100, 32, 16) == (GroupBlocks((18, 19, 8, 9, 12, 13, 4), 0),)
     hit = received_blocks(full, decode_ids, 100, 64)  # two decode blocks cached
-    assert in_sender_blocks(full, hit, 100, 16) == (GroupBlocks((12, 13, 4), 4),)
-    assert in_sender_blocks(full, got, 100, 32) is got
+    assert in_sender_blocks(full, hit, 100, 32, 16) == (GroupBlocks((12, 13, 4), 4),)
+    assert in_sender_blocks(full, got, 100, 32, 32) is got
     with pytest.raises(UnsupportedShape) as caught:
-        in_sender_blocks(full, got, 100, 64)
+        in_sender_blocks(full, got, 100, 32, 64)
     assert str(caught.value) == (
         "the prefill's blocks hold 64 tokens, the decode's 32: expected the decode's block "
         "size to be a whole multiple of the prefill's (--block-size 64 on the decode, say)"
     )
     with pytest.raises(UnsupportedShape, match=r"--block-size 48 on the decode"):
-        in_sender_blocks(full, got, 100, 24)
+        in_sender_blocks(full, got, 100, 32, 24)
+    # A Mamba group's block size is vLLM's for states, not the engine's: one block size.
+    mamba = (KVCacheGroup("mamba", 1024, state="s"), KVCacheGroup("full_attention", 32))
+    state = received_blocks(mamba, [[3], [9, 4, 6, 2]], 100, 0)
+    assert in_sender_blocks(mamba, state, 100, 32, 32) is state
     hybrid = (*full, KVCacheGroup("sliding_window", 32, 64))
     two = received_blocks(hybrid, [[9, 4, 6, 2], [0, 0, 6, 2]], 100, 0)
     with pytest.raises(UnsupportedShape, match=r"sliding window of 64 tokens count in"):
-        in_sender_blocks(hybrid, two, 100, 16)
+        in_sender_blocks(hybrid, two, 100, 32, 16)
 
 
 def test_a_receive_counted_in_blocks_larger_than_the_decodes_fails_at_once(

@@ -90,15 +90,17 @@ def in_sender_blocks(
     groups: Sequence[KVCacheGroup],
     received: tuple[GroupBlocks, ...],
     num_tokens: int,
+    block_tokens: int,
     sender_block_tokens: int,
 ) -> tuple[GroupBlocks, ...]:
-    """`received_blocks` counted in the prefill's blocks, where the decode's are a whole
-    multiple `k` of them (vLLM lets the two engines' block sizes differ so): each decode
-    block is `k` parts (`kvpush.geometry.sub_block_ids`), one per prefill block, as many
-    as the prefill has after the decode's prefix hit. Unchanged at one block size.
+    """`received_blocks` counted in the prefill's blocks, where the decode's
+    (`block_tokens`, the engine's block size) are a whole multiple `k` of them (vLLM
+    lets the two engines' block sizes differ so): each decode block is `k` parts
+    (`kvpush.geometry.sub_block_ids`), one per prefill block, as many as the prefill
+    has after the decode's prefix hit. Unchanged at one block size.
     Raises `UnsupportedShape` for sizes that are not so, or a model with more than one
     full-attention KV-cache group (whose other groups count in the engine's blocks)."""
-    ours = groups[0].block_size_tokens
+    ours = block_tokens  # the engine's (a Mamba group's own block size is a state's)
     if sender_block_tokens == ours:
         return received
     both = f"the prefill's blocks hold {sender_block_tokens} tokens, the decode's {ours}"

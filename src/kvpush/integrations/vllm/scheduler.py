@@ -238,10 +238,10 @@ class SchedulerSide:
                 rid, remote, "the decode's sliding-window blocks for this prompt were freed"
             )
             return
-        own_size = self._groups[0].block_size_tokens
+        own_size = self._config.block_size_tokens
         sender_size = remote.block_size or own_size
         try:
-            ours = in_sender_blocks(self._groups, ours, num_tokens, sender_size)
+            ours = in_sender_blocks(self._groups, ours, num_tokens, own_size, sender_size)
         except UnsupportedShape as exc:
             self._cannot_receive(rid, remote, str(exc))
             return
