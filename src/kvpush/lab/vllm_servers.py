@@ -407,6 +407,13 @@ class VllmServer:
             # off the CPU for 60 s, until the transfers ended at their deadline
             # (docs/vllm.md, "Data parallelism on this host"). Unbound, they run anywhere.
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if self.spec.connector is None:
+            # vLLM-CPU reserves one core more for a server with a KV connector, and on a
+            # 2-core host that decides how many threads compute: a single instance ran
+            # with one (core ids [0]), prefill and decode servers with two ([0, 1]), so
+            # their logprobs differed in the third decimal (a fresh-clone CI run failed
+            # on it). A reference server reserves as a prefill or decode one does.
+            env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "2")
         if self.spec.connector in ("NixlConnector", "NixlPushConnector"):
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.spec.host
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.spec.side_channel_port)
