@@ -684,7 +684,6 @@ async def legs_then_half_prefilled(
             "remote_port": port,
             "tp_size": prefill_tp,
             "decode_tp_size": decode_tp,
-            "block_size": prefill.spec.block_size,
             "transfer_id": tid,
         }
         decode_legs.append(
