@@ -204,18 +204,26 @@ def block_sizes_may_differ(a: Mapping[str, object], b: Mapping[str, object]) -> 
     return a.get("kv_heads") is not None and b.get("kv_heads") is not None
 
 
+def differing_compat_fields(a: Mapping[str, object], b: Mapping[str, object]) -> list[str]:
+    """The `CacheGeometry.compat_fields()` keys whose values differ, sorted; the block
+    size only where it must be equal (`block_sizes_may_differ`)."""
+    sizes_may_differ = block_sizes_may_differ(a, b)
+    return [
+        key
+        for key in sorted(set(a) | set(b))
+        if a.get(key) != b.get(key) and not (key == "block_size_tokens" and sizes_may_differ)
+    ]
+
+
 def describe_compat_differences(
     theirs: Mapping[str, object], ours: Mapping[str, object]
 ) -> list[str]:
-    """What differs between two `CacheGeometry.compat_fields()`, one phrase per field,
-    each naming theirs and ours (regions: the first region that differs); block sizes
-    only where they must be equal (`block_sizes_may_differ`)."""
+    """What differs between two `CacheGeometry.compat_fields()`, one phrase per field
+    (`differing_compat_fields`), each naming theirs and ours (regions: the first region
+    that differs)."""
     out: list[str] = []
-    sizes_may_differ = block_sizes_may_differ(theirs, ours)
-    for key in sorted(set(ours) | set(theirs)):
+    for key in differing_compat_fields(theirs, ours):
         ours_value, their_value = ours.get(key), theirs.get(key)
-        if their_value == ours_value or (key == "block_size_tokens" and sizes_may_differ):
-            continue
         if key == "regions":
             out.append(_describe_region_difference(their_value, ours_value))
         else:
@@ -331,6 +339,9 @@ def write_plan(ours: CacheGeometry, theirs: CacheGeometry) -> WritePlan:
             replicated_kv=a.replicated,
             bytes_per_head_per_block=1,
         )
+        # Only which heads pair: the block sizes are this function's to judge (a
+        # plan refuses a decode block smaller than the prefill's; these views serve
+        # either direction), so the plan is asked at one token a block.
         first_ours, first_theirs, count = 0, 0, 0
         for s in plan.for_decode(b.tp_rank).sources:
             if s.prefill_rank == a.tp_rank:

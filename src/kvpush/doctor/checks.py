@@ -39,7 +39,7 @@ from kvpush.errors import (
 from kvpush.geometry import (
     PROTOCOL_VERSION,
     CacheGeometry,
-    block_sizes_may_differ,
+    differing_compat_fields,
     write_views,
 )
 from kvpush.net import is_wildcard
@@ -616,12 +616,9 @@ def _paired_ranks(
 def geometry_differences(prefill: CacheGeometry, decode: CacheGeometry) -> list[tuple[str, str]]:
     """(field, phrase) for every compatibility field that differs, naming both sides."""
     ours, theirs = prefill.compat_fields(), decode.compat_fields()
-    sizes_may_differ = block_sizes_may_differ(ours, theirs)  # then `write_views` judges
     out: list[tuple[str, str]] = []
-    for key in sorted(set(ours) | set(theirs)):
+    for key in differing_compat_fields(ours, theirs):
         a, b = ours.get(key), theirs.get(key)
-        if a == b or (key == "block_size_tokens" and sizes_may_differ):
-            continue
         if key == "regions":
             if _same_bytes_per_token(prefill, decode) and "block_size_tokens" in dict(out):
                 # Only a consequence of the block size: one field to fix, named once.

@@ -100,7 +100,7 @@ def in_sender_blocks(
     has after the decode's prefix hit. Unchanged at one block size.
     Raises `UnsupportedShape` for sizes that are not so, or a model with more than one
     full-attention KV-cache group (whose other groups count in the engine's blocks)."""
-    ours = block_tokens  # the engine's (a Mamba group's own block size is a state's)
+    ours = block_tokens  # the engine's: a Mamba group's own block size is a state's
     if sender_block_tokens == ours:
         return received
     both = f"the prefill's blocks hold {sender_block_tokens} tokens, the decode's {ours}"
