@@ -4,9 +4,17 @@ expected. Also the one rule that counts an ended transfer."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvpush.errors import ConfigError, FailureReason
+from kvpush.integrations.vllm.params import (
+    ConnectorConfig,
+    client_request_id,
+    pairing_id,
+    prefill_transfer,
+)
 from kvpush.protocol import TransferEnded
 from kvpush.transfer_metrics import record_ended, record_failed_at_once
 from kvpush.transfer_params import (
@@ -193,3 +201,88 @@ def test_a_finished_transfer_adds_bytes_and_time_a_failed_one_only_its_reason() 
     ]
     assert tally.nbytes == [("sender", 64)]
     assert tally.seconds == [("sender", 0.5)]
+
+
+# ----------------------------------------------------------------- vLLM's push dialect
+
+
+def _config(*, randomized: bool = True) -> ConnectorConfig:
+    from helpers.vllm_worker import worker_config
+
+    config = worker_config("p", "sender", 5600, total_kv_heads=2, block_size_tokens=16)
+    return dataclasses.replace(config, request_ids_randomized=randomized)
+
+
+def test_a_request_id_is_the_clients_without_the_suffix_vllm_adds() -> None:
+    config = _config()
+    assert client_request_id("cmpl-router-7-0-1a2b3c4d", config) == "cmpl-router-7-0"
+    # vLLM told not to add one: the id is the client's as it is.
+    bare = _config(randomized=False)
+    assert client_request_id("cmpl-router-7-0-1a2b3c4d", bare) == "cmpl-router-7-0-1a2b3c4d"
+    # Nothing that is not vLLM's suffix is cut.
+    assert client_request_id("cmpl-router-7-0-1A2B3C4D", config) == "cmpl-router-7-0-1A2B3C4D"
+    assert client_request_id("x-1a2b3c4", config) == "x-1a2b3c4"
+
+
+def test_the_two_legs_of_one_request_name_one_transfer_and_other_requests_another() -> None:
+    """Each vLLM adds a suffix of its own to the router's X-Request-Id; both sides cut it
+    and digest the prompt: the same id and prompt pair, anything else does not."""
+    config = _config()
+    prompt = [1, 2, 3, 4]
+    prefill = pairing_id(client_request_id("cmpl-rid-0-0badf00d", config), prompt)
+    decode = pairing_id(client_request_id("cmpl-rid-0-12345678", config), prompt)
+    assert prefill == decode
+    assert prefill.startswith("cmpl-rid-0@")
+    others = {
+        pairing_id("cmpl-rid-0", [1, 2, 3, 5]),  # the same id, another prompt
+        pairing_id("cmpl-rid-0", [1, 2, 3]),
+        pairing_id("cmpl-other-0", prompt),
+        pairing_id("cmpl-rid-0", prompt, cache_salt="tenant-b"),
+        pairing_id("cmpl-rid-0", prompt, lora_name="adapter"),
+        # A salt is not confused with an id that contains it.
+        pairing_id("cmpl-rid-0", prompt, lora_name="x", cache_salt=""),
+        pairing_id("cmpl-rid-0", prompt, lora_name="", cache_salt="x"),
+    }
+    assert prefill not in others and len(others) == 7
+    long_id = "r" * 300
+    assert len(pairing_id(long_id, prompt)) <= MAX_TEXT_CHARS
+    assert pairing_id(long_id, prompt) != pairing_id(long_id + "s", prompt)
+
+
+def test_a_prefill_takes_the_transfer_id_it_is_given_else_its_pairing_id() -> None:
+    config = _config()
+    named = prefill_transfer({"do_remote_decode": True, "transfer_id": "t-1"}, config, "pair")
+    assert named.transfer_id == "t-1"
+    # vllm-router's prefill leg: every remote field null, no transfer id.
+    routed = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    assert prefill_transfer(routed, config, "pair").transfer_id == "pair"
+    fresh = prefill_transfer(routed, config)
+    assert fresh.transfer_id.startswith("vllm-p-") and fresh.decode is None
+
+
+def test_a_decode_leg_in_vllms_push_dialect_is_read_with_its_pairing_id() -> None:
+    """What vllm-router rebuilds: no transfer_id, no block size, no decode TP."""
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "prefill-engine",
+        "remote_host": "::1",
+        "remote_port": 5600,
+        "tp_size": 1,
+        "remote_request_id": "___prefill_addr_x___decode_addr_y_1234",
+    }
+    got = parse_remote_prefill(params, pairing_id="cmpl-x@ab")
+    assert got.transfer_id == "cmpl-x@ab"
+    assert (got.remote_host, got.remote_port, got.tp_size) == ("::1", 5600, 1)
+    assert got.block_size is None and got.decode_tp_size is None
+    # A transfer id the params name wins; none at all is still an error.
+    assert parse_remote_prefill({**params, "transfer_id": "t"}, pairing_id="p").transfer_id == "t"
+    with pytest.raises(BadTransferParams, match="transfer_id must be a non-empty string"):
+        parse_remote_prefill(params)

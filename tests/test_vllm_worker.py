@@ -41,12 +41,16 @@ class Stats:
         self.announced: Counter[str] = Counter()
         self.nbytes: Counter[str] = Counter()
         self.failed_at_once: list[str] = []
+        self.registered_first_total = 0
 
     def opened(self, push: str) -> None:
         self.pushes[push] += 1
 
     def layers_announced(self, by: str, n: int) -> None:
         self.announced[by] += n
+
+    def registered_first(self, n: int) -> None:
+        self.registered_first_total += n
 
     def ended_at_once(self, side: str, why: str) -> None:
         self.failed_at_once.append(why)
@@ -170,6 +174,37 @@ def test_a_prefill_worker_pushes_its_blocks_into_the_decode_workers_cache(
         assert stats.announced == Counter({"save_kv_layer": LAYERS})
     received = decode.worker.take_stats()
     assert received is not None and received.nbytes["receiver"] > 0
+
+
+@pytest.mark.parametrize("registered_first", [True, False], ids=["decode-first", "prefill-first"])
+def test_a_send_counts_whether_its_decode_had_registered_first(
+    engines: tuple[Engine, Engine], registered_first: bool
+) -> None:
+    """Both legs at once (a router's concurrent dispatch): the decode's registration can
+    reach the prefill before the prefill offers its blocks; such sends are counted."""
+    prefill, decode = engines
+    send = StepPlan(sends=[Send("req-p", "t3", (2, 3))])
+    if not registered_first:
+        prefill.step(send)
+    decode.step(receive(prefill, "t3", (5, 6)))
+    if registered_first:
+        deadline = time.monotonic() + 20
+        while _sending_state(prefill, "t3") != "registered":
+            assert time.monotonic() < deadline, "the decode's registration never arrived"
+            decode.step()
+            time.sleep(0.002)
+        prefill.step(send)
+    run_until_ended(prefill, decode, "req-p", "req-d")
+    assert decode.ended.failed_recving == set()
+    stats = prefill.worker.take_stats()
+    assert stats is not None
+    assert stats.registered_first_total == (1 if registered_first else 0)
+
+
+def _sending_state(engine: Engine, tid: str) -> str | None:
+    stats = engine.worker.statistics()
+    assert stats is not None
+    return stats.sending_transfers.get(tid)
 
 
 def test_unusable_params_end_the_request_at_once_on_the_next_results(

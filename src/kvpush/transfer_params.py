@@ -136,9 +136,19 @@ def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
     return bool(params and params.get(REMOTE_DECODE))
 
 
-def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
-    """A decode request's params, checked; raises `BadTransferParams` naming the field."""
-    tid = _text(params, "transfer_id", "the prefill server's answer carries it")
+def parse_remote_prefill(
+    params: Mapping[str, Any], *, pairing_id: str | None = None
+) -> RemotePrefill:
+    """A decode request's params, checked; raises `BadTransferParams` naming the field.
+
+    `pairing_id`: the transfer's id where the params name none, as routers that speak
+    vLLM's push dialect send them (`remote_engine_id`, `remote_host`, `remote_port`,
+    `tp_size`, `remote_request_id`): the engine derives it from the request itself, as
+    the prefill did (`kvpush.integrations.vllm.params.pairing_id`)."""
+    if params.get("transfer_id") is None and pairing_id is not None:
+        tid = pairing_id
+    else:
+        tid = _text(params, "transfer_id", "the prefill server's answer carries it")
     host = _text(params, "remote_host", "the prefill server's side-channel host")
     port = _port(params, "remote_port")
     engine_id = params.get("remote_engine_id")

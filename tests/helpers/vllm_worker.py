@@ -70,6 +70,9 @@ class RecordingStats:
     def layers_announced(self, by: str, n: int) -> None:
         pass
 
+    def registered_first(self, n: int) -> None:
+        pass
+
     def ended_at_once(self, side: str, why: str) -> None:
         self.details.append(why)
 

@@ -550,7 +550,7 @@ def completion_body(prompt: str, model: str, max_tokens: int, **extra: Any) -> d
     }
 
 
-def _outcome(prompt: str, resp: httpx.Response, started: float) -> Outcome:
+def answer_outcome(prompt: str, resp: httpx.Response, started: float) -> Outcome:
     elapsed = time.monotonic() - started
     try:
         body = resp.json()
@@ -580,7 +580,7 @@ async def complete(
         return Outcome(
             body["prompt"], error=f"{type(exc).__name__}: {exc}", seconds=time.monotonic() - started
         )
-    return _outcome(body["prompt"], resp, started)
+    return answer_outcome(body["prompt"], resp, started)
 
 
 async def sequential(
@@ -619,7 +619,7 @@ async def sequential(
             error=f"decode leg: {type(exc).__name__}: {exc}",
             seconds=time.monotonic() - started,
         )
-    return _outcome(body["prompt"], resp, started)
+    return answer_outcome(body["prompt"], resp, started)
 
 
 async def streamed(

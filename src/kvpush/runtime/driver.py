@@ -290,6 +290,7 @@ class Driver:
         # plane reports their sender gone in the same pass, the Register went nowhere.
         self._unconfirmed: list[str] = []
         self._register_retries = 0
+        self._registered_before_send = 0
         self._write_bytes: dict[int, int] = {}
         self._bytes_written = 0
         self._malformed = 0
@@ -574,6 +575,8 @@ class Driver:
         receiver, sender = self._protocol.receiver, self._protocol.sender
         match cmd:
             case Send(transfer_id=tid, blocks=blocks, ready_layers=layers, receiver=to):
+                if sender.state_of(tid) is SenderState.REGISTERED:
+                    self._registered_before_send += 1
                 self._apply(sender.submit(now, tid, blocks, layers, receiver=to))
             case LayersReady(transfer_id=tid, layers=layers):
                 try:
@@ -810,6 +813,7 @@ class Driver:
             malformed_messages=self._malformed,
             transport_polls=self._polls,
             register_retries=self._register_retries,
+            registered_before_send=self._registered_before_send,
             writes_in_flight=sender.writes_in_flight(),
             stale_registers=sender.stale_registers,
             wrong_receivers=sender.wrong_receivers,

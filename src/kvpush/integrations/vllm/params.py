@@ -3,15 +3,30 @@
 The params themselves are `kvpush.transfer_params`'s contract (shared with the serving
 stack and the proxy): requests reach vLLM with the fields vLLM's NIXL connectors expect,
 plus `transfer_id`, which pairs the prefill's and the decode's halves of one transfer end
-to end (never a request-id suffix). The prefill's answer keeps every field the NIXL
-connectors return, so routers that forward it to the decode server route kvpush unchanged.
+to end. The prefill's answer keeps every field the NIXL connectors return, so routers
+that forward it to the decode server route kvpush unchanged.
+
+Routers that speak vLLM's push dialect (vllm-router, llm-d's push identity, Dynamo's
+overlapped dispatch) rebuild the decode leg's params and drop `transfer_id`; they send
+both legs under one `X-Request-Id`. Each side then names the transfer itself, the same
+way (`pairing_id`): from the request's own id as the client gave it (vLLM's id before
+the random suffix it adds, which vLLM always adds unless told not to, so it is cut
+exactly) and a digest of what the KV is computed from (the prompt's tokens, the cache
+salt, the LoRA adapter). Two requests that share an `X-Request-Id` but not a prompt
+get two transfers; two that share both compute the same KV, and the second of them is
+refused while the first is in flight or remembered (its id is taken), never served
+from the other's blocks. Holding the id alone gives nothing: the transfer's id is
+known only to whoever knows the prompt, which is what its KV is made of. See
+docs/vllm.md ("Behind routers").
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +94,9 @@ class ConnectorConfig:
     # a request could then be preempted (its blocks freed) between the step that
     # computed it and the one that finishes it, so layer-wise push is not used.
     async_scheduling: bool = False
+    # Whether vLLM adds its random suffix to request ids (unless
+    # VLLM_DISABLE_REQUEST_ID_RANDOMIZATION): `pairing_id` cuts it off.
+    request_ids_randomized: bool = True
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
@@ -157,6 +175,9 @@ class ConnectorConfig:
             async_scheduling=bool(
                 getattr(vllm_config.scheduler_config, "async_scheduling", False) or False
             ),
+            request_ids_randomized=not bool(
+                getattr(envs, "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", False)
+            ),
         )
 
     @property
@@ -197,8 +218,46 @@ class PrefillTransfer:
     decode_tp_size: int  # the decode TP to split the transfer for (default: ours)
 
 
-def prefill_transfer(params: Mapping[str, Any], config: ConnectorConfig) -> PrefillTransfer:
-    """A prefill request's transfer, from its params. Params that cannot be read (vLLM
+# vLLM's suffix on every request id: "-" and the first 8 characters of a uuid4's hex.
+_VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}\Z")
+# How much of the client's id a pairing id shows (for logs); the digest covers all of it.
+_SHOWN_ID_CHARS = 120
+
+
+def client_request_id(request_id: str, config: ConnectorConfig) -> str:
+    """A request's id as its client gave it (for the OpenAI API: `cmpl-` or `chatcmpl-`
+    and the `X-Request-Id` header), without the suffix vLLM adds."""
+    if config.request_ids_randomized and _VLLM_SUFFIX.search(request_id):
+        return request_id[:-9]
+    return request_id
+
+
+def pairing_id(
+    client_id: str,
+    prompt_token_ids: Sequence[int],
+    *,
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
+) -> str:
+    """The transfer id both sides of a request give it when no `transfer_id` names it:
+    the client's request id and a digest of it and of everything the request's KV is
+    computed from, so requests that share an id but not a prompt never share a transfer.
+    Both sides must call it before vLLM changes the prompt (a Mamba prefill drops its
+    last token): the scheduler does, when vLLM adds the request."""
+    digest = hashlib.blake2b(digest_size=16)
+    for part in (client_id, cache_salt or "", lora_name or ""):
+        data = part.encode("utf-8", "surrogatepass")
+        digest.update(len(data).to_bytes(8, "little") + data)
+    digest.update(len(prompt_token_ids).to_bytes(8, "little"))
+    digest.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in prompt_token_ids))
+    return f"{client_id[:_SHOWN_ID_CHARS]}@{digest.hexdigest()}"
+
+
+def prefill_transfer(
+    params: Mapping[str, Any], config: ConnectorConfig, pairing: str | None = None
+) -> PrefillTransfer:
+    """A prefill request's transfer, from its params: the id they name, else `pairing`
+    (the request's `pairing_id`), else a fresh one. Params that cannot be read (vLLM
     cannot refuse a request at this point) give a fresh id, no decode and our TP: the
     decode server refuses a transfer split for another TP than its own, saying so."""
     try:
@@ -206,8 +265,9 @@ def prefill_transfer(params: Mapping[str, Any], config: ConnectorConfig) -> Pref
     except BadTransferParams as exc:
         log.warning("%s: the transfer gets a fresh id", exc)
         params_read = RemoteDecode()
+        pairing = None
     return PrefillTransfer(
-        params_read.transfer_id or f"{config.engine_id}-{uuid.uuid4().hex}",
+        params_read.transfer_id or pairing or f"{config.engine_id}-{uuid.uuid4().hex}",
         params_read.decode_server(),
         params_read.decode_tp_size or config.tp_size,
     )
@@ -242,4 +302,11 @@ def prefill_answer(
     ).to_params()
 
 
-__all__ = ["ConnectorConfig", "PrefillTransfer", "prefill_answer", "prefill_transfer"]
+__all__ = [
+    "ConnectorConfig",
+    "PrefillTransfer",
+    "client_request_id",
+    "pairing_id",
+    "prefill_answer",
+    "prefill_transfer",
+]

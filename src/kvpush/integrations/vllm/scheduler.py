@@ -61,7 +61,13 @@ from kvpush.integrations.vllm.groups import (
     tokens_moved,
 )
 from kvpush.integrations.vllm.metadata import Receive, Refuse, Send, StepPlan
-from kvpush.integrations.vllm.params import ConnectorConfig, prefill_answer, prefill_transfer
+from kvpush.integrations.vllm.params import (
+    ConnectorConfig,
+    client_request_id,
+    pairing_id,
+    prefill_answer,
+    prefill_transfer,
+)
 from kvpush.topology import UnsupportedShape
 from kvpush.transfer_params import (
     BadTransferParams,
@@ -114,6 +120,8 @@ class SchedulerSide:
         # Prefill, Mamba: requests whose prompt's last token was dropped (never twice,
         # even when vLLM adds a preempted request again).
         self._truncated: set[str] = set()
+        # Both: the transfer id of each request whose params name none (`pairing_id`).
+        self._pairing: dict[str, str] = {}
         self._block_ids_of: Callable[[str], BlockIds] | None = None
         self._ranks: dict[int, PeerMetadata] = {}
         self._server: MetadataServer | None = None
@@ -156,10 +164,27 @@ class SchedulerSide:
     # ----------------------------------------------------------------- prefill side
 
     def on_new_request(self, request: Request) -> None:
-        """vLLM added a request: a prefill request of a model with a Mamba group drops
-        its prompt's last token, which its decode computes (`groups.prefill_backoff`)."""
+        """vLLM added a request. One whose params name no transfer id (a router that
+        speaks vLLM's push dialect sent it) gets its `pairing_id` now, from the prompt
+        as the client sent it. A prefill request of a model with a Mamba group then
+        drops its prompt's last token, which its decode computes
+        (`groups.prefill_backoff`)."""
         rid = request.request_id
-        if not self._config.sends or not wants_remote_decode(request.kv_transfer_params):
+        params = request.kv_transfer_params
+        sends = self._config.sends and wants_remote_decode(params)
+        receives = self._config.receives and wants_remote_prefill(params)
+        if not sends and not receives:
+            return
+        assert params is not None
+        if params.get("transfer_id") is None and rid not in self._pairing:
+            lora = getattr(request, "lora_request", None)
+            self._pairing[rid] = pairing_id(
+                client_request_id(rid, self._config),
+                request.prompt_token_ids or (),
+                cache_salt=getattr(request, "cache_salt", None),
+                lora_name=getattr(lora, "lora_name", None),
+            )
+        if not sends:
             return
         prompt = request.prompt_token_ids
         backoff = prefill_backoff(self._groups, request.num_prompt_tokens)
@@ -211,7 +236,7 @@ class SchedulerSide:
         assert params is not None
         self._planned.add(rid)
         try:
-            remote = parse_remote_prefill(params)
+            remote = parse_remote_prefill(params, pairing_id=self._pairing.get(rid))
         except BadTransferParams as exc:
             # vLLM has no way to refuse a request here; it waits for KV that never
             # comes unless the worker reports it failed: it does, on the next step.
@@ -295,6 +320,7 @@ class SchedulerSide:
         self._local_hits.pop(rid, None)
         self._layerwise_candidates.pop(rid, None)
         self._truncated.discard(rid)
+        pairing = self._pairing.pop(rid, None)
         planned = rid in self._planned
         self._planned.discard(rid)
         if rid in self._receiving:
@@ -308,7 +334,7 @@ class SchedulerSide:
             # Never scheduled: tell the sender now instead of letting it wait.
             assert params is not None
             try:
-                remote = parse_remote_prefill(params)
+                remote = parse_remote_prefill(params, pairing_id=pairing)
             except BadTransferParams:
                 return False, None
             self._refuse(remote, "the decode request ended before it was scheduled")
@@ -324,7 +350,7 @@ class SchedulerSide:
         early = self._opened_early.pop(rid, None)
         if early is not None:
             return self._finished_early(rid, early, num_tokens, computed)
-        xfer = prefill_transfer(params, self._config)
+        xfer = prefill_transfer(params, self._config, pairing)
         ours = sent_blocks(self._groups, block_ids, num_tokens)
         if not any(ours):
             return False, None
@@ -422,7 +448,9 @@ class SchedulerSide:
             if not any(blocks):
                 continue  # offered whole when it finishes, as without layer-wise push
             assert request.kv_transfer_params is not None
-            xfer = prefill_transfer(request.kv_transfer_params, self._config)
+            xfer = prefill_transfer(
+                request.kv_transfer_params, self._config, self._pairing.get(rid)
+            )
             plan.sends.append(
                 Send(
                     rid,

@@ -12,6 +12,9 @@ counters and histograms on vLLM's `/metrics`:
   step that saw it end.
 - `vllm:kvpush_sends_total{push}`: prefill transfers opened, `layerwise` (each layer
   announced as it is computed) or `whole` (when the request finished).
+- `vllm:kvpush_sends_registered_first_total`: prefill transfers whose decode had
+  registered before the prefill offered its blocks: push running concurrently with the
+  prefill, as it does when a router dispatches both legs at once.
 - `vllm:kvpush_layers_announced_total{by}`: layers of layer-wise sends announced, by
   `save_kv_layer` (as computed) or by `wait_for_save` (at the step's end: layers that
   vLLM computed without calling `save_kv_layer` for them, e.g. in a CUDA graph).
@@ -41,7 +44,14 @@ def _key(side: str, outcome: str, reason: str) -> str:
 
 
 def _empty() -> dict[str, Any]:
-    return {"ended": {}, "bytes": {}, "seconds": {}, "opened": {}, "layers": {}}
+    return {
+        "ended": {},
+        "bytes": {},
+        "seconds": {},
+        "opened": {},
+        "layers": {},
+        "registered_first": 0,
+    }
 
 
 @dataclass
@@ -76,6 +86,9 @@ class TransferStats(KVConnectorStats):
         b = self.data["bytes"]
         b[side] = b.get(side, 0) + nbytes
 
+    def registered_first(self, n: int) -> None:
+        self.data["registered_first"] = self.data.get("registered_first", 0) + n
+
     def observe_seconds(self, side: str, seconds: float) -> None:
         self.data["seconds"].setdefault(side, []).append(seconds)
 
@@ -102,6 +115,7 @@ class TransferStats(KVConnectorStats):
             "seconds": seconds,
             "opened": dict(opened),
             "layers": dict(layers),
+            "registered_first": mine.get("registered_first", 0) + theirs.get("registered_first", 0),
         }
         return self
 
@@ -121,10 +135,18 @@ class TransferStats(KVConnectorStats):
             out[f"sends {push}"] = n
         for by, n in sorted(self.data.get("layers", {}).items()):
             out[f"layers by {by}"] = n
+        if self.data.get("registered_first"):
+            out["sends registered first"] = self.data["registered_first"]
         return out
 
     def is_empty(self) -> bool:
-        return not (self.data.get("ended") or self.data.get("opened") or self.data.get("layers"))
+        data = self.data
+        return not (
+            data.get("ended")
+            or data.get("opened")
+            or data.get("layers")
+            or data.get("registered_first")
+        )
 
 
 class KvpushPromMetrics(KVConnectorPromMetrics):
@@ -157,6 +179,11 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
             documentation="Prefill transfers opened through kvpush, layer-wise or whole.",
             labelnames=[*labelnames, "push"],
         )
+        self._registered_first = self._counter_cls(
+            name="vllm:kvpush_sends_registered_first_total",
+            documentation="Prefill transfers whose decode registered before they were offered.",
+            labelnames=labelnames,
+        )
         self._layers = self._counter_cls(
             name="vllm:kvpush_layers_announced_total",
             documentation="Layers of layer-wise kvpush sends announced, by which hook.",
@@ -178,3 +205,5 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
             self._opened.labels(*engine, push).inc(n)
         for by, n in transfer_stats_data.get("layers", {}).items():
             self._layers.labels(*engine, by).inc(n)
+        if transfer_stats_data.get("registered_first"):
+            self._registered_first.labels(*engine).inc(transfer_stats_data["registered_first"])

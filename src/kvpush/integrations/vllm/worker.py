@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 
     from kvpush.integrations.vllm.params import ConnectorConfig
     from kvpush.protocol import Side
-    from kvpush.runtime import PeerAddress, PushRuntime, TransferResult
+    from kvpush.runtime import PeerAddress, PushRuntime, RuntimeStatistics, TransferResult
     from kvpush.sidechannel import PeerMetadata
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,8 @@ class WorkerStats(Protocol):
     def opened(self, push: str) -> None: ...
 
     def layers_announced(self, by: str, n: int) -> None: ...
+
+    def registered_first(self, n: int) -> None: ...
 
     def ended_at_once(self, side: str, why: str) -> None: ...
 
@@ -173,6 +175,8 @@ class WorkerSide(Generic[S]):
         self._ended_at_once: list[RequestEnded] = []
         self._idle = False
         self._stats = new_stats()
+        # The runtime's count of sends whose receiver registered first, as last read.
+        self._registered_first = 0
         # vLLM's layer name -> the geometry's layer (its region: the layers of a hybrid
         # model's groups share one), and each region's layer names.
         self._layer_of: dict[str, int] = {}
@@ -250,6 +254,10 @@ class WorkerSide(Generic[S]):
             return None
         return self._runtime.local_metadata()
 
+    def statistics(self) -> RuntimeStatistics | None:
+        """The rank's runtime's `statistics()` (None before registration)."""
+        return None if self._runtime is None else self._runtime.statistics()
+
     def shutdown(self) -> None:
         if self._node_rank is not None:
             self._node_rank.close()
@@ -294,7 +302,9 @@ class WorkerSide(Generic[S]):
                 f"the prefill (TP {sender_tp}) split transfer {rcv.transfer_id} for a decode "
                 f"at TP {split_for}, but this decode runs TP {ours}: expected the prefill "
                 f"leg's kv_transfer_params to name it (decode_tp_size: {ours}; kvpush proxy "
-                f"reads it from --decode-side-channel)"
+                f"reads it from --decode-side-channel; routers that speak vLLM's push "
+                f"dialect do not send it, so behind them prefill and decode must run one "
+                f"TP size)"
             )
             log.error("request %s: %s", rcv.request_id, detail)
             self._refuse_parts(rcv.transfer_id, rcv.host, rcv.port, sender_tp, split_for, detail)
@@ -529,6 +539,12 @@ class WorkerSide(Generic[S]):
         self._ended_at_once.clear()
         for result in ended:
             self._ended(result, out)
+        if any(result.side == "sender" for result in ended):
+            # Read when sends end, not every step: it is a round trip to the runtime.
+            total = runtime.statistics().registered_before_send
+            if total > self._registered_first:
+                self._stats.registered_first(total - self._registered_first)
+                self._registered_first = total
         return out
 
     def _ended(self, result: TransferResult, out: StepResults) -> None:

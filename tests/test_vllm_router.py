@@ -1,0 +1,254 @@
+"""kvpush behind the routers vLLM users run, with nothing kvpush-specific in the requests
+(issue 35): vLLM prefill and decode servers with KvpushConnector, against a single vLLM
+instance, token for token.
+
+- Behind the vLLM project's router (`vllm-router` 0.1.17, the wheel `make test`
+  installs), which runs the legs in turn and rebuilds the decode leg's params in vLLM's
+  push dialect (`remote_engine_id`, `remote_host`, `remote_port`, `tp_size`,
+  `remote_request_id`), dropping `transfer_id`: 24 requests at once, several rounds.
+- Behind a router that sends both legs at once in that dialect, as llm-d's routing
+  sidecar does with a push connector's "push identity" (`kvpush.lab.routers`): the
+  decode registers while the prefill computes, which the prefill counts
+  (`vllm:kvpush_sends_registered_first_total`).
+- Two requests under one `X-Request-Id` (a router bug, or a replay), dispatched at once:
+  with different prompts each is served its own KV; with the same prompt (the same KV)
+  one is served and the other refused, never served from the other's blocks.
+
+Each side names a transfer the router did not name from the request's own id and a
+digest of its prompt (`kvpush.integrations.vllm.params.pairing_id`). Servers come from
+the vLLM venv (`make vllm-venv`); its absence is a failure, never a skip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from helpers.vllm_e2e import HOST, MAX_TOKENS, PROMPTS, TIMING
+from kvpush.errors import ConfigError
+from kvpush.lab.routers import concurrent_legs, push_identity, start_vllm_router
+from kvpush.lab.vllm_servers import (
+    Outcome,
+    ServerSpec,
+    VllmServer,
+    batch,
+    check_identical,
+    client,
+    complete,
+    completion_body,
+    make_tiny_model,
+    metric,
+    servers_said,
+    vllm_python,
+    wait_quiescent,
+)
+from kvpush.procs.readiness import free_port
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+ROUNDS = 3
+AT_ONCE = 24  # requests per round, sent together
+# vLLM's stats reach /metrics at its logging interval; counters are polled this long.
+METRICS_WAIT_S = 30.0
+
+_REFERENCE: dict[str, Outcome] = {}
+
+
+@dataclass
+class Stack:
+    model: str
+    prefill: VllmServer
+    decode: VllmServer
+    router: subprocess.Popen[bytes]
+    router_url: str
+
+    @property
+    def servers(self) -> list[VllmServer]:
+        return [self.prefill, self.decode]
+
+
+def _spec(name: str, role: str | None) -> ServerSpec:
+    if role is None:
+        return ServerSpec(name, HOST, free_port(HOST))
+    return ServerSpec(
+        name=name,
+        host=HOST,
+        port=free_port(HOST),
+        connector="KvpushConnector",
+        kv_role=role,
+        side_channel_port=free_port(HOST),
+        extra_config={**TIMING, "handshake_timeout_ms": 10000},
+    )
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    try:
+        python = vllm_python()
+    except ConfigError as exc:
+        pytest.fail(f"the router end-to-end test cannot run: {exc}", pytrace=False)
+    model = make_tiny_model(tmp_path_factory.mktemp("vllm-model") / "tiny-llama")
+    log_dir = tmp_path_factory.mktemp("vllm-router")
+    prefill = VllmServer(
+        _spec("prefill", "kv_producer"), model=model, log_dir=log_dir, python=python
+    )
+    decode = VllmServer(_spec("decode", "kv_consumer"), model=model, log_dir=log_dir, python=python)
+    single = VllmServer(_spec("single", None), model=model, log_dir=log_dir, python=python)
+    servers = [prefill, decode, single]
+    router: subprocess.Popen[bytes] | None = None
+    try:
+        for server in servers:  # all at once: a start is mostly waiting
+            server.start()
+        for server in servers:
+            server.wait_ready()
+        _reference(str(model), single)
+        single.stop()
+        router, router_url = start_vllm_router(prefill, decode, log_dir)
+        yield Stack(str(model), prefill, decode, router, router_url)
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(10)
+        for server in servers:
+            server.stop()
+
+
+def _reference(model: str, single: VllmServer) -> None:
+    async def run() -> list[Outcome]:
+        async with client() as http:
+            return [
+                await complete(http, single.url, completion_body(p, model, MAX_TOKENS))
+                for p in PROMPTS
+            ]
+
+    for outcome in asyncio.run(run()):
+        assert outcome.ok, f"the single instance failed {outcome.prompt!r}: {outcome.error}"
+        _REFERENCE[outcome.prompt] = outcome
+
+
+def _round_prompts() -> list[str]:
+    return [PROMPTS[i % len(PROMPTS)] for i in range(AT_ONCE)]
+
+
+async def _counter(url: str, name: str, above: float) -> float:
+    """A counter of `url`'s /metrics once it is above `above`, or its last value."""
+    deadline = time.monotonic() + METRICS_WAIT_S
+    async with client() as http:
+        while True:
+            value = await metric(http, url, name)
+            if value > above or time.monotonic() > deadline:
+                return value
+            await asyncio.sleep(1.0)
+
+
+def _quiescent(st: Stack) -> None:
+    async def run() -> tuple[bool, float, dict[str, dict[str, float]]]:
+        async with client() as http:
+            return await wait_quiescent(http, [s.url for s in st.servers], 60)
+
+    ok, _, state = asyncio.run(run())
+    assert ok, f"requests or KV blocks still held: {state}\n{servers_said(st.servers)}"
+
+
+def test_behind_vllm_router(stack: Stack) -> None:
+    """vllm-router rebuilds the decode leg's params in vLLM's push dialect: every answer
+    has the single instance's tokens, round after round, 24 requests at once."""
+
+    async def run() -> list[Outcome]:
+        async with client() as http:
+            return await batch(
+                [
+                    complete(http, stack.router_url, completion_body(p, stack.model, MAX_TOKENS))
+                    for p in _round_prompts()
+                ]
+            )
+
+    for n in range(ROUNDS):
+        outcomes = asyncio.run(run())
+        check_identical(outcomes, _REFERENCE, f"vllm-router, round {n}", stack.servers)
+    received = asyncio.run(
+        _counter(stack.decode.url, "vllm:kvpush_transfers_total", ROUNDS * AT_ONCE - 1)
+    )
+    # Requests whose prompt the decode held whole in its prefix cache move nothing.
+    assert received >= AT_ONCE, f"the decode received {received} transfers"
+    _quiescent(stack)
+
+
+def test_concurrent_legs_in_push_dialect(stack: Stack) -> None:
+    """Both legs at once, as llm-d's sidecar sends them with a push identity: the
+    answers are the single instance's, and the decode's registration reached the
+    prefill before its request had finished computing."""
+    name = "vllm:kvpush_sends_registered_first_total"
+
+    async def run() -> tuple[list[Outcome], float]:
+        async with client() as http:
+            before = await metric(http, stack.prefill.url, name)
+            identity = await push_identity(http, stack.prefill.url, stack.model)
+            outcomes = await batch(
+                [
+                    concurrent_legs(
+                        http,
+                        stack.prefill.url,
+                        stack.decode.url,
+                        completion_body(p, stack.model, MAX_TOKENS),
+                        identity,
+                    )
+                    for p in _round_prompts()
+                ]
+            )
+            return outcomes, before
+
+    for n in range(ROUNDS):
+        outcomes, before = asyncio.run(run())
+        check_identical(outcomes, _REFERENCE, f"concurrent legs, round {n}", stack.servers)
+    after = asyncio.run(_counter(stack.prefill.url, name, before))
+    assert after > before, (
+        f"no decode registered before its prefill offered the KV ({name}: {after})\n"
+        f"{servers_said(stack.servers)}"
+    )
+    _quiescent(stack)
+
+
+def test_one_request_id_for_two_requests(stack: Stack) -> None:
+    """Two requests under one X-Request-Id, both legs of both at once. Different
+    prompts: each gets its own KV (tokens identical). The same prompt: one is served,
+    the other refused (its transfer id is taken), neither with the other's tokens."""
+    different = (PROMPTS[0], PROMPTS[2])
+    same = (PROMPTS[4], PROMPTS[4])
+
+    async def run(prompts: tuple[str, str]) -> list[Outcome]:
+        rid = f"reused-{uuid.uuid4().hex}"
+        async with client() as http:
+            identity = await push_identity(http, stack.prefill.url, stack.model)
+            return await batch(
+                [
+                    concurrent_legs(
+                        http,
+                        stack.prefill.url,
+                        stack.decode.url,
+                        completion_body(p, stack.model, MAX_TOKENS),
+                        identity,
+                        request_id=rid,
+                    )
+                    for p in prompts
+                ]
+            )
+
+    for n in range(ROUNDS):
+        check_identical(
+            asyncio.run(run(different)), _REFERENCE, f"reused id, round {n}", stack.servers
+        )
+        outcomes = asyncio.run(run(same))
+        served = [o for o in outcomes if o.ok]
+        assert served, f"neither request was served: {[o.error for o in outcomes]}"
+        check_identical(served, _REFERENCE, f"reused id and prompt, round {n}", stack.servers)
+        refused = [o for o in outcomes if not o.ok]
+        for o in refused:
+            assert o.error is not None and "HTTP 500" in o.error, o.error
+    _quiescent(stack)
