@@ -159,6 +159,10 @@ multi = engine("kv_producer", "MultiConnector", {"connectors": [
     {"kv_connector": "KvpushConnector", "kv_connector_module_path": module_path,
      "kv_role": "kv_producer"}]})
 out["multi_protocol"] = type(dkp.make_kv_connector_protocol(multi)).__name__
+
+# A Dynamo release with an entry of its own for the name: that entry is kept.
+dkp.KV_CONNECTOR_PROTOCOLS["KvpushConnector"] = dkp.LMCacheMPConnectorProtocol
+out["kept"] = register_with_dynamo().__name__
 print(json.dumps(out))
 """
 
@@ -205,6 +209,8 @@ def test_the_entry_maps_kvpush_to_dynamos_nixl_protocol(dynamo_run: dict[str, An
     assert dynamo_run["protocol"] == "NixlConnectorProtocol"
     # Dynamo delegates a wrapper to its one PD-capable child: kvpush is one now.
     assert dynamo_run["multi_protocol"] == "NixlConnectorProtocol"
+    # An entry Dynamo itself has for the name is never replaced.
+    assert dynamo_run["kept"] == "LMCacheMPConnectorProtocol"
 
 
 def test_the_prefill_leg_dynamo_sends_is_a_kvpush_prefill_request(
