@@ -28,6 +28,7 @@ from kvpush.cli import build_parser
 from kvpush.errors import ConfigError
 from kvpush.integrations.vllm.params import EXTRA_CONFIG_KEYS
 from kvpush.lab.vllm_servers import DEFAULT_VLLM_VENV, KVPUSH_MODULE, vllm_python
+from kvpush.procs.readiness import free_port
 
 MANIFEST = Path(__file__).resolve().parents[1] / "docs" / "deploy" / "llm-d.yaml"
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -147,6 +148,41 @@ def test_the_probes_are_kvpush_wait_ready_on_this_pods_server(role: str, probe: 
     assert args.token_file == extra["token_file"]
     # Each check's deadline ends before Kubernetes gives up on the probe.
     assert args.timeout < container[probe]["timeoutSeconds"]
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(120)
+def test_the_probe_runs_in_vllms_environment_and_says_what_is_not_ready(tmp_path: Path) -> None:
+    """The probe's command line, run with the vLLM venv's Python (kvpush installed as in
+    a vLLM image, without its own dependencies), where nothing listens: it exits 1
+    naming the check that is not ready, within its deadline, rather than crash."""
+    try:
+        python = vllm_python()
+    except ConfigError:
+        pytest.skip(f"no vLLM venv at {DEFAULT_VLLM_VENV} (make vllm-venv builds it)")
+    container = vllm_container(deployments()["prefill"])
+    extra = kv_transfer_config(container)["kv_connector_extra_config"]
+    _, _, line = container["readinessProbe"]["exec"]["command"]
+    token = tmp_path / "token"
+    token.write_text("probe-test-secret\n")
+    # Only what would collide on a shared host changes: free ports, a local token file.
+    http_port, side_port = free_port(), free_port()
+    line = (
+        line.replace("$VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+        .replace(f":{port_named(container, 'http')}/", f":{http_port}/")
+        .replace(f":{extra['side_channel_port']}", f":{side_port}")
+        .replace(extra["token_file"], str(token))
+    )
+    argv = shlex.split(line)
+    assert argv[:2] == ["exec", "python"]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KVPUSH_TOKEN")}
+    env["PYTHONPATH"] = str(SRC)
+    run = subprocess.run(
+        [str(python), *argv[2:]], capture_output=True, text=True, timeout=60, env=env, check=False
+    )
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.stderr.startswith("NotReady: http: "), run.stderr[-3000:]
+    assert "process 1 still running" in run.stderr
 
 
 PARSE_AS_VLLM_DOES = """
