@@ -45,6 +45,21 @@ log = logging.getLogger(__name__)
 ROLES = {"kv_producer": "sender", "kv_consumer": "receiver", "kv_both": "both"}
 TIMING_KEYS = ("heartbeat_interval_s", "liveness_timeout_s", "lease_s", "transfer_deadline_s")
 PUSH_MODES = ("layerwise", "whole")
+# Every key `kv_connector_extra_config` may hold (docs/vllm.md lists them); others are refused.
+EXTRA_CONFIG_KEYS = frozenset(
+    {
+        "side_channel_host",
+        "side_channel_port",
+        "token_file",
+        "idle_wait_s",
+        "handshake_timeout_ms",
+        "allow_untested_vllm",
+        "idle_poll_ms",
+        "switch_interval_ms",
+        "push",
+        *TIMING_KEYS,
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,23 +124,11 @@ class ConnectorConfig:
                 f"one of {', '.join(ROLES)}"
             )
         extra: Mapping[str, Any] = kv.kv_connector_extra_config or {}
-        known = {
-            "side_channel_host",
-            "side_channel_port",
-            "token_file",
-            "idle_wait_s",
-            "handshake_timeout_ms",
-            "allow_untested_vllm",
-            "idle_poll_ms",
-            "switch_interval_ms",
-            "push",
-            *TIMING_KEYS,
-        }
-        unknown = sorted(set(extra) - known)
+        unknown = sorted(set(extra) - EXTRA_CONFIG_KEYS)
         if unknown:
             raise ConfigError(
                 f"kv_connector_extra_config has unknown keys {unknown}: expected any of "
-                f"{sorted(known)}"
+                f"{sorted(EXTRA_CONFIG_KEYS)}"
             )
         push = extra.get("push", "layerwise")
         if push not in PUSH_MODES:
@@ -303,6 +306,7 @@ def prefill_answer(
 
 
 __all__ = [
+    "EXTRA_CONFIG_KEYS",
     "ConnectorConfig",
     "PrefillTransfer",
     "client_request_id",
