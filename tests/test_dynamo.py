@@ -229,7 +229,8 @@ def test_the_prefill_leg_dynamo_sends_is_a_kvpush_prefill_request(
     }
     assert dynamo_run["parse_remote_decode"] == {"do_remote_decode": True}
     xfer = dynamo_run["prefill_transfer"]
-    assert xfer["decode"] is None and xfer["decode_tp_size"] == 1
+    # Dynamo names no decode: the prefill learns its TP from the decode's registration.
+    assert xfer["decode"] is None and xfer["decode_tp_size"] is None
     assert dynamo_run["prefill_holds_blocks"] is True
     [send] = dynamo_run["sends"]
     assert send["blocks"] == [3, 4, 5] and send["decode"] is None and not send["cancel"]
@@ -254,7 +255,6 @@ def test_the_decode_leg_dynamo_derives_names_the_transfer_the_prefill_offers(
         "remote_port": PREFILL_PORT,
         "remote_engine_id": answer["remote_engine_id"],
         "tp_size": 1,
-        "decode_tp_size": 1,
         "block_size": 16,
     }
     # The decode registers its blocks for that transfer, at the prefill's side channel.

@@ -548,5 +548,22 @@ def test_rank_pairs_give_every_rank_of_both_sides_a_part() -> None:
         pairs = rank_pairs(p, d)
         assert {a for a, _ in pairs} == set(range(p)) and {b for _, b in pairs} == set(range(d))
         assert len(pairs) == max(p, d) == len(set(pairs))
-    assert part_id("t", 0, 0, rank_to_rank=True) == "t"
-    assert part_id("t", 1, 0, rank_to_rank=False) == "t#1>0"
+    assert part_id("t", 0, 0, rank_to_rank=True, decode_tp=1) == "t"
+    assert part_id("t", 1, 0, rank_to_rank=False, decode_tp=1) == "t#1>0/1"
+
+
+def test_a_prefill_reads_the_decode_tp_a_registration_was_split_for() -> None:
+    """A prefill told nothing of its decode learns the decode's TP size from the part
+    ids its ranks register for, whichever part and KV-cache group comes first."""
+    from kvpush.integrations.vllm.groups import group_part_id
+    from kvpush.topology import decode_tp_named, transfer_parts
+
+    tid = "cmpl-r-0@00ff"  # a pairing id: its own "@" is not a group's suffix
+    for prefill_tp, decode_tp in [(1, 1), (2, 1), (1, 2), (2, 4), (4, 2), (8, 8)]:
+        for _p, _d, pid in transfer_parts(tid, prefill_tp, decode_tp):
+            for group in (0, 1):
+                named = decode_tp_named(group_part_id(pid, group), tid, prefill_tp)
+                assert named == decode_tp, (prefill_tp, decode_tp, pid, group)
+    for other in ["cmpl-r-1@00ff", "cmpl-r-0@00ffx", "cmpl-r-0@00ff#0>0", "cmpl-r-0@00ff#a>b/c"]:
+        assert decode_tp_named(other, tid, 2) is None, other
+    assert decode_tp_named("cmpl-r-0@00ff#0>0/0", tid, 2) is None

@@ -5,7 +5,8 @@ instance, token for token.
 - Behind the vLLM project's router (`vllm-router` 0.1.17, the wheel `make test`
   installs), which runs the legs in turn and rebuilds the decode leg's params in vLLM's
   push dialect (`remote_engine_id`, `remote_host`, `remote_port`, `tp_size`,
-  `remote_request_id`), dropping `transfer_id`: 24 requests at once, several rounds.
+  `remote_request_id`), dropping `transfer_id`: 24 requests at once, several rounds;
+  at TP 1 into 1, TP 2 into 1 and TP 1 into 2, no leg naming the decode's TP size.
 - Behind a router that sends both legs at once in that dialect, as llm-d's routing
   sidecar does with a push connector's "push identity" (`kvpush.lab.routers`): the
   decode registers while the prefill computes, which the prefill counts
@@ -27,6 +28,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -53,9 +55,13 @@ from kvpush.procs.readiness import free_port
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 ROUNDS = 3
+SHAPE_ROUNDS = 2  # per TP shape: each starts servers of its own (~75 s at TP 2 here)
 AT_ONCE = 24  # requests per round, sent together
-# vLLM's stats reach /metrics at its logging interval; counters are polled this long.
-METRICS_WAIT_S = 30.0
+# vLLM's stats reach /metrics a step or so after the transfer ended; counters are
+# polled this long (and read this long before a test, to take what is still coming).
+METRICS_WAIT_S = 15.0
+# How long after a request's decode leg its prefill leg goes, where both go at once.
+PREFILL_AFTER_S = 0.5
 
 _REFERENCE: dict[str, Outcome] = {}
 
@@ -73,9 +79,10 @@ class Stack:
         return [self.prefill, self.decode]
 
 
-def _spec(name: str, role: str | None) -> ServerSpec:
+def _spec(name: str, role: str | None, tp: int = 1) -> ServerSpec:
+    tp_args = ("--tensor-parallel-size", str(tp)) if tp > 1 else ()
     if role is None:
-        return ServerSpec(name, HOST, free_port(HOST))
+        return ServerSpec(name, HOST, free_port(HOST), extra_args=tp_args)
     return ServerSpec(
         name=name,
         host=HOST,
@@ -84,31 +91,46 @@ def _spec(name: str, role: str | None) -> ServerSpec:
         kv_role=role,
         side_channel_port=free_port(HOST),
         extra_config={**TIMING, "handshake_timeout_ms": 10000},
+        extra_args=tp_args,
     )
+
+
+def _python() -> Path:
+    try:
+        return vllm_python()
+    except ConfigError as exc:
+        pytest.fail(f"the router end-to-end test cannot run: {exc}", pytrace=False)
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    try:
-        python = vllm_python()
-    except ConfigError as exc:
-        pytest.fail(f"the router end-to-end test cannot run: {exc}", pytrace=False)
-    model = make_tiny_model(tmp_path_factory.mktemp("vllm-model") / "tiny-llama")
-    log_dir = tmp_path_factory.mktemp("vllm-router")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("vllm-model") / "tiny-llama")
+
+
+def _stack(model: Path, log_dir: Path, prefill_tp: int, decode_tp: int) -> Iterator[Stack]:
+    """A prefill and a decode server of these TP sizes behind vllm-router (and, the first
+    time, a single instance for the reference answers)."""
+    python = _python()
     prefill = VllmServer(
-        _spec("prefill", "kv_producer"), model=model, log_dir=log_dir, python=python
+        _spec("prefill", "kv_producer", prefill_tp), model=model, log_dir=log_dir, python=python
     )
-    decode = VllmServer(_spec("decode", "kv_consumer"), model=model, log_dir=log_dir, python=python)
-    single = VllmServer(_spec("single", None), model=model, log_dir=log_dir, python=python)
-    servers = [prefill, decode, single]
+    decode = VllmServer(
+        _spec("decode", "kv_consumer", decode_tp), model=model, log_dir=log_dir, python=python
+    )
+    servers = [prefill, decode]
+    single = None
+    if not _REFERENCE:
+        single = VllmServer(_spec("single", None), model=model, log_dir=log_dir, python=python)
+        servers.append(single)
     router: subprocess.Popen[bytes] | None = None
     try:
         for server in servers:  # all at once: a start is mostly waiting
             server.start()
         for server in servers:
             server.wait_ready()
-        _reference(str(model), single)
-        single.stop()
+        if single is not None:
+            _reference(str(model), single)
+            single.stop()
         router, router_url = start_vllm_router(prefill, decode, log_dir)
         yield Stack(str(model), prefill, decode, router, router_url)
     finally:
@@ -117,6 +139,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             router.wait(10)
         for server in servers:
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """TP 1 into TP 1."""
+    yield from _stack(model, tmp_path_factory.mktemp("vllm-router"), 1, 1)
 
 
 def _reference(model: str, single: VllmServer) -> None:
@@ -156,39 +184,67 @@ def _quiescent(st: Stack) -> None:
     assert ok, f"requests or KV blocks still held: {state}\n{servers_said(st.servers)}"
 
 
-def test_behind_vllm_router(stack: Stack) -> None:
-    """vllm-router rebuilds the decode leg's params in vLLM's push dialect: every answer
-    has the single instance's tokens, round after round, 24 requests at once."""
+def _through_router(st: Stack, rounds: int, what: str) -> None:
+    """Rounds of 24 requests at once through the router: every answer has the single
+    instance's tokens; the decode received KV; nothing is held afterwards."""
 
     async def run() -> list[Outcome]:
         async with client() as http:
             return await batch(
                 [
-                    complete(http, stack.router_url, completion_body(p, stack.model, MAX_TOKENS))
+                    complete(http, st.router_url, completion_body(p, st.model, MAX_TOKENS))
                     for p in _round_prompts()
                 ]
             )
 
-    for n in range(ROUNDS):
+    for n in range(rounds):
         outcomes = asyncio.run(run())
-        check_identical(outcomes, _REFERENCE, f"vllm-router, round {n}", stack.servers)
+        check_identical(outcomes, _REFERENCE, f"{what}, round {n}", st.servers)
     received = asyncio.run(
-        _counter(stack.decode.url, "vllm:kvpush_transfers_total", ROUNDS * AT_ONCE - 1)
+        _counter(st.decode.url, "vllm:kvpush_transfers_total", rounds * AT_ONCE - 1)
     )
     # Requests whose prompt the decode held whole in its prefix cache move nothing.
     assert received >= AT_ONCE, f"the decode received {received} transfers"
-    _quiescent(stack)
+    _quiescent(st)
+
+
+def test_behind_vllm_router(stack: Stack) -> None:
+    """vllm-router rebuilds the decode leg's params in vLLM's push dialect (the first
+    request in turn, then, with the prefill's push identity cached, both legs at once)."""
+    _through_router(stack, ROUNDS, "vllm-router")
+
+
+TP_SHAPES = [(2, 1), (1, 2)]
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), TP_SHAPES, ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_behind_vllm_router_across_tp_sizes(
+    model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    prefill_tp: int,
+    decode_tp: int,
+) -> None:
+    """Prefill and decode of different TP sizes behind a router that knows nothing of
+    kvpush: the decode registers the parts of its own TP, and the prefill splits the
+    transfer as the registrations say. Its own servers, stopped after it."""
+    log_dir = tmp_path_factory.mktemp(f"vllm-router-tp{prefill_tp}-to-tp{decode_tp}")
+    gen = _stack(model, log_dir, prefill_tp, decode_tp)
+    st = next(gen)
+    try:
+        _through_router(st, SHAPE_ROUNDS, f"vllm-router, TP {prefill_tp} into {decode_tp}")
+    finally:
+        gen.close()
 
 
 def test_concurrent_legs_in_push_dialect(stack: Stack) -> None:
-    """Both legs at once, as llm-d's sidecar sends them with a push identity: the
-    answers are the single instance's, and the decode's registration reached the
-    prefill before its request had finished computing."""
+    """Both legs at once, as llm-d's sidecar sends them with a push identity (the
+    decode leg first, the prefill leg a moment later): the answers are the single
+    instance's, and decodes registered before their prefill offered the KV."""
     name = "vllm:kvpush_sends_registered_first_total"
+    before = asyncio.run(_counter(stack.prefill.url, name, float("inf")))
 
-    async def run() -> tuple[list[Outcome], float]:
+    async def run() -> list[Outcome]:
         async with client() as http:
-            before = await metric(http, stack.prefill.url, name)
             identity = await push_identity(http, stack.prefill.url, stack.model)
             outcomes = await batch(
                 [
@@ -198,14 +254,15 @@ def test_concurrent_legs_in_push_dialect(stack: Stack) -> None:
                         stack.decode.url,
                         completion_body(p, stack.model, MAX_TOKENS),
                         identity,
+                        prefill_after_s=PREFILL_AFTER_S,
                     )
                     for p in _round_prompts()
                 ]
             )
-            return outcomes, before
+            return outcomes
 
     for n in range(ROUNDS):
-        outcomes, before = asyncio.run(run())
+        outcomes = asyncio.run(run())
         check_identical(outcomes, _REFERENCE, f"concurrent legs, round {n}", stack.servers)
     after = asyncio.run(_counter(stack.prefill.url, name, before))
     assert after > before, (

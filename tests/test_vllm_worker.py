@@ -159,7 +159,9 @@ def test_a_prefill_worker_pushes_its_blocks_into_the_decode_workers_cache(
     prefill, decode = engines
     # The decode worker's blocks 5, 6 take the prefill's blocks 3, 4 (offset 1 of 2-4).
     decode.step(receive(prefill, "t1", (5, 6), offset=1))
-    prefill.step(StepPlan(sends=[Send("req-p", "t1", (2, 3, 4), layerwise=layerwise)]))
+    # The decode's TP named, as kvpush proxy names it: opened at once, layer by layer.
+    send = Send("req-p", "t1", (2, 3, 4), layerwise=layerwise, decode_tp_size=1)
+    prefill.step(StepPlan(sends=[send]))
     run_until_ended(prefill, decode, "req-p", "req-d")
     assert decode.ended.failed_recving == set()
     for layer in range(LAYERS):
@@ -199,6 +201,35 @@ def test_a_send_counts_whether_its_decode_had_registered_first(
     stats = prefill.worker.take_stats()
     assert stats is not None
     assert stats.registered_first_total == (1 if registered_first else 0)
+
+
+def test_a_second_request_naming_a_transfer_in_flight_is_refused_not_merged(
+    engines: tuple[Engine, Engine],
+) -> None:
+    """Two requests under one transfer id (a router reused a request id for the same
+    prompt) on each side: the second fails at once on both, without touching the
+    first, which moves its blocks; no engine thread raises."""
+    prefill, decode = engines
+    twice = StepPlan(
+        receives=[
+            Receive("req-d", "t4", HOST, prefill.server.port, (5, 6), 0),
+            Receive("req-d2", "t4", HOST, prefill.server.port, (1, 2), 0),
+        ]
+    )
+    out = decode.step(twice)
+    assert out.finished_recving == {"req-d2"} and out.failed_recving == {"req-d2"}
+    out = prefill.step(StepPlan(sends=[Send("req-p", "t4", (2, 3)), Send("req-p2", "t4", (0, 1))]))
+    assert out.finished_sending == {"req-p2"}
+    run_until_ended(prefill, decode, "req-p", "req-d")
+    assert decode.ended.failed_recving == {"req-d2"}
+    for layer in range(LAYERS):
+        for ours, theirs in zip((5, 6), (2, 3), strict=True):
+            assert block_bytes(decode.caches, layer, ours) == block_bytes(
+                prefill.caches, layer, theirs
+            )
+    refused = decode.worker.take_stats()
+    assert refused is not None and len(refused.failed_at_once) == 1
+    assert "in flight already for another request" in refused.failed_at_once[0]
 
 
 def _sending_state(engine: Engine, tid: str) -> str | None:

@@ -24,7 +24,14 @@ from helpers.vllm_worker import loopback_factory, worker_config
 from kvpush.config import SideChannelConfig
 from kvpush.geometry import KVCacheGroup, sub_block_ids
 from kvpush.integrations.vllm.groups import in_sender_blocks, received_blocks
-from kvpush.integrations.vllm.plan import GroupBlocks, Receive, Send, StepPlan, StepResults
+from kvpush.integrations.vllm.plan import (
+    GroupBlocks,
+    Receive,
+    Refuse,
+    Send,
+    StepPlan,
+    StepResults,
+)
 from kvpush.integrations.vllm.worker import WorkerSide
 from kvpush.runtime import TransferResult
 from kvpush.sidechannel import MetadataServer, PeerMetadata
@@ -177,10 +184,15 @@ def pair(
     return prefill, decode
 
 
-def receive(prefill: Engine, decode: Engine, tid: str, blocks: tuple[int, ...]) -> StepPlan:
+def receive(
+    prefill: Engine, decode: Engine, tid: str, blocks: tuple[int, ...], *, named: bool = True
+) -> StepPlan:
+    """The decode's plan; `named`: the params name the decode TP the prefill split the
+    transfer for (kvpush proxy's), else only the prefill's TP (vLLM's push dialect)."""
+    split_for = decode.tp if named else None
     return StepPlan(
         receives=[
-            Receive("req-d", tid, HOST, prefill.server.port, blocks, 0, prefill.tp, decode.tp)
+            Receive("req-d", tid, HOST, prefill.server.port, blocks, 0, prefill.tp, split_for)
         ]
     )
 
@@ -222,6 +234,47 @@ def test_every_decode_rank_holds_exactly_the_prefill_models_bytes_of_its_heads(
     check_every_decode_rank(pair(stack, p_tp, d_tp, heads), layerwise)
 
 
+UNNAMED_SHAPES = [(2, 1, 4), (1, 2, 4), (4, 2, 4), (2, 4, 4), (1, 4, 2), (2, 2, 4), (1, 1, 2)]
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "heads"),
+    UNNAMED_SHAPES,
+    ids=[f"tp{p}-to-tp{d}-{h}heads" for p, d, h in UNNAMED_SHAPES],
+)
+@pytest.mark.parametrize("prefill_first", [True, False], ids=["legs-in-turn", "decode-first"])
+def test_a_prefill_told_nothing_of_the_decode_learns_its_tp_from_the_registrations(
+    stack: ExitStack, p_tp: int, d_tp: int, heads: int, prefill_first: bool
+) -> None:
+    """Behind a router that speaks vLLM's push dialect, neither leg names the decode's
+    TP: the decode registers the parts of its own TP, whose ids say it, and each
+    prefill rank offers its parts once one of them registered (or had already)."""
+    check_every_decode_rank(
+        pair(stack, p_tp, d_tp, heads), layerwise=True, named=False, prefill_first=prefill_first
+    )
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (2, 2)], ids=str)
+def test_a_refusal_of_an_unnamed_split_frees_the_prefill_at_once(
+    stack: ExitStack, p_tp: int, d_tp: int
+) -> None:
+    """A decode that refuses a transfer whose split nobody named (its prefix cache held
+    the whole prompt) tells each prefill rank, which ends its send at once, blocks
+    freed, long before the transfer deadline."""
+    prefill, decode = pair(stack, p_tp, d_tp, 4)
+    prefill.step(StepPlan(sends=[Send("req-p", "tr", (1, 2))]))
+    started = time.monotonic()
+    refuse = Refuse("tr", HOST, prefill.server.port, "every block cached", prefill.tp, None)
+    decode.step(StepPlan(refusals=[refuse]))
+    while not all("req-p" in e.finished_sending for e in prefill.ended):
+        assert time.monotonic() - started < 20, f"the prefill was not told: {prefill.ended}"
+        prefill.step()
+        decode.step()
+        time.sleep(0.002)
+    for rank, reports in enumerate(prefill.reports):
+        assert reports == {"req-p": 1}, f"prefill rank {rank} reported {reports}"
+
+
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (4, 2), (2, 2)], ids=str)
 def test_mla_every_decode_rank_holds_the_whole_latent_from_one_prefill_rank(
     stack: ExitStack, p_tp: int, d_tp: int
@@ -245,14 +298,26 @@ def test_k_and_v_tensors_of_their_own_are_cut_to_heads_too(
     check_every_decode_rank(pair(stack, p_tp, d_tp, 4, kv_first=True), layerwise=False)
 
 
-def check_every_decode_rank(engines: tuple[Engine, Engine], layerwise: bool) -> None:
+def check_every_decode_rank(
+    engines: tuple[Engine, Engine],
+    layerwise: bool,
+    *,
+    named: bool = True,
+    prefill_first: bool = False,
+) -> None:
+    """`named`: both sides are told both TP sizes (kvpush proxy); else neither is told
+    the decode's (a router that speaks vLLM's push dialect). `prefill_first`: the
+    prefill offers before the decode registers (legs in turn), else after."""
     prefill, decode = engines
     d_tp = decode.tp
     before = [cache.clone() for cache in decode.caches]
-    decode.step(receive(prefill, decode, "t1", (5, 6, 7)))
-    prefill.step(
-        StepPlan(sends=[Send("req-p", "t1", (1, 2, 3), layerwise=layerwise, decode_tp_size=d_tp)])
-    )
+    split = d_tp if named else None
+    send = Send("req-p", "t1", (1, 2, 3), layerwise=layerwise, decode_tp_size=split)
+    if prefill_first:
+        prefill.step(StepPlan(sends=[send]))
+    decode.step(receive(prefill, decode, "t1", (5, 6, 7), named=named))
+    if not prefill_first:
+        prefill.step(StepPlan(sends=[send]))
     run_until_ended(prefill, decode)
     for rank in range(d_tp):
         assert decode.ended[rank].failed_recving == set(), f"decode rank {rank} failed"
@@ -440,7 +505,7 @@ def test_a_request_is_reported_only_once_its_last_part_ended(stack: ExitStack) -
     prefill.step([StepPlan(sends=[send]), StepPlan()])
     ended: list[str] = []
     deadline = time.monotonic() + 30
-    while "t4#0>0" not in ended:
+    while "t4#0>0/1" not in ended:
         assert time.monotonic() < deadline, f"part 0>0 did not end: {ended}"
         prefill.step()
         decode.step()

@@ -353,13 +353,37 @@ def rank_pairs(prefill_tp: int, decode_tp: int) -> tuple[tuple[int, int], ...]:
     return tuple((d * prefill_tp // decode_tp, d) for d in range(decode_tp))
 
 
-def part_id(transfer_id: str, prefill_rank: int, decode_rank: int, *, rank_to_rank: bool) -> str:
+def part_id(
+    transfer_id: str, prefill_rank: int, decode_rank: int, *, rank_to_rank: bool, decode_tp: int
+) -> str:
     """The transfer id of one rank pair's part of `transfer_id`, the same on both
     sides: the id itself where every rank pairs with the rank of its number (equal TP),
-    else the id with both ranks (`xfer-1#0>1`: prefill rank 0 into decode rank 1)."""
+    else the id with both ranks and the decode's TP size (`xfer-1#0>1/2`: prefill rank
+    0 into decode rank 1 of 2). The decode's TP size is in the id so that a prefill
+    that was not told it learns it from the first registration (`decode_tp_named`)."""
     if rank_to_rank:
         return transfer_id
-    return f"{transfer_id}#{prefill_rank}>{decode_rank}"
+    return f"{transfer_id}#{prefill_rank}>{decode_rank}/{decode_tp}"
+
+
+def decode_tp_named(part: str, transfer_id: str, prefill_tp: int) -> int | None:
+    """The decode TP size that `part`, an id a receiver registered for, says it split
+    `transfer_id` for: `prefill_tp` for the id itself (rank to rank), the size after
+    the `/` of a rank pair's part; a KV-cache group's suffix (`@g1`) is ignored. None
+    if `part` is no part of `transfer_id`, or names no usable size."""
+    if not part.startswith(transfer_id):
+        return None
+    rest = part[len(transfer_id) :]
+    if rest == "" or rest.startswith("@g"):
+        return prefill_tp
+    if not rest.startswith("#"):
+        return None
+    pair = rest[1:].split("@g", 1)[0]
+    ranks, _, size = pair.partition("/")
+    if ">" not in ranks or not size.isascii() or not size.isdigit():
+        return None
+    decode_tp = int(size)
+    return decode_tp if 0 < decode_tp <= 4096 else None
 
 
 def transfer_parts(
@@ -369,6 +393,6 @@ def transfer_parts(
     the part's transfer id), one per `rank_pairs` pair."""
     same = prefill_tp == decode_tp
     return tuple(
-        (p, d, part_id(transfer_id, p, d, rank_to_rank=same))
+        (p, d, part_id(transfer_id, p, d, rank_to_rank=same, decode_tp=decode_tp))
         for p, d in rank_pairs(prefill_tp, decode_tp)
     )

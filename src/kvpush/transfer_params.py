@@ -106,7 +106,9 @@ class PrefillAnswer(msgspec.Struct, frozen=True, kw_only=True):
     remote_num_tokens: int
     transfer_mode: str
     transfer_id: str
-    decode_tp_size: int  # the decode TP the transfer was split for
+    # The decode TP the transfer was split for; None: the decode's own, whichever it is
+    # (the prefill learns it from the decode's registration).
+    decode_tp_size: int | None
     block_size: int  # the prefill's, in tokens: the unit the decode registers in
 
     def to_params(self) -> dict[str, Any]:

@@ -115,10 +115,12 @@ async def concurrent_legs(
     identity: dict[str, Any],
     *,
     request_id: str | None = None,
+    prefill_after_s: float = 0.0,
     timeout_s: float = 120.0,
 ) -> Outcome:
     """One request's two legs at once, in vLLM's push dialect, under one `X-Request-Id`
-    (`request_id`, or a fresh one): the decode leg does not wait for the prefill's."""
+    (`request_id`, or a fresh one): the decode leg does not wait for the prefill's. The
+    prefill leg goes `prefill_after_s` after the decode leg (0: together)."""
     rid = request_id or f"router-{uuid.uuid4().hex}"
     headers = {"X-Request-Id": rid}
     p_body = {
@@ -139,7 +141,8 @@ async def concurrent_legs(
     }
     started = time.monotonic()
 
-    async def leg(url: str, payload: dict[str, Any]) -> httpx.Response | str:
+    async def leg(url: str, payload: dict[str, Any], after_s: float) -> httpx.Response | str:
+        await asyncio.sleep(after_s)
         try:
             return await http.post(
                 f"{url}/v1/completions", json=payload, headers=headers, timeout=timeout_s
@@ -147,7 +150,9 @@ async def concurrent_legs(
         except httpx.HTTPError as exc:
             return f"{type(exc).__name__}: {exc}"
 
-    p, d = await asyncio.gather(leg(prefill_url, p_body), leg(decode_url, d_body))
+    p, d = await asyncio.gather(
+        leg(prefill_url, p_body, prefill_after_s), leg(decode_url, d_body, 0.0)
+    )
     if isinstance(d, str):
         return Outcome(body["prompt"], error=f"decode leg: {d}", seconds=time.monotonic() - started)
     outcome = answer_outcome(body["prompt"], d, started)

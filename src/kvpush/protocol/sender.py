@@ -107,6 +107,25 @@ class SenderProtocol(SenderGate, SenderLeases):
     def states(self) -> dict[str, SenderState]:
         return {t: r.state for t, r in self._transfers.items()}
 
+    def spoken_before_submit(self, prefixes: Iterable[str]) -> list[str]:
+        """Transfer ids starting with one of `prefixes` that a receiver registered for
+        or rejected before the engine submitted them: what an engine that learns the
+        receiver's shape from its registrations (`kvpush.topology.part_id`) reads."""
+        wanted = tuple(prefixes)
+        if not wanted:
+            return []
+        registered = [
+            t
+            for t, r in self._transfers.items()
+            if r.blocks is None and r.register is not None and t.startswith(wanted)
+        ]
+        rejected = [
+            t
+            for t, tomb in self._tombstones.items()
+            if tomb.pending_failure is not None and t.startswith(wanted)
+        ]
+        return registered + rejected
+
     def writes_in_flight(self) -> int:
         """Writes issued whose outcome the data plane has not reported yet."""
         return len(self._writes)

@@ -171,6 +171,15 @@ class StateRequest:
     result: SenderState | ReceiverState | None = None
 
 
+@dataclass(slots=True)
+class SpokenRequest:
+    """Which ids under `prefixes` receivers registered for or rejected before we sent."""
+
+    prefixes: tuple[str, ...]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: list[str] = field(default_factory=list)
+
+
 @dataclass(frozen=True, slots=True)
 class Wake:
     """Nothing to do but look again: an engine thread left work for the thread."""
@@ -193,6 +202,7 @@ Command = (
     | StartProbe
     | StatsRequest
     | StateRequest
+    | SpokenRequest
     | Wake
     | Stop
 )
@@ -290,7 +300,6 @@ class Driver:
         # plane reports their sender gone in the same pass, the Register went nowhere.
         self._unconfirmed: list[str] = []
         self._register_retries = 0
-        self._registered_before_send = 0
         self._write_bytes: dict[int, int] = {}
         self._bytes_written = 0
         self._malformed = 0
@@ -575,8 +584,6 @@ class Driver:
         receiver, sender = self._protocol.receiver, self._protocol.sender
         match cmd:
             case Send(transfer_id=tid, blocks=blocks, ready_layers=layers, receiver=to):
-                if sender.state_of(tid) is SenderState.REGISTERED:
-                    self._registered_before_send += 1
                 self._apply(sender.submit(now, tid, blocks, layers, receiver=to))
             case LayersReady(transfer_id=tid, layers=layers):
                 try:
@@ -615,6 +622,9 @@ class Driver:
                 cmd.done.set()
             case StateRequest(transfer_id=tid, side=side):
                 cmd.result = self.state_of(tid, side)
+                cmd.done.set()
+            case SpokenRequest(prefixes=prefixes):
+                cmd.result = sender.spoken_before_submit(prefixes)
                 cmd.done.set()
             case Wake():
                 pass
@@ -813,7 +823,6 @@ class Driver:
             malformed_messages=self._malformed,
             transport_polls=self._polls,
             register_retries=self._register_retries,
-            registered_before_send=self._registered_before_send,
             writes_in_flight=sender.writes_in_flight(),
             stale_registers=sender.stale_registers,
             wrong_receivers=sender.wrong_receivers,

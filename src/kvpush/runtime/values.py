@@ -57,9 +57,6 @@ class RuntimeStatistics:
     writes_in_flight: int = 0  # writes whose outcome the data plane has not reported
     stale_registers: int = 0  # Registers refused because their lease had already run out
     wrong_receivers: int = 0  # Registers refused: the transfer is for another decode (send)
-    # Sends whose receiver had registered before the engine offered its blocks: push
-    # running concurrently with the prefill (both legs of a request dispatched at once).
-    registered_before_send: int = 0
     # The in-flight transfers themselves: transfer id -> state (the values counted above).
     sending_transfers: dict[str, str] = field(default_factory=dict)
     receiving_transfers: dict[str, str] = field(default_factory=dict)

@@ -218,7 +218,9 @@ class PrefillTransfer:
 
     transfer_id: str  # the proxy's, or a fresh one the prefill answers with
     decode: tuple[str, int] | None  # the decode server's side channel, if named
-    decode_tp_size: int  # the decode TP to split the transfer for (default: ours)
+    # The decode TP to split the transfer for; None: not named (a router that speaks
+    # vLLM's push dialect): the worker learns it from the decode's registration.
+    decode_tp_size: int | None
 
 
 # vLLM's suffix on every request id: "-" and the first 8 characters of a uuid4's hex.
@@ -272,7 +274,7 @@ def prefill_transfer(
     return PrefillTransfer(
         params_read.transfer_id or pairing or f"{config.engine_id}-{uuid.uuid4().hex}",
         params_read.decode_server(),
-        params_read.decode_tp_size or config.tp_size,
+        params_read.decode_tp_size,
     )
 
 
@@ -283,7 +285,7 @@ def prefill_answer(
     request_id: str,
     block_ids: list[int],
     num_tokens: int,
-    decode_tp_size: int,
+    decode_tp_size: int | None,
 ) -> dict[str, Any]:
     """What the prefill server returns: the NIXL connectors' fields, plus transfer_id."""
     return PrefillAnswer(

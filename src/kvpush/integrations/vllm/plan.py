@@ -82,7 +82,9 @@ class Send:
     cancel: bool = False
     layerwise: bool = False
     decode: tuple[str, int] | None = None
-    decode_tp_size: int | None = None  # the decode TP to split it for (None: ours)
+    # The decode TP to split it for; None: not named, learned from the decode ranks'
+    # registrations (`WorkerSide`).
+    decode_tp_size: int | None = None
     more_groups: tuple[tuple[int, ...], ...] = ()
 
 

@@ -108,8 +108,9 @@ class SchedulerSide:
         self._planned: set[str] = set()
         # Prefill: requests whose blocks are held for a transfer, request id -> transfer id.
         self._sending: dict[str, str] = {}
-        # Prefill: the decode TP each of those transfers was split for (its answer says).
-        self._split_for: dict[str, int] = {}
+        # Prefill: the decode TP each of those transfers was split for, where its params
+        # named it (its answer says; None: the decode's own, learned by the worker).
+        self._split_for: dict[str, int | None] = {}
         # Prefill, layer-wise: requests that may be pushed layer by layer once the step
         # computing their last prompt tokens is scheduled; then those opened early,
         # request id -> their blocks; and those whose transfer ended before the request
@@ -407,12 +408,12 @@ class SchedulerSide:
             # free the blocks now. Computed, its KV went (or failed) as reported.
             self._ended_early.discard(rid)
             tid = self._sending.pop(rid)
-            split = self._split_for.pop(rid, self._config.tp_size)
+            split = self._split_for.pop(rid, None)
             if not computed:
                 return False, None
         else:
             tid = self._sending[rid]
-            split = self._split_for.get(rid, self._config.tp_size)
+            split = self._split_for.get(rid)
             if not computed:
                 self._plan.aborts.append(tid)
                 return True, None

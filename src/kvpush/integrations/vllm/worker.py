@@ -43,6 +43,7 @@ cannot be used) ends that one request the same way, on the next results.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -65,7 +66,7 @@ from kvpush.integrations.vllm.plan import (
 )
 from kvpush.node import NodeIdentity, Rank, RankSettings, TransportFactory, nixl_transport
 from kvpush.protocol.parts import RequestEnded, RequestParts
-from kvpush.topology import rank_heads, transfer_parts
+from kvpush.topology import decode_tp_named, rank_heads, transfer_parts
 
 if TYPE_CHECKING:
     import torch
@@ -175,8 +176,13 @@ class WorkerSide(Generic[S]):
         self._ended_at_once: list[RequestEnded] = []
         self._idle = False
         self._stats = new_stats()
-        # The runtime's count of sends whose receiver registered first, as last read.
-        self._registered_first = 0
+        # Sends whose params named no decode TP size (a router that speaks vLLM's push
+        # dialect sent them), held until a decode rank registers for a part of theirs
+        # or rejects it: the part's id says the decode's TP (`topology.part_id`). Per
+        # transfer id: the send and until when it is held. And, for the current step's
+        # sends, the decode TP each is split for (None: not known yet).
+        self._unsplit: dict[str, tuple[Send, float]] = {}
+        self._splits: dict[str, int | None] = {}
         # vLLM's layer name -> the geometry's layer (its region: the layers of a hybrid
         # model's groups share one), and each region's layer names.
         self._layer_of: dict[str, int] = {}
@@ -277,15 +283,83 @@ class WorkerSide(Generic[S]):
         for snd in plan.sends:
             if snd.layerwise:
                 continue  # opened by _open_layerwise
-            if not self._send(snd, [] if snd.cancel else None, now):
-                continue
-            if snd.cancel:
-                self._abort(self._books["sender"].open_parts(snd.transfer_id))
+            split = self._splits.get(snd.transfer_id)
+            if split is not None:
+                self._offer(dataclasses.replace(snd, decode_tp_size=split), now)
             else:
-                self._stats.opened("whole")
+                self._hold(snd, now)
         for tid in plan.aborts:
+            held = self._unsplit.pop(tid, None)
+            if held is not None:  # offered and aborted at once if a decode speaks in time
+                self._hold(dataclasses.replace(held[0], cancel=True), now)
             for book in self._books.values():
                 self._abort(book.open_parts(tid))
+
+    def _offer(self, snd: Send, now: float) -> None:
+        """Offer a send whose decode TP is known, all its layers computed (or none, a
+        cancelled one: it is opened and aborted at once, so a decode hears of it)."""
+        if not self._send(snd, [] if snd.cancel else None, now):
+            return
+        if snd.cancel:
+            self._abort(self._books["sender"].open_parts(snd.transfer_id))
+        else:
+            self._stats.opened("whole")
+
+    def _hold(self, snd: Send, now: float) -> None:
+        """Hold a send until a decode rank speaks for it (`_open_unsplit`): for the
+        transfer deadline, or, for a cancelled one (nothing to move, only a decode that
+        registered to tell), one liveness interval, which a decode leg sent with the
+        prefill's (a router's concurrent legs) takes to register."""
+        if snd.transfer_id in self._unsplit:  # two requests under one id: see `_open`
+            detail = f"transfer {snd.transfer_id} is in flight already for another request"
+            self._end_at_once("sender", snd.request_id, detail)
+            return
+        t = self._config.timing
+        bound = t.liveness_timeout_s if snd.cancel else t.transfer_deadline_s
+        self._unsplit[snd.transfer_id] = (snd, now + bound)
+
+    def _split_sends(self, plan: StepPlan) -> None:
+        """Once per step, before any of its sends opens: the decode TP each send is split
+        for, as its params named it or as a decode rank that registered for (or
+        rejected) one of its parts already said; and how many sends found their decode
+        registered already (push running concurrently with the prefill)."""
+        tids = [snd.transfer_id for snd in plan.sends]
+        spoken = self._require_runtime().spoken_before_send(tids) if tids else []
+        self._splits = {}
+        first = 0
+        for snd in plan.sends:
+            named = self._split_spoken(snd.transfer_id, spoken)
+            first += named is not None and not snd.cancel
+            self._splits[snd.transfer_id] = snd.decode_tp_size or named
+        if first:
+            self._stats.registered_first(first)
+
+    def _split_spoken(self, tid: str, spoken: Iterable[str]) -> int | None:
+        ours = self._config.tp_size
+        return next((d for pid in spoken if (d := decode_tp_named(pid, tid, ours))), None)
+
+    def _open_unsplit(self, now: float) -> None:
+        """Offer each held send whose decode has spoken since (its step is over: all
+        layers computed); a send no decode spoke for in time (`_hold`) ends, its blocks
+        freed."""
+        if not self._unsplit:
+            return
+        spoken = self._require_runtime().spoken_before_send(list(self._unsplit))
+        for tid, (snd, until) in list(self._unsplit.items()):
+            split = self._split_spoken(tid, spoken)
+            if split is None and now < until:
+                continue
+            del self._unsplit[tid]
+            if split is None:
+                detail = (
+                    f"no decode registered for transfer {tid} in time (its params named "
+                    "no decode TP size, which the prefill learns from the registration)"
+                )
+                if snd.cancel:
+                    detail = "ended without its KV before any decode registered"
+                self._end_at_once("sender", snd.request_id, detail)
+                continue
+            self._offer(dataclasses.replace(snd, decode_tp_size=split, layerwise=False), now)
 
     def _receive(self, rcv: Receive, now: float) -> None:
         """Register for every part of a transfer that comes to this rank."""
@@ -296,7 +370,8 @@ class WorkerSide(Generic[S]):
             return
         ours = self._config.tp_size
         sender_tp = rcv.sender_tp_size or ours
-        split_for = rcv.split_for_tp or sender_tp
+        # Unnamed: ours. The prefill then learns it from our parts' ids.
+        split_for = rcv.split_for_tp or ours
         if split_for != ours:
             detail = (
                 f"the prefill (TP {sender_tp}) split transfer {rcv.transfer_id} for a decode "
@@ -341,7 +416,7 @@ class WorkerSide(Generic[S]):
 
     def _refuse(self, ref: Refuse) -> None:
         sender_tp = ref.sender_tp_size or self._config.tp_size
-        split_for = ref.split_for_tp or sender_tp
+        split_for = ref.split_for_tp or self._config.tp_size
         self._refuse_parts(ref.transfer_id, ref.host, ref.port, sender_tp, split_for, ref.detail)
 
     def _refuse_parts(
@@ -397,7 +472,22 @@ class WorkerSide(Generic[S]):
         now: float,
     ) -> bool:
         """Start every part; a part the runtime refuses at the call fails the request
-        (`RequestParts.open`). False if no part started (the request ended at once)."""
+        (`RequestParts.open`). False if no part started (the request ended at once).
+
+        A transfer id (or a part of it) that another request of ours holds open ends
+        this request at once, before the runtime sees it: two requests that name one
+        transfer (a router that reused an `X-Request-Id` for the same prompt) must not
+        share its parts, nor its result."""
+        book = self._books[side]
+        if book.num_parts(tid) or any(book.transfer_of(pid) is not None for pid, _ in parts):
+            detail = (
+                f"transfer {tid} is in flight already for another request on this "
+                f"{side}: a transfer id names one request (a router that reuses a request "
+                "id for the same prompt gets the second refused)"
+            )
+            log.error("request %s: %s", rid, detail)
+            self._end_at_once(side, rid, detail)
+            return False
         started: list[str] = []
         refused: str | None = None
         for pid, peer_rank in parts:
@@ -439,8 +529,15 @@ class WorkerSide(Generic[S]):
         self._announcing = {}
         self._saved_names = set()
         now = time.monotonic()
+        self._split_sends(plan)
         for snd in plan.sends:
-            if not snd.layerwise or not self._send(snd, [], now):
+            if not snd.layerwise:
+                continue
+            split = self._splits.get(snd.transfer_id)
+            if split is None:  # offered whole once its decode speaks (`_open_unsplit`)
+                self._hold(snd, now)
+                continue
+            if not self._send(dataclasses.replace(snd, decode_tp_size=split), [], now):
                 continue
             for pid in self._books["sender"].open_parts(snd.transfer_id):
                 self._announcing[pid] = set(self._all_layers)
@@ -526,8 +623,9 @@ class WorkerSide(Generic[S]):
 
     def transfer_results(self) -> StepResults:
         runtime = self._require_runtime()
+        self._open_unsplit(time.monotonic())
         ended = runtime.poll()
-        if not ended and self._idle and any(self._books.values()):
+        if not ended and self._idle and (any(self._books.values()) or self._unsplit):
             # Nothing to compute this step: wait a little for an end instead of letting
             # vLLM's loop come straight back (that loop would spin a core).
             ended = runtime.wait(self._config.idle_wait_s)
@@ -539,12 +637,6 @@ class WorkerSide(Generic[S]):
         self._ended_at_once.clear()
         for result in ended:
             self._ended(result, out)
-        if any(result.side == "sender" for result in ended):
-            # Read when sends end, not every step: it is a round trip to the runtime.
-            total = runtime.statistics().registered_before_send
-            if total > self._registered_first:
-                self._stats.registered_first(total - self._registered_first)
-                self._registered_first = total
         return out
 
     def _ended(self, result: TransferResult, out: StepResults) -> None:
