@@ -208,12 +208,6 @@ def _through_router(st: Stack, rounds: int, what: str) -> None:
     _quiescent(st)
 
 
-def test_behind_vllm_router(stack: Stack) -> None:
-    """vllm-router rebuilds the decode leg's params in vLLM's push dialect (the first
-    request in turn, then, with the prefill's push identity cached, both legs at once)."""
-    _through_router(stack, ROUNDS, "vllm-router")
-
-
 TP_SHAPES = [(2, 1), (1, 2)]
 
 
@@ -226,7 +220,8 @@ def test_behind_vllm_router_across_tp_sizes(
 ) -> None:
     """Prefill and decode of different TP sizes behind a router that knows nothing of
     kvpush: the decode registers the parts of its own TP, and the prefill splits the
-    transfer as the registrations say. Its own servers, stopped after it."""
+    transfer as the registrations say. Its own servers, stopped after it (these tests
+    come first, so that the TP 1 stack of the others is not up beside them)."""
     log_dir = tmp_path_factory.mktemp(f"vllm-router-tp{prefill_tp}-to-tp{decode_tp}")
     gen = _stack(model, log_dir, prefill_tp, decode_tp)
     st = next(gen)
@@ -234,6 +229,12 @@ def test_behind_vllm_router_across_tp_sizes(
         _through_router(st, SHAPE_ROUNDS, f"vllm-router, TP {prefill_tp} into {decode_tp}")
     finally:
         gen.close()
+
+
+def test_behind_vllm_router(stack: Stack) -> None:
+    """vllm-router rebuilds the decode leg's params in vLLM's push dialect (the first
+    request in turn, then, with the prefill's push identity cached, both legs at once)."""
+    _through_router(stack, ROUNDS, "vllm-router")
 
 
 def test_concurrent_legs_in_push_dialect(stack: Stack) -> None:

@@ -53,7 +53,9 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     remote_port: int
     remote_engine_id: str | None = None
     tp_size: int | None = None  # the prefill's tensor-parallel size
-    # The decode TP the prefill split the transfer for (its parts, one per rank pair).
+    # The decode TP the prefill split the transfer for (its parts, one per rank pair);
+    # None: not said, the decode's own (a prefill not told it learns it from the parts
+    # the decode registers).
     decode_tp_size: int | None = None
     # The prefill's block size in tokens (None: not said; taken to be the decode's).
     block_size: int | None = None

@@ -310,7 +310,8 @@ class WorkerSide(Generic[S]):
         transfer deadline, or, for a cancelled one (nothing to move, only a decode that
         registered to tell), one liveness interval, which a decode leg sent with the
         prefill's (a router's concurrent legs) takes to register."""
-        if snd.transfer_id in self._unsplit:  # two requests under one id: see `_open`
+        held = snd.transfer_id in self._unsplit
+        if held or self._books["sender"].num_parts(snd.transfer_id):  # see `_open`
             detail = f"transfer {snd.transfer_id} is in flight already for another request"
             self._end_at_once("sender", snd.request_id, detail)
             return
