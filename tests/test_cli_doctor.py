@@ -208,6 +208,7 @@ def test_a_healthy_pair_is_all_ok_with_figures(
         assert rank["rank"] == 0 and rank["protocol_version"] == PROTOCOL_VERSION
         assert rank["engine_id"].startswith(f"{role}-")
         assert rank["role"] == ("sender" if role == "prefill" else "receiver")
+        assert "works behind" in steps["compatibility"]["figures"]["pair"]["routers"]
         [geometry] = steps["compatibility"]["figures"][role]
         blocks = PREFILL_BLOCKS if role == "prefill" else DECODE_BLOCKS
         assert (geometry["block_size_tokens"], geometry["num_blocks"]) == (8, blocks)

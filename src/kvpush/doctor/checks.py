@@ -28,6 +28,7 @@ from kvpush.doctor.addresses import (
 from kvpush.doctor.data_plane import check_data_plane
 from kvpush.doctor.http import HttpFailed, Sample, get_health, get_metrics, total
 from kvpush.doctor.report import Report, StepResult, Verdict
+from kvpush.doctor.routers import behind_routers
 from kvpush.errors import (
     AuthenticationRefused,
     IncompatiblePeer,
@@ -582,6 +583,11 @@ def _compatibility(options: DoctorOptions, seen: _Observed, step: StepResult) ->
         )
     for role, ranks in (("prefill", p_ranks), ("decode", d_ranks)):
         step.figures[role] = [_geometry_figures(r.metadata.geometry) for r in ranks]
+    if p_ranks and d_ranks and step.verdict is Verdict.OK:
+        routers = behind_routers(p_ranks[0].metadata.geometry, d_ranks[0].metadata.geometry)
+        step.figures["pair"] = {"routers": routers.text}
+        if routers.verdict is not Verdict.OK:
+            step.add(routers.verdict, routers.text, next_action=routers.next_action)
 
 
 def _paired_ranks(
