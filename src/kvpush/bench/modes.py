@@ -24,6 +24,8 @@ from typing import Any, Protocol
 
 from kvpush.bench.common import SENDER_FILL_SEED, BenchFailed, ModeUnavailable, check_deadline
 from kvpush.bench.workload import CacheBuffers, Transfer, Workload, descriptor_arrays
+from kvpush.errors import TransportError
+from kvpush.transports._nixl_import import NixlModule, load_nixl
 
 
 class Receiver(Protocol):
@@ -69,16 +71,14 @@ class Sender(Protocol):
     def close(self) -> None: ...
 
 
-def load_nixl() -> tuple[Any, Any]:
-    """(nixl_agent, nixl_agent_config): the `nixl` meta-package first, then nixl_cu12."""
+def nixl_or_unavailable() -> NixlModule:
+    """NIXL as kvpush loads it (`kvpush.transports._nixl_import.load_nixl`: the same
+    package search and the same UCX environment), so that the raw baseline and kvpush run
+    over one UCX set-up; a host without NIXL makes the mode unavailable."""
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError:
-        try:
-            from nixl_cu12._api import nixl_agent, nixl_agent_config
-        except ImportError as exc:
-            raise ModeUnavailable(f"NIXL is not importable (nixl, nixl_cu12): {exc}") from None
-    return nixl_agent, nixl_agent_config
+        return load_nixl()
+    except TransportError as exc:
+        raise ModeUnavailable(exc.detail) from None
 
 
 # --------------------------------------------------------------------------- memcpy
@@ -124,10 +124,10 @@ def nixl_register(agent: Any, buffers: CacheBuffers) -> Any:
 
 def nixl_agent_over(buffers: CacheBuffers, name: str) -> tuple[Any, Any]:
     """(agent, registration): a UCX agent without a progress thread, `buffers` registered."""
-    nixl_agent, nixl_agent_config = load_nixl()
-    agent = nixl_agent(
+    nixl = nixl_or_unavailable()
+    agent = nixl.nixl_agent(
         f"{name}-{time.monotonic_ns()}",
-        nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
+        nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
     )
     return agent, nixl_register(agent, buffers)
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from kvpush.bench import DEFAULT_MODES
 from kvpush.bench.common import BenchFailed, ModeUnavailable
-from kvpush.bench.modes import MemcpyPair, factories, load_nixl
+from kvpush.bench.modes import MemcpyPair, factories, nixl_or_unavailable
 from kvpush.bench.workload import Plan, Workload, plans
 from kvpush.errors import KVPushError
 
@@ -135,7 +135,7 @@ def quiet_foreign_loggers() -> None:
     if logging.getLogger().getEffectiveLevel() > logging.INFO:
         # NIXL configures its logger when first imported; import it first, then quiet it.
         with contextlib.suppress(ModeUnavailable):
-            load_nixl()
+            nixl_or_unavailable()
         logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
