@@ -433,3 +433,19 @@ def test_shapes_carry_the_same_bytes_between_engines_of_different_tp(tmp_path: P
         ratio = report["ratios"][m["mode"]]["vs_kvpush tp1:1"]
         assert ratio == [b["gbps"] / a["gbps"] for a, b in pairs]
         assert f"{m['mode']} vs_kvpush tp1:1" in proc.stdout
+
+
+def test_one_percentile_convention_for_every_tool() -> None:
+    """Nearest rank, q in 0..100: always one of the values, never an interpolation; the
+    bench's latencies and the demo's TTFTs are both read this way."""
+    from kvpush import stats
+    from kvpush.bench import runner
+    from kvpush.demo import run
+
+    assert runner.percentile is run.percentile is stats.percentile
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert [stats.percentile(values, q) for q in (0, 20, 21, 50, 99, 100)] == [1, 1, 2, 3, 5, 5]
+    assert stats.percentile(list(range(1, 101)), 99) == 99
+    assert math.isnan(stats.percentile([], 50))
+    with pytest.raises(ValueError, match=r"percentile 150: expected 0\.\.100"):
+        stats.percentile(values, 150)

@@ -34,6 +34,7 @@ from kvpush.bench.common import BenchFailed, ModeUnavailable
 from kvpush.bench.modes import MemcpyPair, factories, nixl_or_unavailable
 from kvpush.bench.workload import Plan, Workload, plans
 from kvpush.errors import KVPushError
+from kvpush.stats import percentile
 
 PIPE_TIMEOUT_S = 120.0
 
@@ -45,15 +46,6 @@ ChildSpec = tuple[Callable[..., None], tuple[Any, ...]]
 def cpu_seconds() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile; `q` in 0..100."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
 
 
 def recv_message(conn: Connection, timeout: float, what: str) -> Any:
