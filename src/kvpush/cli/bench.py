@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -65,28 +64,26 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 class _ProgressBar:
-    """A one-line bar on stderr, shown only once the run has lasted a couple of seconds."""
+    """A one-line tqdm bar on stderr, shown only once the run has lasted a couple of
+    seconds; the bench reports steps (`ProgressFn`), the bar draws them."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self.started = time.monotonic()
-        self.drawn = False
+        self.bar: Any = None
 
     def __call__(self, label: str, step: int, total: int) -> None:
-        if not self.enabled or time.monotonic() - self.started < 2.0 or total <= 0:
+        if not self.enabled or total <= 0:
             return
-        width = 30
-        filled = int(width * min(step, total) / total)
-        bar = "#" * filled + "." * (width - filled)
-        elapsed = time.monotonic() - self.started
-        sys.stderr.write(f"\r[{bar}] {step}/{total} {elapsed:5.0f}s {label:<28.28}")
-        sys.stderr.flush()
-        self.drawn = True
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, file=sys.stderr, delay=2.0, unit="step", leave=True)
+        self.bar.set_description_str(label, refresh=False)
+        self.bar.update(min(step, total) - self.bar.n)
 
     def finish(self) -> None:
-        if self.drawn:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def run(args: argparse.Namespace) -> int:
