@@ -133,7 +133,12 @@ def nixl_agent_over(buffers: CacheBuffers, name: str) -> tuple[Any, Any]:
 
 
 class NixlRawReceiver:
-    """Two-agent NIXL over UCX, no progress thread; completion by notification."""
+    """Two-agent NIXL over UCX, no progress thread; completion by notification.
+
+    Both ends poll NIXL in a loop that yields the CPU at each turn (`os.sched_yield`): on
+    a host with fewer free cores than spinning processes, a sender and a receiver that
+    share a core would otherwise each wait out the other's time slice (docs/benchmarks.md,
+    "Interleaved rounds")."""
 
     def __init__(self, workload: Workload) -> None:
         self.workload = workload
@@ -165,6 +170,7 @@ class NixlRawReceiver:
         done = {t: ns for t, ns in self.early.items() if t in tags}
         while len(done) < len(tags):
             self._poll(done)
+            os.sched_yield()
             check_deadline(deadline, f"nixl-raw receiver: {len(tags) - len(done)} notifications")
         return done
 
@@ -173,6 +179,7 @@ class NixlRawReceiver:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             self._poll(self.early)
+            os.sched_yield()
             check_deadline(end + 1, "nixl-raw receiver idling")
 
     def close(self) -> None:
@@ -246,6 +253,7 @@ class NixlRawSender:
                     del active[tag]
                 elif state == "ERR":
                     raise BenchFailed(f"nixl-raw: transfer {tag} failed")
+            os.sched_yield()
             check_deadline(deadline, "nixl-raw sender batch")
         return submitted
 
