@@ -6,10 +6,12 @@ Mooncake where installed) is shared by the tests of its report.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import zlib
@@ -125,6 +127,65 @@ def test_throughput_is_bytes_over_batch_wall_time(quick_run: dict[str, Any]) -> 
                 )
                 assert run["receiver_cpu_us_per_transfer"] is not None
             assert m["idle_cpu_percent"] is not None and m["idle_cpu_percent"] >= 0
+
+
+@pytest.mark.nixl
+def test_the_modes_take_turns_size_by_size_in_every_round(quick_run: dict[str, Any]) -> None:
+    """Each round runs each size on every mode, one mode right after the other, and the
+    next round starts with another mode: no two batches overlap, every mode's batch of a
+    size in round r comes before any of round r + 1, and the first mode rotates."""
+    report = quick_run["report"]
+    rounds = report["workload"]["rounds"]
+    assert rounds == 5
+    ok = [m for m in report["modes"] if m["status"] == "ok"]
+    spans: dict[tuple[str, int], list[tuple[int, int, str]]] = {}
+    for m in ok:
+        for s in [*m["sizes"], m["latency"], m["rate"]]:
+            if s is None:
+                continue
+            assert len(s["rounds"]) == rounds, (m["mode"], s["label"])
+            assert sum(r["transfers"] for r in s["rounds"]) == s["transfers"]
+            assert math.isclose(sum(r["wall_s"] for r in s["rounds"]), s["wall_s"])
+            for i, r in enumerate(s["rounds"]):
+                spans.setdefault((s["label"], i), []).append(
+                    (r["start_ns"], r["end_ns"], m["mode"])
+                )
+    names = [m["mode"] for m in ok]
+    for (label, i), batches in spans.items():
+        batches.sort()
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(batches)), (label, i)
+        turn = i % len(names)
+        assert [mode for *_, mode in batches] == names[turn:] + names[:turn], (label, i)
+        if (label, i + 1) in spans:
+            assert batches[-1][1] <= min(start for start, *_ in spans[(label, i + 1)])
+
+
+@pytest.mark.nixl
+def test_each_ratio_is_the_median_of_its_paired_rounds(quick_run: dict[str, Any]) -> None:
+    """kvpush over nixl-raw, size by size: each round's GB/s and p50 over the other mode's
+    in the same round; the report's ratio is their median, with min and max; and the
+    1-block latency p50 the same way. The table prints them with their spread."""
+    report = quick_run["report"]
+    by_mode = {m["mode"]: m for m in report["modes"]}
+    ours, base = by_mode["kvpush"], by_mode["nixl-raw"]
+    paired = report["paired_ratios"]["kvpush"]["vs_nixl-raw"]
+    for i, (a, b) in enumerate(zip(ours["sizes"], base["sizes"], strict=True)):
+        for key in ("gbps", "p50_us"):
+            per_round = [x[key] / y[key] for x, y in zip(a["rounds"], b["rounds"], strict=True)]
+            spread = paired[key][i]
+            assert spread["rounds"] == per_round
+            assert spread["median"] == statistics.median(per_round)
+            assert (spread["min"], spread["max"]) == (min(per_round), max(per_round))
+        assert report["ratios"]["kvpush"]["vs_nixl-raw"][i] == paired["gbps"][i]["median"]
+    lat = paired["latency_p50_us"]
+    assert lat["rounds"] == [
+        x["p50_us"] / y["p50_us"]
+        for x, y in zip(ours["latency"]["rounds"], base["latency"]["rounds"], strict=True)
+    ]
+    assert (
+        f"kvpush / nixl-raw: {lat['median']:.2f} (median of 5 paired rounds" in quick_run["stdout"]
+    )
+    assert "the median of 5 paired rounds [min-max]" in quick_run["stdout"]
 
 
 @pytest.mark.nixl

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 
 # Only light imports here: every `kvpush` command builds this parser. numpy and the
 # bench's machinery are imported by `run`.
-from kvpush.bench import ALL_MODES, DEFAULT_MODES
+from kvpush.bench import ALL_MODES, DEFAULT_MODES, DEFAULT_ROUNDS
 from kvpush.bench.presets import PRESETS
 from kvpush.errors import ConfigError
 
@@ -43,6 +44,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "is also given over the first's",
     )
     p.add_argument("--quick", action="store_true", help="a small run, under a minute")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=DEFAULT_ROUNDS,
+        help="rounds of the local modes, interleaved size by size; each ratio is the median "
+        f"of its paired rounds, with their spread (default {DEFAULT_ROUNDS})",
+    )
     p.add_argument(
         "--busy-engine",
         action="store_true",
@@ -87,7 +95,7 @@ class _ProgressBar:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpush.bench.runner import run_bench
+    from kvpush.bench.interleave import run_bench
     from kvpush.bench.workload import make_workload, parse_size
 
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
@@ -109,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         inflight=args.inflight,
         quick=args.quick,
         busy_engine=args.busy_engine,
+        rounds=args.rounds,
     )
     instead = None
     if args.shapes:
@@ -116,7 +125,9 @@ def run(args: argparse.Namespace) -> int:
 
         if "kvpush" not in modes:
             raise ConfigError("--shapes runs the kvpush mode once per shape: add kvpush to --modes")
-        instead = {"kvpush": shape_runs(parse_shapes(args.shapes, workload), workload)}
+        # Each shape runs on its own, every round's transfers in one.
+        whole = dataclasses.replace(workload, rounds=1)
+        instead = {"kvpush": shape_runs(parse_shapes(args.shapes, whole), whole)}
     _check_outputs(args)
     bar = _ProgressBar(enabled=not args.no_progress)
     try:
