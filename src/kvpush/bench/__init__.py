@@ -14,5 +14,7 @@ DEFAULT_MODES = ("memcpy", "nixl-raw", "kvpush", "mooncake")
 # MAC (`kvpush.protocol.auth`): its cost beside kvpush's, in one run.
 ALL_MODES = (*DEFAULT_MODES, "kvpush-token")
 # Rounds of the interleaved local run (`interleave`): each ratio is the median of this
-# many paired ones.
+# many paired ones. `--quick` takes 3, so that it costs about what one pass of every mode
+# after the other did.
 DEFAULT_ROUNDS = 5
+QUICK_ROUNDS = 3

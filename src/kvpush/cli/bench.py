@@ -12,7 +12,7 @@ from typing import Any
 
 # Only light imports here: every `kvpush` command builds this parser. numpy and the
 # bench's machinery are imported by `run`.
-from kvpush.bench import ALL_MODES, DEFAULT_MODES, DEFAULT_ROUNDS
+from kvpush.bench import ALL_MODES, DEFAULT_MODES, DEFAULT_ROUNDS, QUICK_ROUNDS
 from kvpush.bench.presets import PRESETS
 from kvpush.errors import ConfigError
 
@@ -47,9 +47,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument(
         "--rounds",
         type=int,
-        default=DEFAULT_ROUNDS,
         help="rounds of the local modes, interleaved size by size; each ratio is the median "
-        f"of its paired rounds, with their spread (default {DEFAULT_ROUNDS})",
+        f"of its paired rounds, with their spread (default {DEFAULT_ROUNDS}; "
+        f"{QUICK_ROUNDS} with --quick)",
     )
     p.add_argument(
         "--busy-engine",
@@ -117,7 +117,9 @@ def run(args: argparse.Namespace) -> int:
         inflight=args.inflight,
         quick=args.quick,
         busy_engine=args.busy_engine,
-        rounds=args.rounds,
+        rounds=(QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
+        if args.rounds is None
+        else args.rounds,
     )
     instead = None
     if args.shapes:
