@@ -1,4 +1,4 @@
-"""Runs every mode, each in fresh child processes, and collects one report.
+"""Every mode's child processes, what they measure, and the report they fill.
 
 Theory of operation. For a two-process mode the parent spawns a receiver and a sender
 (multiprocessing "spawn": no inherited NIXL or UCX state) joined by a pipe. The receiver
@@ -12,7 +12,10 @@ completion, then checksums what landed. Both clocks are CLOCK_MONOTONIC on one h
   whole batch, never a sum of per-transfer rates.
 
 Each side measures its own CPU time (getrusage, every thread of the process) across the
-batch. The parent only relays progress and kills children that outlive their deadline.
+batch. A local mode's children run plans as the parent orders them (`serve_orders`; the
+parent is `kvpush.bench.interleave`); `--shapes` and `--target` children run every plan
+in turn (`measure_plans`), and `run_children` relays their progress. The parent kills
+children that outlive their deadline.
 """
 
 from __future__ import annotations
