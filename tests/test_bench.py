@@ -6,10 +6,12 @@ Mooncake where installed) is shared by the tests of its report.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import zlib
@@ -128,6 +130,65 @@ def test_throughput_is_bytes_over_batch_wall_time(quick_run: dict[str, Any]) -> 
 
 
 @pytest.mark.nixl
+def test_the_modes_take_turns_size_by_size_in_every_round(quick_run: dict[str, Any]) -> None:
+    """Each round runs each size on every mode, one mode right after the other, and the
+    next round starts with another mode: no two batches overlap, every mode's batch of a
+    size in round r comes before any of round r + 1, and the first mode rotates."""
+    report = quick_run["report"]
+    rounds = report["workload"]["rounds"]
+    assert rounds == 3
+    ok = [m for m in report["modes"] if m["status"] == "ok"]
+    spans: dict[tuple[str, int], list[tuple[int, int, str]]] = {}
+    for m in ok:
+        for s in [*m["sizes"], m["latency"], m["rate"]]:
+            if s is None:
+                continue
+            assert len(s["rounds"]) == rounds, (m["mode"], s["label"])
+            assert sum(r["transfers"] for r in s["rounds"]) == s["transfers"]
+            assert math.isclose(sum(r["wall_s"] for r in s["rounds"]), s["wall_s"])
+            for i, r in enumerate(s["rounds"]):
+                spans.setdefault((s["label"], i), []).append(
+                    (r["start_ns"], r["end_ns"], m["mode"])
+                )
+    names = [m["mode"] for m in ok]
+    for (label, i), batches in spans.items():
+        batches.sort()
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(batches)), (label, i)
+        turn = i % len(names)
+        assert [mode for *_, mode in batches] == names[turn:] + names[:turn], (label, i)
+        if (label, i + 1) in spans:
+            assert batches[-1][1] <= min(start for start, *_ in spans[(label, i + 1)])
+
+
+@pytest.mark.nixl
+def test_each_ratio_is_the_median_of_its_paired_rounds(quick_run: dict[str, Any]) -> None:
+    """kvpush over nixl-raw, size by size: each round's GB/s and p50 over the other mode's
+    in the same round; the report's ratio is their median, with min and max; and the
+    1-block latency p50 the same way. The table prints them with their spread."""
+    report = quick_run["report"]
+    by_mode = {m["mode"]: m for m in report["modes"]}
+    ours, base = by_mode["kvpush"], by_mode["nixl-raw"]
+    paired = report["paired_ratios"]["kvpush"]["vs_nixl-raw"]
+    for i, (a, b) in enumerate(zip(ours["sizes"], base["sizes"], strict=True)):
+        for key in ("gbps", "p50_us"):
+            per_round = [x[key] / y[key] for x, y in zip(a["rounds"], b["rounds"], strict=True)]
+            spread = paired[key][i]
+            assert spread["rounds"] == per_round
+            assert spread["median"] == statistics.median(per_round)
+            assert (spread["min"], spread["max"]) == (min(per_round), max(per_round))
+        assert report["ratios"]["kvpush"]["vs_nixl-raw"][i] == paired["gbps"][i]["median"]
+    lat = paired["latency_p50_us"]
+    assert lat["rounds"] == [
+        x["p50_us"] / y["p50_us"]
+        for x, y in zip(ours["latency"]["rounds"], base["latency"]["rounds"], strict=True)
+    ]
+    assert (
+        f"kvpush / nixl-raw: {lat['median']:.2f} (median of 3 paired rounds" in quick_run["stdout"]
+    )
+    assert "the median of 3 paired rounds [min-max]" in quick_run["stdout"]
+
+
+@pytest.mark.nixl
 def test_table_and_plot_are_written(quick_run: dict[str, Any]) -> None:
     stdout = quick_run["stdout"]
     for mode in MODES:
@@ -180,6 +241,7 @@ def test_presets_span_one_block_to_a_gibibyte() -> None:
         (["--layers", "0"], "--layers 0 out of range"),
         (["--max-size", "lots"], "bad size 'lots'"),
         (["--inflight", "0"], "--inflight 0: expected 1..256"),
+        (["--rounds", "0"], "--rounds 0: expected 1..100"),
         (["--block-bytes", "100"], "--block-bytes 100: expected a positive multiple of 32"),
         (["--context", "4"], "--context 4 tokens is less than one block"),
         (["--sizes", "8G"], "exceeds 4 GiB per side"),
@@ -433,3 +495,19 @@ def test_shapes_carry_the_same_bytes_between_engines_of_different_tp(tmp_path: P
         ratio = report["ratios"][m["mode"]]["vs_kvpush tp1:1"]
         assert ratio == [b["gbps"] / a["gbps"] for a, b in pairs]
         assert f"{m['mode']} vs_kvpush tp1:1" in proc.stdout
+
+
+def test_one_percentile_convention_for_every_tool() -> None:
+    """Nearest rank, q in 0..100: always one of the values, never an interpolation; the
+    bench's latencies and the demo's TTFTs are both read this way."""
+    from kvpush import stats
+    from kvpush.bench import runner
+    from kvpush.demo import run
+
+    assert runner.percentile is run.percentile is stats.percentile
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert [stats.percentile(values, q) for q in (0, 20, 21, 50, 99, 100)] == [1, 1, 2, 3, 5, 5]
+    assert stats.percentile(list(range(1, 101)), 99) == 99
+    assert math.isnan(stats.percentile([], 50))
+    with pytest.raises(ValueError, match=r"percentile 150: expected 0\.\.100"):
+        stats.percentile(values, 150)

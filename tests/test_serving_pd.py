@@ -30,12 +30,12 @@ from kvpush.demo.run import (
     make_prompts,
     metric_sum,
     metric_values,
-    percentile,
     run_workload,
 )
 from kvpush.net import http_url
 from kvpush.procs.readiness import free_port
 from kvpush.procs.server_process import ServerProcess, log_tail
+from kvpush.stats import percentile
 
 pytestmark = pytest.mark.nixl  # prefill and decode servers move KV through real NIXL
 
@@ -903,10 +903,10 @@ def test_concurrent_mixed_requests_into_small_caches_all_match_the_single_instan
     decode, prefill = stack.metrics(stack.decode), stack.metrics(stack.prefill)
     figures = {
         "requests": n,
-        "pd_p50_s": percentile([r.latency_s for r in pd], 0.5),
-        "pd_p99_s": percentile([r.latency_s for r in pd], 0.99),
-        "single_p50_s": percentile([r.latency_s for r in single], 0.5),
-        "single_p99_s": percentile([r.latency_s for r in single], 0.99),
+        "pd_p50_s": percentile([r.latency_s for r in pd], 50),
+        "pd_p99_s": percentile([r.latency_s for r in pd], 99),
+        "single_p50_s": percentile([r.latency_s for r in single], 50),
+        "single_p99_s": percentile([r.latency_s for r in single], 99),
         "pd_wall_s": pd_wall,
         "single_wall_s": single_wall,
         "blocks_held_after_s": freed,

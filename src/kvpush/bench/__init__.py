@@ -1,7 +1,8 @@
 """`kvpush bench`: every transfer layer moving the same bytes, side by side.
 
 `workload` (what moves), `modes` and `kvpush_mode` (each layer's two halves), `runner`
-(the child processes and the report), `shapes` (`--shapes`: kvpush between engines of
+(the child processes and the report), `interleave` and `rounds` (the local run, round by
+round, and its paired ratios), `shapes` (`--shapes`: kvpush between engines of
 different TP sizes, a process per rank), `remote` (`--target`), `endpoint_service` (the
 endpoint's half of `--target`), `report` (table and plot). This module stays free of
 heavy imports: the CLI reads it to build its parser.
@@ -12,3 +13,8 @@ DEFAULT_MODES = ("memcpy", "nixl-raw", "kvpush", "mooncake")
 # kvpush-token: kvpush with a side-channel token, so every data-plane message carries a
 # MAC (`kvpush.protocol.auth`): its cost beside kvpush's, in one run.
 ALL_MODES = (*DEFAULT_MODES, "kvpush-token")
+# Rounds of the interleaved local run (`interleave`): each ratio is the median of this
+# many paired ones. `--quick` takes 3, so that it costs about what one pass of every mode
+# after the other did.
+DEFAULT_ROUNDS = 5
+QUICK_ROUNDS = 3

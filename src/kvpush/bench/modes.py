@@ -24,6 +24,8 @@ from typing import Any, Protocol
 
 from kvpush.bench.common import SENDER_FILL_SEED, BenchFailed, ModeUnavailable, check_deadline
 from kvpush.bench.workload import CacheBuffers, Transfer, Workload, descriptor_arrays
+from kvpush.errors import TransportError
+from kvpush.transports._nixl_import import NixlModule, load_nixl
 
 
 class Receiver(Protocol):
@@ -69,16 +71,14 @@ class Sender(Protocol):
     def close(self) -> None: ...
 
 
-def load_nixl() -> tuple[Any, Any]:
-    """(nixl_agent, nixl_agent_config): the `nixl` meta-package first, then nixl_cu12."""
+def nixl_or_unavailable() -> NixlModule:
+    """NIXL as kvpush loads it (`kvpush.transports._nixl_import.load_nixl`: the same
+    package search and the same UCX environment), so that the raw baseline and kvpush run
+    over one UCX set-up; a host without NIXL makes the mode unavailable."""
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError:
-        try:
-            from nixl_cu12._api import nixl_agent, nixl_agent_config
-        except ImportError as exc:
-            raise ModeUnavailable(f"NIXL is not importable (nixl, nixl_cu12): {exc}") from None
-    return nixl_agent, nixl_agent_config
+        return load_nixl()
+    except TransportError as exc:
+        raise ModeUnavailable(exc.detail) from None
 
 
 # --------------------------------------------------------------------------- memcpy
@@ -124,16 +124,21 @@ def nixl_register(agent: Any, buffers: CacheBuffers) -> Any:
 
 def nixl_agent_over(buffers: CacheBuffers, name: str) -> tuple[Any, Any]:
     """(agent, registration): a UCX agent without a progress thread, `buffers` registered."""
-    nixl_agent, nixl_agent_config = load_nixl()
-    agent = nixl_agent(
+    nixl = nixl_or_unavailable()
+    agent = nixl.nixl_agent(
         f"{name}-{time.monotonic_ns()}",
-        nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
+        nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
     )
     return agent, nixl_register(agent, buffers)
 
 
 class NixlRawReceiver:
-    """Two-agent NIXL over UCX, no progress thread; completion by notification."""
+    """Two-agent NIXL over UCX, no progress thread; completion by notification.
+
+    Both ends poll NIXL in a loop that yields the CPU at each turn (`os.sched_yield`): on
+    a host with fewer free cores than spinning processes, a sender and a receiver that
+    share a core would otherwise each wait out the other's time slice (docs/benchmarks.md,
+    "Interleaved rounds")."""
 
     def __init__(self, workload: Workload) -> None:
         self.workload = workload
@@ -165,6 +170,7 @@ class NixlRawReceiver:
         done = {t: ns for t, ns in self.early.items() if t in tags}
         while len(done) < len(tags):
             self._poll(done)
+            os.sched_yield()
             check_deadline(deadline, f"nixl-raw receiver: {len(tags) - len(done)} notifications")
         return done
 
@@ -173,6 +179,7 @@ class NixlRawReceiver:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             self._poll(self.early)
+            os.sched_yield()
             check_deadline(end + 1, "nixl-raw receiver idling")
 
     def close(self) -> None:
@@ -246,6 +253,7 @@ class NixlRawSender:
                     del active[tag]
                 elif state == "ERR":
                     raise BenchFailed(f"nixl-raw: transfer {tag} failed")
+            os.sched_yield()
             check_deadline(deadline, "nixl-raw sender batch")
         return submitted
 

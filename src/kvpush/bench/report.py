@@ -9,9 +9,9 @@ from typing import Any
 # ratio above 1 is a statement about the floor's code, never about NIXL itself.
 NIXL_RAW_CAVEAT = (
     "vs_nixl-raw: nixl-raw is the simplest correct NIXL code, which busy-polls (both sides\n"
-    "locally); on a host with few cores its spinning takes CPU from its own transfers. kvpush\n"
-    "also moves its bytes with NIXL: a ratio above 1 means that simple code lost CPU, not\n"
-    "that kvpush is faster than NIXL."
+    "locally, yielding at each turn); on a host with few cores its polling takes CPU from its\n"
+    "own transfers. kvpush also moves its bytes with NIXL: a ratio above 1 means that simple\n"
+    "code lost CPU, not that kvpush is faster than NIXL."
 )
 
 # Under the table when `--shapes` ran.
@@ -114,29 +114,66 @@ def format_table(report: dict[str, Any]) -> str:
             f"{_num(r.get('receiver_cpu_us_per_transfer'), '9.0f'):>9} "
             f"{_num(m.get('idle_cpu_percent'), '15.1f'):>15}"
         )
-    lat_ratio = _latency_ratio(report)
-    if lat_ratio:
-        lines.append(f"1-block latency p50 (one in flight), kvpush / nixl-raw: {lat_ratio:.2f}")
-    mac_ratio = _latency_ratio(report, "kvpush-token", "kvpush")
-    if mac_ratio:
-        lines.append(
-            f"1-block latency p50 (one in flight), kvpush-token / kvpush: {mac_ratio:.2f} "
-            "(the cost of the data-plane MAC)"
-        )
+    lines += _latency_ratio_lines(report)
     ratios = report.get("ratios") or {}
+    paired = report.get("paired_ratios") or {}
     if ratios:
-        lines += ["", "GB/s ratios, size by size:"]
+        rounds = report["workload"].get("rounds", 1)
+        lines += [
+            "",
+            "GB/s ratios, size by size"
+            + (f": the median of {rounds} paired rounds [min-max]" if paired else "")
+            + ":",
+        ]
         sizes: list[dict[str, Any]] = next((m["sizes"] for m in report["modes"] if m["sizes"]), [])
-        labels = " ".join(f"{human_bytes(s['bytes']):>9}" for s in sizes)
+        cell = 17 if paired else 9
+        labels = " ".join(f"{human_bytes(s['bytes']):>{cell}}" for s in sizes)
         width = max(22, *(len(f"{m} {b}") for m, bases in ratios.items() for b in bases))
         lines.append(f"{'':<{width}} {labels}")
         for mode, bases in ratios.items():
             for base, row in bases.items():
-                cells = " ".join(f"{_num(v, '9.2f'):>9}" for v in row)
+                spreads = (paired.get(mode, {}).get(base) or {}).get("gbps") or [None] * len(row)
+                cells = " ".join(
+                    _ratio_cell(v, sp, cell) for v, sp in zip(row, spreads, strict=False)
+                )
                 lines.append(f"{mode + ' ' + base:<{width}} {cells}")
+        p50 = paired.get("kvpush", {}).get("vs_nixl-raw", {}).get("p50_us")
+        if p50:
+            cells = " ".join(_ratio_cell(sp["median"] if sp else None, sp, cell) for sp in p50)
+            lines.append(f"{'kvpush / nixl-raw p50 us':<{width}} {cells}")
         if any("vs_nixl-raw" in bases for bases in ratios.values()):
             lines += ["", NIXL_RAW_CAVEAT]
     return "\n".join(lines)
+
+
+def _ratio_cell(value: float | None, spread: dict[str, Any] | None, width: int) -> str:
+    if spread is None:
+        return f"{_num(value, '.2f'):>{width}}"
+    text = f"{spread['median']:.2f} [{spread['min']:.2f}-{spread['max']:.2f}]"
+    return f"{text:>{width}}"
+
+
+def _latency_ratio_lines(report: dict[str, Any]) -> list[str]:
+    """The 1-block latency p50 ratios: kvpush over nixl-raw, and kvpush-token over kvpush
+    (the cost of the data-plane MAC); from paired rounds where the run had them."""
+    lines = []
+    for mode, base, why in (
+        ("kvpush", "nixl-raw", ""),
+        ("kvpush-token", "kvpush", " (the cost of the data-plane MAC)"),
+    ):
+        spread = (report.get("paired_ratios") or {}).get(mode, {}).get(f"vs_{base}", {})
+        spread = spread.get("latency_p50_us") if spread else None
+        head = f"1-block latency p50 (one in flight), {mode} / {base}: "
+        if spread:
+            lines.append(
+                f"{head}{spread['median']:.2f} (median of {len(spread['rounds'])} paired "
+                f"rounds, {spread['min']:.2f}-{spread['max']:.2f}){why}"
+            )
+            continue
+        ratio = _latency_ratio(report, mode, base)
+        if ratio:
+            lines.append(f"{head}{ratio:.2f}{why}")
+    return lines
 
 
 def _latency_ratio(

@@ -1,4 +1,4 @@
-"""Runs every mode, each in fresh child processes, and collects one report.
+"""Every mode's child processes, what they measure, and the report they fill.
 
 Theory of operation. For a two-process mode the parent spawns a receiver and a sender
 (multiprocessing "spawn": no inherited NIXL or UCX state) joined by a pipe. The receiver
@@ -12,7 +12,10 @@ completion, then checksums what landed. Both clocks are CLOCK_MONOTONIC on one h
   whole batch, never a sum of per-transfer rates.
 
 Each side measures its own CPU time (getrusage, every thread of the process) across the
-batch. The parent only relays progress and kills children that outlive their deadline.
+batch. A local mode's children run plans as the parent orders them (`serve_orders`; the
+parent is `kvpush.bench.interleave`); `--shapes` and `--target` children run every plan
+in turn (`measure_plans`), and `run_children` relays their progress. The parent kills
+children that outlive their deadline.
 """
 
 from __future__ import annotations
@@ -29,13 +32,16 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvpush.bench import DEFAULT_MODES
 from kvpush.bench.common import BenchFailed, ModeUnavailable
-from kvpush.bench.modes import MemcpyPair, factories, load_nixl
+from kvpush.bench.modes import MemcpyPair, factories, nixl_or_unavailable
+from kvpush.bench.rounds import paired_ratios, ratios
 from kvpush.bench.workload import Plan, Workload, plans
 from kvpush.errors import KVPushError
+from kvpush.stats import percentile
 
 PIPE_TIMEOUT_S = 120.0
+# How long an interleaved mode's child waits for its next order while the others run.
+ORDER_TIMEOUT_S = 1800.0
 
 ProgressFn = Callable[[str, int, int], None]
 # A child process to start: its function and its arguments.
@@ -45,15 +51,6 @@ ChildSpec = tuple[Callable[..., None], tuple[Any, ...]]
 def cpu_seconds() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile; `q` in 0..100."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
 
 
 def recv_message(conn: Connection, timeout: float, what: str) -> Any:
@@ -135,7 +132,7 @@ def quiet_foreign_loggers() -> None:
     if logging.getLogger().getEffectiveLevel() > logging.INFO:
         # NIXL configures its logger when first imported; import it first, then quiet it.
         with contextlib.suppress(ModeUnavailable):
-            load_nixl()
+            nixl_or_unavailable()
         logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
@@ -176,6 +173,42 @@ def measure_plans(
             parent.send(("batch", batch_result(workload, plan, measured)))
 
 
+def serve_orders(
+    workload: Workload,
+    parent: Connection,
+    measure: Callable[[Plan], Measured],
+    idle: Callable[[], float | None],
+) -> None:
+    """The interleaved run's child loop: the warm-up, then ("ready",), then the parent's
+    orders one at a time: ("plan", label, round) -> ("batch", figures, latencies);
+    ("idle",) -> ("idle", % of a core or None); ("stop",) -> ("finished",). Between
+    orders the child waits on its pipe and spends no CPU while other modes run."""
+    by_label = {p.label: p for p in plans(workload)}
+    measure(by_label["warmup"])
+    parent.send(("ready",))
+    while True:
+        msg = recv_message(parent, ORDER_TIMEOUT_S, "waiting for the bench's next order")
+        if msg[0] == "plan":
+            _, label, round_index = msg
+            plan = next(p for p in plans(workload, round_index) if p.label == label)
+            measured = measure(plan)
+            latencies = [
+                (measured.finished[t.tag] - measured.submitted[t.tag]) / 1e3 for t in plan.transfers
+            ]
+            # When the batch ran (monotonic ns, one clock for the host): each round's
+            # figures say so, which shows the modes took their turns.
+            span = {
+                "start_ns": min(measured.submitted.values()),
+                "end_ns": max(measured.finished.values()),
+            }
+            parent.send(("batch", batch_result(workload, plan, measured) | span, latencies))
+        elif msg[0] == "idle":
+            parent.send(("idle", idle()))
+        elif msg[0] == "stop":
+            break
+    parent.send(("finished",))
+
+
 def start_busy_engine(stack: contextlib.ExitStack) -> None:
     """`--busy-engine`: a thread that computes in Python for as long as the child lives,
     as an engine's model loop does (it holds the GIL but at switch requests)."""
@@ -193,7 +226,7 @@ def start_busy_engine(stack: contextlib.ExitStack) -> None:
     stack.callback(stop.set)
 
 
-def _receiver_main(mode: str, workload: Workload, peer: Connection) -> None:
+def receiver_main(mode: str, workload: Workload, peer: Connection) -> None:
     with child_process(peer, prefix="receiver: ") as stack:
         if workload.busy_engine:
             start_busy_engine(stack)
@@ -225,7 +258,7 @@ def _receiver_main(mode: str, workload: Workload, peer: Connection) -> None:
                 break
 
 
-def _sender_main(mode: str, workload: Workload, peer: Connection, parent: Connection) -> None:
+def sender_main(mode: str, workload: Workload, peer: Connection, parent: Connection) -> None:
     with child_process(parent) as stack:
         if workload.busy_engine:
             start_busy_engine(stack)
@@ -234,8 +267,15 @@ def _sender_main(mode: str, workload: Workload, peer: Connection, parent: Connec
         _, meta = recv_message(peer, PIPE_TIMEOUT_S, "receiver metadata")
         tx.setup(meta, peer)
 
+        # The source is never written, so a plan's source checksums (the same slots in
+        # every round) are taken once.
+        src_crcs: dict[str, dict[tuple[int, ...], int]] = {}
+
         def measure(plan: Plan) -> Measured:
-            src_crc = {t.dst_blocks: tx.buffers.checksum(t.src_blocks) for t in plan.slots}
+            src_crc = src_crcs.get(plan.label)
+            if src_crc is None:
+                src_crc = {t.dst_blocks: tx.buffers.checksum(t.src_blocks) for t in plan.slots}
+                src_crcs[plan.label] = src_crc
             peer.send(("arm", [(t.tag, t.dst_blocks) for t in plan.transfers]))
             recv_message(peer, PIPE_TIMEOUT_S, "receiver arming")
             tx.prepare(plan.transfers, time.monotonic() + PIPE_TIMEOUT_S)
@@ -249,16 +289,16 @@ def _sender_main(mode: str, workload: Workload, peer: Connection, parent: Connec
             _, finished, rx_cpu, dst_crc = recv_message(peer, PIPE_TIMEOUT_S, "receiver completion")
             return Measured(submitted, finished, cpu, rx_cpu, src_crc, dst_crc)
 
-        measure_plans(workload, parent, measure)
-        parent.send(("progress", "idle"))
-        peer.send(("idle", workload.idle_s))
-        _, idle_cpu = recv_message(peer, PIPE_TIMEOUT_S, "receiver idling")
-        parent.send(("idle", 100.0 * idle_cpu / workload.idle_s))
+        def idle() -> float:
+            peer.send(("idle", workload.idle_s))
+            _, idle_cpu = recv_message(peer, PIPE_TIMEOUT_S, "receiver idling")
+            return 100.0 * float(idle_cpu) / workload.idle_s
+
+        serve_orders(workload, parent, measure, idle)
         peer.send(("stop",))
-        parent.send(("finished",))
 
 
-def _memcpy_main(workload: Workload, parent: Connection) -> None:
+def memcpy_main(workload: Workload, parent: Connection) -> None:
     with child_process(parent):
         pair = MemcpyPair(workload)
         pair.setup()
@@ -274,8 +314,7 @@ def _memcpy_main(workload: Workload, parent: Connection) -> None:
             dst_crc = {t.dst_blocks: pair.dst.checksum(t.dst_blocks) for t in slots}
             return Measured(submitted, finished, cpu, None, src_crc, dst_crc)
 
-        measure_plans(workload, parent, measure)
-        parent.send(("finished",))
+        serve_orders(workload, parent, measure, lambda: None)
 
 
 # ----------------------------------------------------------------- parent
@@ -364,36 +403,6 @@ def run_children(
     return result
 
 
-def run_mode(
-    mode: str,
-    workload: Workload,
-    *,
-    on_progress: ProgressFn | None = None,
-    step_offset: int = 0,
-    total_steps: int = 0,
-    deadline_s: float = 900.0,
-) -> dict[str, Any]:
-    """Run one mode in fresh processes; never raises for a mode failure, reports it."""
-
-    def children(report: Connection) -> list[ChildSpec]:
-        if mode == "memcpy":
-            return [(_memcpy_main, (workload, report))]
-        rx_end, tx_end = mp.get_context("spawn").Pipe()
-        return [
-            (_receiver_main, (mode, workload, rx_end)),
-            (_sender_main, (mode, workload, tx_end, report)),
-        ]
-
-    return run_children(
-        mode,
-        children,
-        on_progress=on_progress,
-        step_offset=step_offset,
-        total_steps=total_steps,
-        deadline_s=deadline_s,
-    )
-
-
 def steps_per_mode(workload: Workload) -> int:
     return len(plans(workload)) + 1
 
@@ -421,61 +430,19 @@ def new_report(workload: Workload, **extra: Any) -> dict[str, Any]:
 def finish_report(report: dict[str, Any]) -> dict[str, Any]:
     report["elapsed_s"] = time.time() - report["started_unix"]
     report["ratios"] = ratios(report)
+    report["paired_ratios"] = paired_ratios(report)
     return report
 
 
 @dataclass(frozen=True, slots=True)
 class ModeRun:
-    """One entry of a report: its name, its progress steps, and how to run it
-    (`run(on_progress, step_offset, total_steps)`, which never raises for the run's own
-    failure: it reports it)."""
+    """One entry of a report that runs on its own (a `--shapes` shape): its name, its
+    progress steps, and how to run it (`run(on_progress, step_offset, total_steps)`,
+    which never raises for the run's own failure: it reports it)."""
 
     mode: str
     steps: int
     run: Callable[[ProgressFn | None, int, int], dict[str, Any]]
-
-
-def mode_runs(workload: Workload, modes: tuple[str, ...]) -> list[ModeRun]:
-    """The runs of `modes`, each in its own child processes."""
-
-    def runner(mode: str) -> Callable[[ProgressFn | None, int, int], dict[str, Any]]:
-        def run(on_progress: ProgressFn | None, step_offset: int, total: int) -> dict[str, Any]:
-            return run_mode(
-                mode,
-                workload,
-                on_progress=on_progress,
-                step_offset=step_offset,
-                total_steps=total,
-            )
-
-        return run
-
-    return [ModeRun(mode, steps_per_mode(workload), runner(mode)) for mode in modes]
-
-
-def run_bench(
-    workload: Workload,
-    modes: tuple[str, ...] = DEFAULT_MODES,
-    on_progress: ProgressFn | None = None,
-    skip: dict[str, str] | None = None,
-    instead: dict[str, list[ModeRun]] | None = None,
-) -> dict[str, Any]:
-    """Every mode in turn on the same workload; the report as a JSON-ready dict.
-    `instead` maps a mode to the runs that replace it (`--shapes` replaces kvpush)."""
-    runs: list[ModeRun] = []
-    for run in mode_runs(workload, modes):
-        runs += (instead or {}).get(run.mode, [run])
-    total = sum(r.steps for r in runs)
-    report = new_report(workload)
-    step = 0
-    for run in runs:
-        if skip and run.mode in skip:
-            result = empty_result(run.mode) | {"status": "skipped", "reason": skip[run.mode]}
-        else:
-            result = run.run(on_progress, step, total)
-        report["modes"].append(result)
-        step += run.steps
-    return finish_report(report)
 
 
 def versions() -> dict[str, str | None]:
@@ -488,27 +455,4 @@ def versions() -> dict[str, str | None]:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             out[dist] = None
-    return out
-
-
-def ratios(report: dict[str, Any]) -> dict[str, dict[str, list[float | None]]]:
-    """GB/s of each mode over memcpy's and nixl-raw's, size by size; and of each mode
-    that names a base (`vs`: a shape, over the first shape) over that base's."""
-    by_mode = {m["mode"]: {s["bytes"]: s["gbps"] for s in m["sizes"]} for m in report["modes"]}
-
-    def row(sizes: dict[int, float], base: dict[int, float]) -> list[float | None]:
-        return [(sizes[b] / base[b]) if b in base else None for b in sorted(sizes)]
-
-    out: dict[str, dict[str, list[float | None]]] = {}
-    for base in ("memcpy", "nixl-raw"):
-        if not by_mode.get(base):
-            continue
-        for mode, sizes in by_mode.items():
-            if mode == base or not sizes:
-                continue
-            out.setdefault(mode, {})[f"vs_{base}"] = row(sizes, by_mode[base])
-    for m in report["modes"]:
-        base = m.get("vs")
-        if base and by_mode.get(base) and by_mode[m["mode"]]:
-            out.setdefault(m["mode"], {})[f"vs_{base}"] = row(by_mode[m["mode"]], by_mode[base])
     return out

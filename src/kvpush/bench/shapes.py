@@ -55,13 +55,13 @@ from kvpush.bench.runner import (
     close_quietly,
     cpu_seconds,
     measure_plans,
-    percentile,
     recv_message,
     run_children,
     start_busy_engine,
 )
 from kvpush.bench.workload import Plan, Transfer, Workload, plans
 from kvpush.errors import ConfigError
+from kvpush.stats import percentile
 from kvpush.topology import (
     EngineShape,
     RankHeads,

@@ -29,6 +29,8 @@ GIB = 1024 * MIB
 # counts ask torch, which would cost the bench's parent process seconds to import.
 _ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 RATE_INFLIGHT = 8
+# Tags of round r start at r * ROUND_TAGS, so that no two transfers of a mode share one.
+ROUND_TAGS = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,10 @@ class Workload:
     # A Python thread computing all the time in each process of a two-process mode, as
     # an engine's model loop does: every other thread that wakes waits for the GIL.
     busy_engine: bool = False
+    # The local modes run interleaved: in each of `rounds` rounds, every mode runs each
+    # size in turn (`kvpush.bench.runner.run_interleaved`), with its share of the
+    # transfers. Remote runs and `--shapes` runs take every round's transfers in one.
+    rounds: int = 1
     seed: int = 20260101
     kv_heads: int = 8
     head_dim: int = 128
@@ -76,9 +82,16 @@ class Workload:
         return self.bytes_per_block * self.num_blocks
 
     def iterations(self, blocks: int) -> int:
+        """Transfers of `blocks` blocks in one round: enough to move one round's share of
+        the target bytes, within `min_iters`..`max_iters` (small sizes get many, so that
+        one descheduled moment does not decide a round's figure)."""
         size = blocks * self.bytes_per_block
-        wanted = math.ceil(self.target_bytes_per_size / size)
+        wanted = math.ceil(self.target_bytes_per_size / self.rounds / size)
         return max(self.min_iters, min(self.max_iters, wanted))
+
+    def round_share(self, count: int) -> int:
+        """One round's share of `count` 1-block transfers."""
+        return max(1, math.ceil(count / self.rounds))
 
     def describe(self) -> dict[str, object]:
         return {
@@ -97,6 +110,7 @@ class Workload:
             "rate_inflight": self.rate_inflight,
             "latency_transfers": self.latency_transfers,
             "busy_engine": self.busy_engine,
+            "rounds": self.rounds,
             "idle_s": self.idle_s,
             "seed": self.seed,
         }
@@ -132,6 +146,7 @@ def make_workload(
     inflight: int = 4,
     quick: bool = False,
     busy_engine: bool = False,
+    rounds: int = 1,
 ) -> Workload:
     """Build a workload from a `kvpush.bench.presets` preset (its layers, KV heads, head dim,
     dtype and block size) and overrides; raises `ConfigError` on bad values."""
@@ -157,6 +172,8 @@ def make_workload(
         )
     if inflight <= 0 or inflight > 256:
         raise ConfigError(f"--inflight {inflight}: expected 1..256")
+    if rounds <= 0 or rounds > 100:
+        raise ConfigError(f"--rounds {rounds}: expected 1..100")
     per_block = 2 * layers * block_bytes
     if context_tokens is not None:
         if context_tokens < block_size_tokens:
@@ -193,12 +210,13 @@ def make_workload(
         sizes_blocks=tuple(blocks_list),
         inflight=inflight,
         target_bytes_per_size=(192 * MIB) if quick else (2 * GIB),
-        min_iters=3,
-        max_iters=30 if quick else 200,
+        min_iters=1 if quick else 3,
+        max_iters=50 if quick else 200,
         rate_transfers=300 if quick else 1000,
         idle_s=1.0 if quick else 3.0,
-        latency_transfers=100 if quick else 300,
+        latency_transfers=200 if quick else 300,
         busy_engine=busy_engine,
+        rounds=rounds,
         kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
         dtype=model.dtype,
@@ -254,20 +272,25 @@ def make_plan(workload: Workload, label: str, blocks: int, count: int, first_tag
     return plan
 
 
-def plans(workload: Workload) -> list[Plan]:
+def plans(workload: Workload, round_index: int = 0) -> list[Plan]:
     """Warm-up, every size, then the 1-block runs: latency (one in flight) and the
-    control-plane rate (`rate_inflight` in flight)."""
-    out = [make_plan(workload, "warmup", 1, max(4, workload.inflight), first_tag=1)]
-    tag = 1000
+    control-plane rate (`rate_inflight` in flight). Each is one round's share of its
+    transfers (all of them when `workload.rounds` is 1); round `round_index` has tags of
+    its own, and the same blocks as every other round."""
+    base = round_index * ROUND_TAGS
+    out = [make_plan(workload, "warmup", 1, max(4, workload.inflight), first_tag=base + 1)]
+    tag = base + 1000
     for blocks in workload.sizes_blocks:
         count = workload.iterations(blocks)
         out.append(make_plan(workload, f"size:{blocks}", blocks, count, first_tag=tag))
         tag += count
-    latency = make_plan(workload, "latency", 1, workload.latency_transfers, first_tag=tag)
+    count = workload.round_share(workload.latency_transfers)
+    latency = make_plan(workload, "latency", 1, count, first_tag=tag)
     latency.inflight = 1
     out.append(latency)
-    tag += workload.latency_transfers
-    rate = make_plan(workload, "rate", 1, workload.rate_transfers, first_tag=tag)
+    tag += count
+    count = workload.round_share(workload.rate_transfers)
+    rate = make_plan(workload, "rate", 1, count, first_tag=tag)
     rate.inflight = workload.rate_inflight
     out.append(rate)
     return out

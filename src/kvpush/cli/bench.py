@@ -4,15 +4,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 # Only light imports here: every `kvpush` command builds this parser. numpy and the
 # bench's machinery are imported by `run`.
-from kvpush.bench import ALL_MODES, DEFAULT_MODES
+from kvpush.bench import ALL_MODES, DEFAULT_MODES, DEFAULT_ROUNDS, QUICK_ROUNDS
 from kvpush.bench.presets import PRESETS
 from kvpush.errors import ConfigError
 
@@ -45,6 +45,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     p.add_argument("--quick", action="store_true", help="a small run, under a minute")
     p.add_argument(
+        "--rounds",
+        type=int,
+        help="rounds of the local modes, interleaved size by size; each ratio is the median "
+        f"of its paired rounds, with their spread (default {DEFAULT_ROUNDS}; "
+        f"{QUICK_ROUNDS} with --quick)",
+    )
+    p.add_argument(
         "--busy-engine",
         action="store_true",
         help="run a Python thread that computes all the time in each process (as an "
@@ -65,32 +72,30 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 class _ProgressBar:
-    """A one-line bar on stderr, shown only once the run has lasted a couple of seconds."""
+    """A one-line tqdm bar on stderr, shown only once the run has lasted a couple of
+    seconds; the bench reports steps (`ProgressFn`), the bar draws them."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self.started = time.monotonic()
-        self.drawn = False
+        self.bar: Any = None
 
     def __call__(self, label: str, step: int, total: int) -> None:
-        if not self.enabled or time.monotonic() - self.started < 2.0 or total <= 0:
+        if not self.enabled or total <= 0:
             return
-        width = 30
-        filled = int(width * min(step, total) / total)
-        bar = "#" * filled + "." * (width - filled)
-        elapsed = time.monotonic() - self.started
-        sys.stderr.write(f"\r[{bar}] {step}/{total} {elapsed:5.0f}s {label:<28.28}")
-        sys.stderr.flush()
-        self.drawn = True
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, file=sys.stderr, delay=2.0, unit="step", leave=True)
+        self.bar.set_description_str(label, refresh=False)
+        self.bar.update(min(step, total) - self.bar.n)
 
     def finish(self) -> None:
-        if self.drawn:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpush.bench.runner import run_bench
+    from kvpush.bench.interleave import run_bench
     from kvpush.bench.workload import make_workload, parse_size
 
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
@@ -112,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
         inflight=args.inflight,
         quick=args.quick,
         busy_engine=args.busy_engine,
+        rounds=(QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
+        if args.rounds is None
+        else args.rounds,
     )
     instead = None
     if args.shapes:
@@ -119,7 +127,9 @@ def run(args: argparse.Namespace) -> int:
 
         if "kvpush" not in modes:
             raise ConfigError("--shapes runs the kvpush mode once per shape: add kvpush to --modes")
-        instead = {"kvpush": shape_runs(parse_shapes(args.shapes, workload), workload)}
+        # Each shape runs on its own, every round's transfers in one.
+        whole = dataclasses.replace(workload, rounds=1)
+        instead = {"kvpush": shape_runs(parse_shapes(args.shapes, whole), whole)}
     _check_outputs(args)
     bar = _ProgressBar(enabled=not args.no_progress)
     try:

@@ -36,6 +36,7 @@ import httpx
 
 from kvpush.procs.readiness import free_port
 from kvpush.procs.server_process import ServerProcess
+from kvpush.stats import percentile
 
 Say = Callable[[str], None]
 
@@ -281,13 +282,6 @@ def run_workload(
     return asyncio.run(_workload(url, prompts, max_tokens, concurrency, timeout_s))
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 class Stack:
     """Prefill, decode, proxy and single-instance servers; `start()` / `close()`.
 
@@ -461,11 +455,11 @@ def _exercise(options: DemoOptions, stack: Stack, say: Say) -> DemoReport:
         )
     ttfts = [r.ttft_s for r in pd if r.ttft_s is not None]
     itls = [r.itl_s for r in pd if r.itl_s is not None]
-    report.ttft_p50_s, report.ttft_p99_s = percentile(ttfts, 0.5), percentile(ttfts, 0.99)
+    report.ttft_p50_s, report.ttft_p99_s = percentile(ttfts, 50), percentile(ttfts, 99)
     report.itl_mean_s = statistics.fmean(itls) if itls else 0.0
     single_ttfts = [r.ttft_s for r in single if r.ttft_s is not None]
-    report.ttft_single_p50_s = percentile(single_ttfts, 0.5)
-    report.ttft_single_p99_s = percentile(single_ttfts, 0.99)
+    report.ttft_single_p50_s = percentile(single_ttfts, 50)
+    report.ttft_single_p99_s = percentile(single_ttfts, 99)
     report.kv_bytes = metric_sum(d_metrics, "kvpush_transfer_bytes_total", "receiver")
     report.kv_transfer_s = metric_sum(d_metrics, "kvpush_transfer_latency_seconds_sum", "receiver")
     report.transfers_finished = metric_sum(d_metrics, "kvpush_transfers_total", "finished")
@@ -489,8 +483,8 @@ def _exercise(options: DemoOptions, stack: Stack, say: Say) -> DemoReport:
                     f"request {a.index} (layer-wise switched): {a.error or 'tokens differ'}"
                 )
         other_ttfts = [r.ttft_s for r in other if r.ttft_s is not None]
-        report.ttft_other_p50_s = percentile(other_ttfts, 0.5)
-        report.ttft_other_p99_s = percentile(other_ttfts, 0.99)
+        report.ttft_other_p50_s = percentile(other_ttfts, 50)
+        report.ttft_other_p99_s = percentile(other_ttfts, 99)
     if options.inject == "kill-prefill":
         _kill_prefill(options, stack=stack, say=say, report=report, prompts=prompts, single=single)
     return report
