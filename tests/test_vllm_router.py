@@ -13,7 +13,8 @@ instance, token for token.
   (`vllm:kvpush_sends_registered_first_total`).
 - Two requests under one `X-Request-Id` (a router bug, or a replay), dispatched at once:
   with different prompts each is served its own KV; with the same prompt (the same KV)
-  one is served and the other refused, never served from the other's blocks.
+  the second is refused, never served from the other's transfer (and vLLM, which aborts
+  by the client's id, usually fails the first with it).
 
 Each side names a transfer the router did not name from the request's own id and a
 digest of its prompt (`kvpush.integrations.vllm.params.pairing_id`). Servers come from
@@ -275,8 +276,8 @@ def test_concurrent_legs_in_push_dialect(stack: Stack) -> None:
 
 def test_one_request_id_for_two_requests(stack: Stack) -> None:
     """Two requests under one X-Request-Id, both legs of both at once. Different
-    prompts: each gets its own KV (tokens identical). The same prompt: one is served,
-    the other refused (its transfer id is taken), neither with the other's tokens."""
+    prompts: each gets its own KV (tokens identical). The same prompt: the second is
+    refused (its transfer id is taken), never served from the first's transfer."""
     different = (PROMPTS[0], PROMPTS[2])
     same = (PROMPTS[4], PROMPTS[4])
 
@@ -304,9 +305,11 @@ def test_one_request_id_for_two_requests(stack: Stack) -> None:
         )
         outcomes = asyncio.run(run(same))
         served = [o for o in outcomes if o.ok]
-        assert served, f"neither request was served: {[o.error for o in outcomes]}"
+        # One transfer: at most one is served, with the right tokens. The second is
+        # refused by kvpush; vLLM then aborts every request under that X-Request-Id
+        # (its API server aborts by the client's id), often the first one too.
+        assert len(served) <= 1, f"both were served from one transfer: {served}"
         check_identical(served, _REFERENCE, f"reused id and prompt, round {n}", stack.servers)
-        refused = [o for o in outcomes if not o.ok]
-        for o in refused:
-            assert o.error is not None and "HTTP 500" in o.error, o.error
+        for o in outcomes:
+            assert o.ok or (o.error is not None and "HTTP 500" in o.error), o.error
     _quiescent(stack)
