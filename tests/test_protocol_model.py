@@ -54,6 +54,16 @@ def test_scope(scope: scopes.Scope) -> None:
         )
 
 
+@pytest.mark.parametrize("scope", SCOPES, ids=[s.name for s in SCOPES])
+def test_writes_may_take_the_whole_margin_the_fence_states(scope: scopes.Scope) -> None:
+    """The model's writes land within the margin the receiver's fence leaves for writes
+    already issued (its fence less the lease), not sooner: a shorter bound hides every
+    fence shortened by less than the difference (issue 38: at 2 s, half the margin, a
+    fence one liveness interval short passed every scope)."""
+    receiver = Model(scope, STATE).initial().ends["R#1"].proto.receiver
+    assert scope.write_bound == receiver.fence_s - scope.timing.lease_s
+
+
 def test_incompatible_peers_never_transfer() -> None:
     """Not only no ok between them: both sides end it INCOMPATIBLE_PEER on some path,
     none ends it ok or lands a write, and the whole scope is explored (quiescence, where
@@ -90,6 +100,8 @@ CAUGHT_IN = {
     "resend-past-deadline": "late-submit",
     "receive-first-part": "two-parts",
     "send-first-part": "one-to-two",
+    "fence-short-liveness": "fence",
+    "fence-lease-only": "fence",
 }
 
 

@@ -77,6 +77,10 @@ KINDS = {
     "incompatible-ok": "a transfer ended ok between incompatible geometries",
     "forged-effect": "a forged message ended a transfer (a reason only the forger could cause)",
     "wrong-receiver": "a sender wrote KV to a receiver other than the one its engine named",
+    "fence-margin": (
+        "a receiver handed back blocks that a write may still land in (the write's latest "
+        "landing, issued + write bound, is not before the receiver's fence ended)"
+    ),
 }
 
 # A model engine named `ENGINE.RANK` is rank RANK of engine ENGINE: the same side
@@ -146,9 +150,12 @@ class Scope:
     # lands during or after the stall)? Off, stalls begin only between writes: what is
     # left is what a stalled sender does when it wakes.
     stall_mid_write: bool = True
-    # A write lands or fails within this many seconds of being issued (None: any time).
-    # The fence's stated assumption: within 2 * liveness_timeout_s of the lease's end.
-    write_bound_s: float | None = 2.0
+    # A write lands or fails within this many seconds of being issued. None: the margin
+    # the fence states (`fence_s = lease_s + 2 * liveness_timeout_s`, so twice the
+    # liveness timeout), the protocol's own assumption about its writes. Taken from
+    # that statement, never from the receiver: a fence made shorter must not make the
+    # model's writes faster with it.
+    write_bound_s: float | None = None
     # Tick a running endpoint in the same step whenever one of its timers is due (as
     # the runtime's loop does), rather than as a step of its own in every order.
     eager_ticks: bool = True
@@ -178,6 +185,13 @@ class Scope:
     insider: bool = False
     # Heads per block: bytes of a block that different parts of a request move.
     heads: int = 1
+
+    @property
+    def write_bound(self) -> float:
+        """How long after it was issued a write may still land (`write_bound_s`)."""
+        if self.write_bound_s is not None:
+            return self.write_bound_s
+        return 2 * self.timing.liveness_timeout_s
 
     @property
     def receivers(self) -> tuple[str, ...]:
@@ -554,12 +568,10 @@ class Model:
             waiting = [m for m in w.net if self.running(w, m[1])]
             if self.scope.prompt and waiting:
                 target = None
-            bound = self.scope.write_bound_s
+            bound = self.scope.write_bound
             # The data plane's promise: a write lands or fails within the bound.
-            if (
-                target is not None
-                and bound is not None
-                and any(not wr.landed and target > wr.issued_at + bound for wr in w.writes)
+            if target is not None and any(
+                not wr.landed and target > wr.issued_at + bound for wr in w.writes
             ):
                 target = None
             capped = len(w.net) > self.scope.max_messages and not self.completing
@@ -883,6 +895,8 @@ class Model:
                 for h in wr.heads:
                     w.memory[wr.dst][(theirs, layer, h)] = w.memory[wr.src][(ours, layer, h)]
         self.note(w, f"{wr.tid} lands")
+        if self.api.fencing(w.ends[wr.dst].proto, wr.tid):
+            self.note(w, f"{wr.tid} lands while the receiver fences")
         if wr.layers is not None:
             self.note(w, f"{wr.tid} lands layer-wise")
         line = (
@@ -1163,11 +1177,30 @@ class Model:
     def _hand_back(self, w: World, agent: str, side: str, blocks: tuple[int, ...]) -> None:
         """The engine has the blocks back, and reuses them at once: a sender's get new
         content, a receiver's go to the next transfer."""
+        if side == "receiver":
+            self._check_fence(w, agent, blocks)
         for b in blocks:
             del w.held[agent][b]
             if side == "sender":
                 w.versions[agent][b] += 1
                 self._fill(w, agent, b, f"v{w.versions[agent][b]}")
+
+    def _check_fence(self, w: World, agent: str, blocks: tuple[int, ...]) -> None:
+        """A receiver hands `blocks` back only when no write into them can land any
+        more: each write still in flight into them may land until it was issued plus
+        the write bound (the margin the fence states), and that must be before now,
+        the end of the receiver's fence. (Without this check, the search would have
+        to land that write in a later step to see the late write.)"""
+        bound = self.scope.write_bound
+        for wr in w.writes:
+            if wr.dst == agent and not wr.landed and set(wr.theirs) & set(blocks):
+                raise Violation(
+                    "fence-margin",
+                    f"{agent} hands back blocks {_fmt_blocks(blocks)} at t={w.now:g}, while "
+                    f"write {wr.wid} of {wr.tid} by {wr.src}, issued at t={wr.issued_at:g}, "
+                    f"may land until t={wr.issued_at + bound:g}: the fence ended before the "
+                    "margin it states for writes already issued",
+                )
 
     def _part_ended(self, w: World, agent: str, eff: Any) -> str:
         """A part's end, through the engine's `RequestParts`: the aborts it asks for

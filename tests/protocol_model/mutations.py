@@ -37,6 +37,12 @@ Issue 22's:
 * `wrong-receiver`: the sender takes a Register from any receiver the side channel
   admitted, not only from the decode server its engine named at submit.
 
+Issue 38's, one per term of the receiver's fence (`fence_s = lease_s + 2 *
+liveness_timeout_s`: the lease, then the margin for writes already issued):
+
+* `fence-short-liveness`: the fence shortened by one liveness interval.
+* `fence-lease-only`: the fence is the lease alone, no margin at all.
+
 Issue 20's, in the rule that turns a request's parts into its one result
 (`kvpush.protocol.parts.RequestParts`), on one side each:
 
@@ -75,6 +81,8 @@ MUTATIONS: dict[str, str] = {
     "wrong-receiver": "wrong-receiver",
     "receive-first-part": "wrong-bytes",
     "send-first-part": "source-reused",
+    "fence-short-liveness": "fence-margin",
+    "fence-lease-only": "fence-margin",
 }
 _PARTS_MUTATIONS = {"receive-first-part": "receiver", "send-first-part": "sender"}
 
@@ -126,6 +134,8 @@ def apply(state: ModuleType, mutation: str | None) -> tuple[type, Any]:
         "never-ended": _never_ended_receiver,
         "forged-effect": _forged_effect_receiver,
         "resend-past-deadline": _resend_past_deadline_receiver,
+        "fence-short-liveness": _fence_receiver(liveness_intervals=1),
+        "fence-lease-only": _fence_receiver(liveness_intervals=0),
     }
     if mutation in senders:
         return _with_sides(state, sender_class=senders[mutation](state)), strict
@@ -254,6 +264,24 @@ def _resend_past_deadline_receiver(state: ModuleType) -> type:
 
     _register(ResendPastDeadlineReceiver)
     return ResendPastDeadlineReceiver
+
+
+def _fence_receiver(liveness_intervals: int) -> Any:
+    """A receiver whose fence is the lease plus `liveness_intervals` liveness timeouts
+    (the protocol's is two: `fence_s = lease_s + 2 * liveness_timeout_s`)."""
+
+    def build(state: ModuleType) -> type:
+        class ShortFenceReceiver(state.ReceiverProtocol):  # type: ignore[name-defined,misc]
+            @property
+            def fence_s(self) -> float:
+                t = self._timing
+                return float(t.lease_s + liveness_intervals * t.liveness_timeout_s)
+
+        ShortFenceReceiver.__name__ = f"ShortFenceReceiver{liveness_intervals}"
+        _register(ShortFenceReceiver)
+        return ShortFenceReceiver
+
+    return build
 
 
 def _phantom_sender(state: ModuleType) -> type:

@@ -275,6 +275,24 @@ CI = (
             "T2 cancelled on the sender after a failure",
         ),
     ),
+    # The fence's margin (issue 38): the receiver's engine gives a layer-wise T1 up
+    # while its sender makes a layer ready, so a write may be issued just as the
+    # receiver fences (before its Cancel arrives) and take the whole write bound (the
+    # margin the fence states) to land; the sender may stall meanwhile, its write in
+    # flight. The fence must outlast every such write.
+    _ci(
+        "fence",
+        (T("T1", "S1", 1, layerwise=True),),
+        Budget(aborts=1, stalls=1),
+        script=_T1_HANDSHAKES,
+        max_messages=16,
+        max_depth=6,
+        goals=(
+            "T1 lands while the receiver fences",
+            "T1 lands while the receiver fences after a stall",
+            "T1 cancelled on the receiver after a stall",
+        ),
+    ),
     _ci(
         "incompatible",
         (T("T1", "S1", 1),),
