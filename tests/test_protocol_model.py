@@ -102,6 +102,8 @@ CAUGHT_IN = {
     "send-first-part": "one-to-two",
     "fence-short-liveness": "fence",
     "fence-lease-only": "fence",
+    "counterpart": "counterparts",
+    "incarnation": "incarnations",
 }
 
 

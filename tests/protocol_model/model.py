@@ -79,7 +79,7 @@ KINDS = {
     "wrong-receiver": "a sender wrote KV to a receiver other than the one its engine named",
     "fence-margin": (
         "a receiver handed back blocks that a write may still land in (the write's latest "
-        "landing, issued + write bound, is not before the receiver's fence ended)"
+        "landing, issued + write bound, is not before the hand-back: the fence's end)"
     ),
 }
 
@@ -185,6 +185,15 @@ class Scope:
     insider: bool = False
     # Heads per block: bytes of a block that different parts of a request move.
     heads: int = 1
+    # Real peers that misbehave (issue 38): the forger (`forgeries` budget) sends under
+    # the names of these engines' live agents (instead of as the stranger `FORGER`), as
+    # those processes could themselves: every message kind about the transfers of
+    # another counterpart, under the agent's own name and incarnation; and, about its
+    # own transfers, a heartbeat that claims another incarnation of its engine than its
+    # side channel said. (A message under a counterpart's name that claims the truth is
+    # that counterpart's, as far as anyone without the token can tell:
+    # docs/protocol-checking.md, "What the model leaves to the unit tests".)
+    impostors: tuple[str, ...] = ()
 
     @property
     def write_bound(self) -> float:
@@ -267,6 +276,8 @@ class World:
     books: dict[str, Any] = field(default_factory=dict)
     part_aborts: list[tuple[str, str]] = field(default_factory=list)  # (agent, part)
     requests: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    # Messages the forger put on the network (under its name or a borrowed one).
+    forged: list[tuple[str, str, bytes]] = field(default_factory=list)
 
 
 _SINGULAR = {
@@ -405,8 +416,69 @@ class Model:
 
     # ----- actions
 
-    def _forgeries(self, w: World) -> list[tuple[str, bytes]]:
-        """What the forger may send, to whom: every kind, claiming to be the real
+    def _forgeries(self, w: World) -> list[tuple[str, str, bytes]]:
+        """What the forger may send, from which name, to whom: as `FORGER`, every kind,
+        claiming to be the real counterpart (its engine, incarnation and side-channel
+        address), for every id; under an impostor's name (`Scope.impostors`), what
+        `_borrowed` lists."""
+        if not self.scope.impostors:
+            return [(FORGER, dst, payload) for dst, payload in self._foreign_forgeries(w)]
+        out: list[tuple[str, str, bytes]] = []  # (the `forger` scope has the stranger)
+        for engine in self.scope.impostors:
+            out += self._borrowed(w, engine)
+        return out
+
+    def _borrowed(self, w: World, engine: str) -> list[tuple[str, str, bytes]]:
+        """What the live agent of `engine`, a real peer, may send that its protocol
+        never would: every kind about a transfer whose counterpart it is not, under its
+        own name and claiming its own engine and incarnation; and about a transfer it
+        is the counterpart of, a heartbeat claiming another incarnation of its engine."""
+        a = self.api
+        m = a.messages
+        agent = w.current[engine]
+        inc = agent.split("#")[1]
+        base, rank = api_mod.place(engine)
+        now = self.local(w, agent)
+        reason = FailureReason.CANCELLED
+        other_inc = str(int(inc) + 8)  # an incarnation its side channel never served
+        out: list[tuple[str, str, bytes]] = []
+        for t in self.scope.transfers:
+            if w.ends[agent].role == "sender":
+                dst = w.current[t.receiver]
+                if t.sender == engine:
+                    sent: list[Any] = [
+                        m.Heartbeat("sender", base, other_inc, (t.tid,), sent_at=now)
+                    ]
+                else:
+                    blocks = t.n - t.offset
+                    sent = [
+                        m.Done(t.tid, blocks),
+                        m.Failed(t.tid, reason, "forged"),
+                        m.CancelAck(t.tid),
+                        m.Heartbeat("sender", base, inc, (t.tid,), sent_at=now),
+                    ]
+            else:
+                dst = w.current[t.sender]
+                if t.receiver == engine:
+                    sent = [m.Heartbeat("receiver", base, other_inc, (t.tid,), sent_at=now)]
+                else:
+                    port = PORTS[base]
+                    blocks_ids = tuple(range(t.n - t.offset))
+                    register = m.Register(
+                        t.tid, base, inc, "127.0.0.1", port, rank, blocks_ids, t.offset, sent_at=now
+                    )
+                    sent = [
+                        register,
+                        m.Cancel(t.tid, reason, "forged"),
+                        m.Reject(t.tid, "forged"),
+                        m.Heartbeat("receiver", base, inc, (t.tid,), sent_at=now),
+                    ]
+            if dst != agent:
+                out += [(agent, dst, a.encode(x)) for x in sent]
+        return out
+
+    def _foreign_forgeries(self, w: World) -> list[tuple[str, bytes]]:
+        """What `FORGER` may send, to whom: every kind, claiming to be the real
         counterpart (its engine, incarnation and side-channel address), for every id."""
         a = self.api
         m = a.messages
@@ -444,9 +516,9 @@ class Model:
     def actions(self, w: World) -> list[tuple[Any, ...]]:
         out: list[tuple[Any, ...]] = []
         if not self.spent(w, "forgeries"):
-            for dst, payload in self._forgeries(w):
-                if w.ends[dst].alive and (FORGER, dst, payload) not in w.net:
-                    out.append(("forge", dst, payload))
+            for src, dst, payload in self._forgeries(w):
+                if w.ends[dst].alive and (src, dst, payload) not in w.net:
+                    out.append(("forge", src, dst, payload))
         catching_up = any(e.alive and e.phase == "catchup" for e in w.ends.values())
         # Engine calls.
         for i, t in enumerate(self.scope.transfers):
@@ -839,16 +911,34 @@ class Model:
         if not keep:
             w.net.remove(m)
         what = self._describe(payload)
+        self._note_forged(w, m, keep)
         effects = self._call(
             w, dst, lambda now: w.ends[dst].proto.receive_message(now, src, payload)
         )
         verb = "deliver a copy of" if keep else "deliver"
         return f"{verb} {what} {src} -> {dst}" + self._apply(w, dst, effects)
 
-    def _do_forge(self, w: World, dst: str, payload: bytes) -> str:
+    def _note_forged(self, w: World, m: tuple[str, str, bytes], keep: bool = False) -> None:
+        """The scenario of a scope with a forger: its message read by a real process.
+        (Forgotten once read, unless a copy stays on the network: a path's state holds
+        only the forged messages still on their way.)"""
+        if m in w.forged:
+            self.note(w, f"{m[1]} reads a forged {self._describe(m[2])} from {m[0]}")
+            if not keep:
+                w.forged.remove(m)
+
+    def _do_forge(self, w: World, src: str, dst: str, payload: bytes) -> str:
         self.spend(w, "forgeries")
-        self._send(w, FORGER, dst, payload)
-        return f"{FORGER} forges {self._describe(payload)} to {dst}"
+        if (src, dst, payload) not in w.net:
+            w.forged.append((src, dst, payload))
+        self._send(w, src, dst, payload)
+        if src == FORGER:
+            return f"{FORGER} forges {self._describe(payload)} to {dst}"
+        m = self.api.decode(payload)
+        claim = getattr(m, "incarnation", None) or getattr(m, "receiver_incarnation", None)
+        claims = f", claiming incarnation {claim}" if claim else ""
+        what = self._describe(payload)
+        return f"{src} (or a forger under its name) sends {what} to {dst}{claims}"
 
     def _do_dup(self, w: World, m: tuple[str, str, bytes]) -> str:
         self.spend(w, "dups")
@@ -857,6 +947,8 @@ class Model:
     def _do_drop(self, w: World, m: tuple[str, str, bytes]) -> str:
         self.spend(w, "drops")
         w.net.remove(m)
+        if m in w.forged:
+            w.forged.remove(m)
         return f"drop {self._describe(m[2])} {m[0]} -> {m[1]}"
 
     # data plane
@@ -952,6 +1044,7 @@ class Model:
         e = w.ends[agent]
         e.alive = False
         w.net = [m for m in w.net if m[1] != agent]
+        w.forged = [m for m in w.forged if m[1] != agent]
         w.writes = [wr for wr in w.writes if wr.src != agent]
         w.handshakes = [h for h in w.handshakes if h[0] != agent]
         new = self._start_incarnation(w, e.engine, e.role)
@@ -1000,6 +1093,7 @@ class Model:
         item = e.inbox.pop(i)
         if item[0] == "message":
             m = item[1]
+            self._note_forged(w, m)
             effects = self._call(w, agent, lambda now: e.proto.receive_message(now, m[0], m[2]))
             line = f"{agent} handles queued {self._describe(m[2])} from {m[0]}"
         else:
@@ -1198,8 +1292,7 @@ class Model:
                     "fence-margin",
                     f"{agent} hands back blocks {_fmt_blocks(blocks)} at t={w.now:g}, while "
                     f"write {wr.wid} of {wr.tid} by {wr.src}, issued at t={wr.issued_at:g}, "
-                    f"may land until t={wr.issued_at + bound:g}: the fence ended before the "
-                    "margin it states for writes already issued",
+                    f"may land until t={wr.issued_at + bound:g}; its engine reuses them now",
                 )
 
     def _part_ended(self, w: World, agent: str, eff: Any) -> str:

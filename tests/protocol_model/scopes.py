@@ -293,6 +293,45 @@ CI = (
             "T1 cancelled on the receiver after a stall",
         ),
     ),
+    # Real senders that misbehave (issue 38): S1 and S2 each send R messages about the
+    # other's transfer under their own names (Done, Failed, CancelAck, a heartbeat
+    # listing it), or a heartbeat about their own claiming another incarnation. R has
+    # looked both up, so only "a message about a transfer comes from its counterpart"
+    # stands between them and T1.
+    _ci(
+        "counterparts",
+        (T("T1", "S1", 1), T("T2", "S2", 1)),
+        Budget(forgeries=1),
+        senders=("S1", "S2"),
+        impostors=("S1", "S2"),
+        # T1 as far as its write landing, then R expects T2 and looks S2 up.
+        script=(*_T1_TO_LANDING, "expect T2", "handshake_ok R#1 S2"),
+        max_depth=5,
+        goals=(
+            "R#1 reads a forged Failed T1 (cancelled) from S2#1",
+            "R#1 reads a forged Done T2 from S1#1",
+            "R#1 reads a forged Heartbeat from the sender [T1] from S1#1",
+            *_ok("T1", " after a forgery"),
+        ),
+    ),
+    # The real receiver's own name, claiming another incarnation (issue 38): a sender
+    # stalled mid-transfer, past the receiver's fence, wakes to a heartbeat under R#1's
+    # name that claims another incarnation of R (9) and lists T1. Believed, it would renew the
+    # lease of a transfer the receiver gave up, and the next layer would be written into
+    # blocks the receiver handed back.
+    _ci(
+        "incarnations",
+        (T("T1", "S1", 1, layerwise=True),),
+        Budget(forgeries=1, stalls=1),
+        impostors=("R",),
+        script=(*_T1_HANDSHAKES, "stall S1#1", "sleep S1#1"),
+        max_messages=16,
+        max_depth=5,
+        goals=(
+            "S1#1 reads a forged Heartbeat from the receiver [T1] from R#1",
+            "T1 peer_timeout on the sender after a forgery",
+        ),
+    ),
     _ci(
         "incompatible",
         (T("T1", "S1", 1),),
