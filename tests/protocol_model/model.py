@@ -175,6 +175,11 @@ class Scope:
     # the events): "T1 ok on the receiver", "T2 lands", "T1 ok on the sender after a
     # stall", "T1 incompatible_peer on the sender"; `check` fails a scope that misses one.
     goals: tuple[str, ...] = ()
+    # The situation the scope exists for (events, as goals name them): each must be
+    # reached at least `room` steps before the depth bound, so that the search explores
+    # what comes after it (`check` fails the scope otherwise).
+    scenario: tuple[str, ...] = ()
+    room: int = 2
     # Steps taken before the search starts, each named by how its trace line begins
     # ("expect T1", "deliver Register T1", "land write 1"): the search explores every
     # interleaving from where they lead, so a scope can start where its scenario does.
@@ -318,6 +323,11 @@ class Model:
         self.key_of = Keyer((*modules, mutations, kvpush.config, kvpush.errors), sides)
         # Events the search saw (what goals name); not recorded during a completion.
         self.reached: set[str] = set()
+        # The depth of the states the steps being taken lead to (set by the search), the
+        # first depth each event was seen at, and the events of the step being taken.
+        self.depth = 0
+        self.first: dict[str, int] = {}
+        self.step_events: set[str] = set()
         self.recording = True
         # A bounded completion (`checker.complete`): no new faults, no message cap.
         self.completing = False
@@ -398,10 +408,14 @@ class Model:
         (the budget spent is part of the state, so it is the path's own)."""
         if not self.recording:
             return
-        self.reached.add(event)
+        events = [event]
         for kind, n in w.used.items():
             if n:
-                self.reached.add(f"{event} after a {_SINGULAR[kind]}")
+                events.append(f"{event} after a {_SINGULAR[kind]}")
+        for e in events:
+            self.reached.add(e)
+            self.step_events.add(e)
+            self.first.setdefault(e, self.depth)
 
     def spend(self, w: World, kind: str) -> None:
         w.used[kind] = w.used.get(kind, 0) + 1
@@ -947,6 +961,7 @@ class Model:
     def _do_drop(self, w: World, m: tuple[str, str, bytes]) -> str:
         self.spend(w, "drops")
         w.net.remove(m)
+        self.note(w, f"drop {self._describe(m[2])}")
         if m in w.forged:
             w.forged.remove(m)
         return f"drop {self._describe(m[2])} {m[0]} -> {m[1]}"
@@ -1042,6 +1057,9 @@ class Model:
     def _do_restart(self, w: World, agent: str) -> str:
         self.spend(w, "restarts")
         e = w.ends[agent]
+        for wr in w.writes:
+            if agent in (wr.src, wr.dst) and not wr.landed:
+                self.note(w, f"{e.role} restarts with write {wr.wid} of {wr.tid} in flight")
         e.alive = False
         w.net = [m for m in w.net if m[1] != agent]
         w.forged = [m for m in w.forged if m[1] != agent]
@@ -1080,6 +1098,13 @@ class Model:
 
     def _do_resume(self, w: World, agent: str) -> str:
         e = w.ends[agent]
+        for tid, tx in w.tx.items():
+            # What the scopes with a stall exist for: a process waking to find that its
+            # counterpart ended the transfer meanwhile.
+            if e.role == "sender" and tx.s_agent == agent and tx.r_ended and not tx.s_ended:
+                self.note(w, f"{tid} ended on the receiver while the sender slept")
+            if e.role == "receiver" and tx.r_agent == agent and tx.s_ended and not tx.r_ended:
+                self.note(w, f"{tid} ended on the sender while the receiver slept")
         e.phase = "catchup"
         # What waited: the engine's calls, then every message that arrived meanwhile.
         e.inbox = list(e.queued) + [("message", m) for m in w.net if m[1] == agent]

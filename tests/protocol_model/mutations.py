@@ -51,6 +51,12 @@ and two in the checks of who sent a message, which only real peers misbehaving
 * `incarnation`: the sender believes what a receiver's message claims when its engine
   (and address) is the one the side channel vouched for, whatever incarnation it names.
 
+The `refused-call` invariant's:
+
+* `layer-after-end`: the sender refuses (`LocalProtocolError`) a layer made ready for a
+  transfer it has ended, as if the engine could know: one whose end the engine has not
+  heard yet (a call queued while the process was stopped) is a legal call.
+
 Issue 20's, in the rule that turns a request's parts into its one result
 (`kvpush.protocol.parts.RequestParts`), on one side each:
 
@@ -69,7 +75,7 @@ from typing import Any
 import msgspec
 
 from kvpush.config import COMPAT_FIELDS, CompatibilityPolicy
-from kvpush.errors import FailureReason
+from kvpush.errors import FailureReason, LocalProtocolError
 
 # Each mutation, and the violation kind that `--scope ci` reports for it.
 MUTATIONS: dict[str, str] = {
@@ -93,6 +99,7 @@ MUTATIONS: dict[str, str] = {
     "fence-lease-only": "fence-margin",
     "counterpart": "wrong-bytes",
     "incarnation": "late-write",
+    "layer-after-end": "refused-call",
 }
 _PARTS_MUTATIONS = {"receive-first-part": "receiver", "send-first-part": "sender"}
 
@@ -139,6 +146,7 @@ def apply(state: ModuleType, mutation: str | None) -> tuple[type, Any]:
         "empty-layers": _empty_layers_sender,
         "wrong-receiver": _wrong_receiver_sender,
         "incarnation": _incarnation_sender,
+        "layer-after-end": _layer_after_end_sender,
     }
     receivers = {
         "twice": _twice_receiver,
@@ -333,6 +341,17 @@ def _same_engine(p: Any, message: Any) -> bool:
             ours = None if address is None else (address.host, address.port, address.rank)
             return bool(message.receiver_engine_id == p.engine_id and where == ours)
     return False
+
+
+def _layer_after_end_sender(state: ModuleType) -> type:
+    class LayerAfterEndSender(state.SenderProtocol):  # type: ignore[name-defined,misc]
+        def layers_ready(self, now: float, transfer_id: str, layers: Any) -> list[Any]:
+            if transfer_id not in self._transfers and transfer_id in self._tombstones:
+                raise LocalProtocolError(f"layers_ready: transfer {transfer_id!r} has ended")
+            return list(super().layers_ready(now, transfer_id, layers))
+
+    _register(LayerAfterEndSender)
+    return LayerAfterEndSender
 
 
 def _phantom_sender(state: ModuleType) -> type:
