@@ -75,6 +75,18 @@ def test_writes_may_take_the_whole_margin_the_fence_states(scope: scopes.Scope) 
     assert scope.write_bound == receiver.fence_s - scope.timing.lease_s
 
 
+def test_a_scenario_reached_only_at_the_depth_bound_fails_its_scope() -> None:
+    """The check a scenario adds can fail: `restart` from the very start (no script)
+    reaches a restart with a write in flight only at its depth bound, with no room
+    after it (issue 38), and is failed for it, though no goal is missed."""
+    scope = dataclasses.replace(CI["restart"], script=())
+    result = check(Model(scope, STATE))
+    assert result.violation is None and result.missed == [
+        f"sender restarts with write 1 of T1 in flight (by depth {scope.max_depth - 2})"
+    ], result.report()
+    assert result.scenario["sender restarts with write 1 of T1 in flight"][0] == scope.max_depth
+
+
 def test_incompatible_peers_never_transfer() -> None:
     """Not only no ok between them: both sides end it INCOMPATIBLE_PEER on some path,
     none ends it ok or lands a write, and the whole scope is explored (quiescence, where
