@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     total_states, total_s = 0, 0.0
     rows: list[str] = []
+    scenario_rows: list[str] = []
     for scope in scopes.group(args.scope):
         model = Model(scope, state, args.mutation)
 
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         result = check(model, args.max_states, progress if args.verbose else None, find)
         print(result.report(), flush=True)
         rows.append(table.row(result, scope.max_depth))
+        scenario_rows += table.scenario_rows(result)
         total_states += result.states
         total_s += result.seconds
         failed = failed or not result.ok
@@ -52,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu = time.process_time() - cpu_start
         total = f"| total | | {total_states:,} | | | | {total_s:.1f} ({cpu:.0f} s CPU) |"
         table.write(args.scope, table.render(rows, total))
+        table.write(f"{args.scope} scenarios", "\n".join([table.SCENARIO_HEADER, *scenario_rows]))
         print(f"wrote the {args.scope} table into {table.DOC}")
     return 1 if failed else 0
 

@@ -95,6 +95,12 @@ class ApiBase:
         out.update({f"receiver {t}": b for t, b in proto.receiver.held_blocks().items()})
         return out
 
+    def fencing(self, proto: Any, tid: str) -> bool:
+        """`proto`'s receiver has given `tid` up and fences its blocks (a Cancel sent,
+        the blocks kept until the sender confirms or the fence ends)."""
+        fencing = getattr(self.state.ReceiverState, "FENCING", None)
+        return fencing is not None and proto.receiver.state_of(tid) is fencing
+
     def describe(self, payload: bytes) -> str:
         text = self._describe_cache.get(payload)
         if text is None:

@@ -32,6 +32,11 @@ class Result:
     completed: int = 0  # cut states whose bounded completion came to rest cleanly
     quiescent: int = 0  # states explored with nothing left to do
     completion_s: float = 0.0  # of `seconds`, the completions of cut states
+    # The scope's scenario events: (the first depth reached, or None; how many states
+    # new to the search a step where it happened led to).
+    scenario: dict[str, tuple[int | None, int]] = field(default_factory=dict)
+    max_depth: int = 0
+    room: int = 0
 
     @property
     def missed(self) -> list[str]:
@@ -59,6 +64,12 @@ class Result:
             reached = len(self.goals) - len(self.missed)
             lines.append(f"goals reached: {reached}/{len(self.goals)}")
             lines += [f"  MISSED goal: {g}" for g in self.missed]
+        for event, (first, n) in self.scenario.items():
+            at = "never" if first is None else f"first at depth {first}"
+            lines.append(
+                f"scenario: {event}: {at} (of {self.max_depth}, room {self.room} wanted), "
+                f"{n:,} new states led to"
+            )
         if self.violation is None:
             lines.append("no violation")
         else:
@@ -172,13 +183,22 @@ def check(
     given: a step breaking another kind is not taken, and the search goes on). Every
     state where the search is cut (the depth bound, or `max_states`) is completed
     (`complete`) and checked; the scope's goals are what the search reached."""
-    result = Result(model.scope.name)
+    scope = model.scope
+    result = Result(scope.name, max_depth=scope.max_depth, room=scope.room)
     model.reached.clear()
+    model.first.clear()
+    counts: dict[str, int] = {}
     start = time.monotonic()
     try:
-        _search(model, max_states, progress, find, result, completion)
+        _search(model, max_states, progress, find, result, completion, counts)
     finally:
-        result.goals = {g: g in model.reached for g in model.scope.goals}
+        result.goals = {g: g in model.reached for g in scope.goals}
+        last = scope.max_depth - scope.room
+        for event in scope.scenario:
+            first = model.first.get(event)
+            result.scenario[event] = (first, counts.get(event, 0))
+            # Reached with room after it: at least `room` steps before the depth bound.
+            result.goals[f"{event} (by depth {last})"] = first is not None and first <= last
         result.seconds = time.monotonic() - start
     return result
 
@@ -190,10 +210,12 @@ def _search(
     find: frozenset[str] | None,
     result: Result,
     completion: bool,
+    counts: dict[str, int],
 ) -> None:
     start = time.monotonic()
     key_of = model.key_of
     w0 = model.initial()
+    model.depth = 0
     try:
         script = run_script(model, w0)
     except Violation as v:
@@ -211,6 +233,7 @@ def _search(
                 cut = frontier
                 break
             nxt: list[tuple[bytes, bytes]] = []
+            model.depth = depth + 1
             for j, (d, key) in enumerate(frontier):
                 w = pickle.loads(key)
                 actions = model.actions(w)
@@ -232,6 +255,7 @@ def _search(
                     # `actions` changed nothing, so the first step can use `w` itself.
                     w2 = w if i == 0 else pickle.loads(key)
                     result.transitions += 1
+                    model.step_events.clear()
                     try:
                         line = model.step(w2, action)
                     except Violation as v:
@@ -248,6 +272,8 @@ def _search(
                         continue
                     parents[d2] = (d, line)
                     nxt.append((d2, key2))
+                    for event in model.step_events:
+                        counts[event] = counts.get(event, 0) + 1
                 if max_states is not None and len(parents) >= max_states:
                     cut = frontier[j + 1 :] + nxt
                     break

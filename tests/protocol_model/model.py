@@ -77,6 +77,10 @@ KINDS = {
     "incompatible-ok": "a transfer ended ok between incompatible geometries",
     "forged-effect": "a forged message ended a transfer (a reason only the forger could cause)",
     "wrong-receiver": "a sender wrote KV to a receiver other than the one its engine named",
+    "fence-margin": (
+        "a receiver handed back blocks that a write may still land in (the write's latest "
+        "landing, issued + write bound, is not before the hand-back: the fence's end)"
+    ),
 }
 
 # A model engine named `ENGINE.RANK` is rank RANK of engine ENGINE: the same side
@@ -146,9 +150,12 @@ class Scope:
     # lands during or after the stall)? Off, stalls begin only between writes: what is
     # left is what a stalled sender does when it wakes.
     stall_mid_write: bool = True
-    # A write lands or fails within this many seconds of being issued (None: any time).
-    # The fence's stated assumption: within 2 * liveness_timeout_s of the lease's end.
-    write_bound_s: float | None = 2.0
+    # A write lands or fails within this many seconds of being issued. None: the margin
+    # the fence states (`fence_s = lease_s + 2 * liveness_timeout_s`, so twice the
+    # liveness timeout), the protocol's own assumption about its writes. Taken from
+    # that statement, never from the receiver: a fence made shorter must not make the
+    # model's writes faster with it.
+    write_bound_s: float | None = None
     # Tick a running endpoint in the same step whenever one of its timers is due (as
     # the runtime's loop does), rather than as a step of its own in every order.
     eager_ticks: bool = True
@@ -168,6 +175,11 @@ class Scope:
     # the events): "T1 ok on the receiver", "T2 lands", "T1 ok on the sender after a
     # stall", "T1 incompatible_peer on the sender"; `check` fails a scope that misses one.
     goals: tuple[str, ...] = ()
+    # The situation the scope exists for (events, as goals name them): each must be
+    # reached at least `room` steps before the depth bound, so that the search explores
+    # what comes after it (`check` fails the scope otherwise).
+    scenario: tuple[str, ...] = ()
+    room: int = 2
     # Steps taken before the search starts, each named by how its trace line begins
     # ("expect T1", "deliver Register T1", "land write 1"): the search explores every
     # interleaving from where they lead, so a scope can start where its scenario does.
@@ -178,6 +190,22 @@ class Scope:
     insider: bool = False
     # Heads per block: bytes of a block that different parts of a request move.
     heads: int = 1
+    # Real peers that misbehave (issue 38): the forger (`forgeries` budget) sends under
+    # the names of these engines' live agents (instead of as the stranger `FORGER`), as
+    # those processes could themselves: every message kind about the transfers of
+    # another counterpart, under the agent's own name and incarnation; and, about its
+    # own transfers, a heartbeat that claims another incarnation of its engine than its
+    # side channel said. (A message under a counterpart's name that claims the truth is
+    # that counterpart's, as far as anyone without the token can tell:
+    # docs/protocol-checking.md, "What the model leaves to the unit tests".)
+    impostors: tuple[str, ...] = ()
+
+    @property
+    def write_bound(self) -> float:
+        """How long after it was issued a write may still land (`write_bound_s`)."""
+        if self.write_bound_s is not None:
+            return self.write_bound_s
+        return 2 * self.timing.liveness_timeout_s
 
     @property
     def receivers(self) -> tuple[str, ...]:
@@ -253,6 +281,8 @@ class World:
     books: dict[str, Any] = field(default_factory=dict)
     part_aborts: list[tuple[str, str]] = field(default_factory=list)  # (agent, part)
     requests: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    # Messages the forger put on the network (under its name or a borrowed one).
+    forged: list[tuple[str, str, bytes]] = field(default_factory=list)
 
 
 _SINGULAR = {
@@ -293,6 +323,11 @@ class Model:
         self.key_of = Keyer((*modules, mutations, kvpush.config, kvpush.errors), sides)
         # Events the search saw (what goals name); not recorded during a completion.
         self.reached: set[str] = set()
+        # The depth of the states the steps being taken lead to (set by the search), the
+        # first depth each event was seen at, and the events of the step being taken.
+        self.depth = 0
+        self.first: dict[str, int] = {}
+        self.step_events: set[str] = set()
         self.recording = True
         # A bounded completion (`checker.complete`): no new faults, no message cap.
         self.completing = False
@@ -373,10 +408,14 @@ class Model:
         (the budget spent is part of the state, so it is the path's own)."""
         if not self.recording:
             return
-        self.reached.add(event)
+        events = [event]
         for kind, n in w.used.items():
             if n:
-                self.reached.add(f"{event} after a {_SINGULAR[kind]}")
+                events.append(f"{event} after a {_SINGULAR[kind]}")
+        for e in events:
+            self.reached.add(e)
+            self.step_events.add(e)
+            self.first.setdefault(e, self.depth)
 
     def spend(self, w: World, kind: str) -> None:
         w.used[kind] = w.used.get(kind, 0) + 1
@@ -391,8 +430,69 @@ class Model:
 
     # ----- actions
 
-    def _forgeries(self, w: World) -> list[tuple[str, bytes]]:
-        """What the forger may send, to whom: every kind, claiming to be the real
+    def _forgeries(self, w: World) -> list[tuple[str, str, bytes]]:
+        """What the forger may send, from which name, to whom: as `FORGER`, every kind,
+        claiming to be the real counterpart (its engine, incarnation and side-channel
+        address), for every id; under an impostor's name (`Scope.impostors`), what
+        `_borrowed` lists."""
+        if not self.scope.impostors:
+            return [(FORGER, dst, payload) for dst, payload in self._foreign_forgeries(w)]
+        out: list[tuple[str, str, bytes]] = []  # (the `forger` scope has the stranger)
+        for engine in self.scope.impostors:
+            out += self._borrowed(w, engine)
+        return out
+
+    def _borrowed(self, w: World, engine: str) -> list[tuple[str, str, bytes]]:
+        """What the live agent of `engine`, a real peer, may send that its protocol
+        never would: every kind about a transfer whose counterpart it is not, under its
+        own name and claiming its own engine and incarnation; and about a transfer it
+        is the counterpart of, a heartbeat claiming another incarnation of its engine."""
+        a = self.api
+        m = a.messages
+        agent = w.current[engine]
+        inc = agent.split("#")[1]
+        base, rank = api_mod.place(engine)
+        now = self.local(w, agent)
+        reason = FailureReason.CANCELLED
+        other_inc = str(int(inc) + 8)  # an incarnation its side channel never served
+        out: list[tuple[str, str, bytes]] = []
+        for t in self.scope.transfers:
+            if w.ends[agent].role == "sender":
+                dst = w.current[t.receiver]
+                if t.sender == engine:
+                    sent: list[Any] = [
+                        m.Heartbeat("sender", base, other_inc, (t.tid,), sent_at=now)
+                    ]
+                else:
+                    blocks = t.n - t.offset
+                    sent = [
+                        m.Done(t.tid, blocks),
+                        m.Failed(t.tid, reason, "forged"),
+                        m.CancelAck(t.tid),
+                        m.Heartbeat("sender", base, inc, (t.tid,), sent_at=now),
+                    ]
+            else:
+                dst = w.current[t.sender]
+                if t.receiver == engine:
+                    sent = [m.Heartbeat("receiver", base, other_inc, (t.tid,), sent_at=now)]
+                else:
+                    port = PORTS[base]
+                    blocks_ids = tuple(range(t.n - t.offset))
+                    register = m.Register(
+                        t.tid, base, inc, "127.0.0.1", port, rank, blocks_ids, t.offset, sent_at=now
+                    )
+                    sent = [
+                        register,
+                        m.Cancel(t.tid, reason, "forged"),
+                        m.Reject(t.tid, "forged"),
+                        m.Heartbeat("receiver", base, inc, (t.tid,), sent_at=now),
+                    ]
+            if dst != agent:
+                out += [(agent, dst, a.encode(x)) for x in sent]
+        return out
+
+    def _foreign_forgeries(self, w: World) -> list[tuple[str, bytes]]:
+        """What `FORGER` may send, to whom: every kind, claiming to be the real
         counterpart (its engine, incarnation and side-channel address), for every id."""
         a = self.api
         m = a.messages
@@ -430,9 +530,9 @@ class Model:
     def actions(self, w: World) -> list[tuple[Any, ...]]:
         out: list[tuple[Any, ...]] = []
         if not self.spent(w, "forgeries"):
-            for dst, payload in self._forgeries(w):
-                if w.ends[dst].alive and (FORGER, dst, payload) not in w.net:
-                    out.append(("forge", dst, payload))
+            for src, dst, payload in self._forgeries(w):
+                if w.ends[dst].alive and (src, dst, payload) not in w.net:
+                    out.append(("forge", src, dst, payload))
         catching_up = any(e.alive and e.phase == "catchup" for e in w.ends.values())
         # Engine calls.
         for i, t in enumerate(self.scope.transfers):
@@ -554,12 +654,10 @@ class Model:
             waiting = [m for m in w.net if self.running(w, m[1])]
             if self.scope.prompt and waiting:
                 target = None
-            bound = self.scope.write_bound_s
+            bound = self.scope.write_bound
             # The data plane's promise: a write lands or fails within the bound.
-            if (
-                target is not None
-                and bound is not None
-                and any(not wr.landed and target > wr.issued_at + bound for wr in w.writes)
+            if target is not None and any(
+                not wr.landed and target > wr.issued_at + bound for wr in w.writes
             ):
                 target = None
             capped = len(w.net) > self.scope.max_messages and not self.completing
@@ -827,16 +925,34 @@ class Model:
         if not keep:
             w.net.remove(m)
         what = self._describe(payload)
+        self._note_forged(w, m, keep)
         effects = self._call(
             w, dst, lambda now: w.ends[dst].proto.receive_message(now, src, payload)
         )
         verb = "deliver a copy of" if keep else "deliver"
         return f"{verb} {what} {src} -> {dst}" + self._apply(w, dst, effects)
 
-    def _do_forge(self, w: World, dst: str, payload: bytes) -> str:
+    def _note_forged(self, w: World, m: tuple[str, str, bytes], keep: bool = False) -> None:
+        """The scenario of a scope with a forger: its message read by a real process.
+        (Forgotten once read, unless a copy stays on the network: a path's state holds
+        only the forged messages still on their way.)"""
+        if m in w.forged:
+            self.note(w, f"{m[1]} reads a forged {self._describe(m[2])} from {m[0]}")
+            if not keep:
+                w.forged.remove(m)
+
+    def _do_forge(self, w: World, src: str, dst: str, payload: bytes) -> str:
         self.spend(w, "forgeries")
-        self._send(w, FORGER, dst, payload)
-        return f"{FORGER} forges {self._describe(payload)} to {dst}"
+        if (src, dst, payload) not in w.net:
+            w.forged.append((src, dst, payload))
+        self._send(w, src, dst, payload)
+        if src == FORGER:
+            return f"{FORGER} forges {self._describe(payload)} to {dst}"
+        m = self.api.decode(payload)
+        claim = getattr(m, "incarnation", None) or getattr(m, "receiver_incarnation", None)
+        claims = f", claiming incarnation {claim}" if claim else ""
+        what = self._describe(payload)
+        return f"{src} (or a forger under its name) sends {what} to {dst}{claims}"
 
     def _do_dup(self, w: World, m: tuple[str, str, bytes]) -> str:
         self.spend(w, "dups")
@@ -845,6 +961,9 @@ class Model:
     def _do_drop(self, w: World, m: tuple[str, str, bytes]) -> str:
         self.spend(w, "drops")
         w.net.remove(m)
+        self.note(w, f"drop {self._describe(m[2])}")
+        if m in w.forged:
+            w.forged.remove(m)
         return f"drop {self._describe(m[2])} {m[0]} -> {m[1]}"
 
     # data plane
@@ -883,6 +1002,8 @@ class Model:
                 for h in wr.heads:
                     w.memory[wr.dst][(theirs, layer, h)] = w.memory[wr.src][(ours, layer, h)]
         self.note(w, f"{wr.tid} lands")
+        if self.api.fencing(w.ends[wr.dst].proto, wr.tid):
+            self.note(w, f"{wr.tid} lands while the receiver fences")
         if wr.layers is not None:
             self.note(w, f"{wr.tid} lands layer-wise")
         line = (
@@ -936,8 +1057,12 @@ class Model:
     def _do_restart(self, w: World, agent: str) -> str:
         self.spend(w, "restarts")
         e = w.ends[agent]
+        for wr in w.writes:
+            if agent in (wr.src, wr.dst) and not wr.landed:
+                self.note(w, f"{e.role} restarts with write {wr.wid} of {wr.tid} in flight")
         e.alive = False
         w.net = [m for m in w.net if m[1] != agent]
+        w.forged = [m for m in w.forged if m[1] != agent]
         w.writes = [wr for wr in w.writes if wr.src != agent]
         w.handshakes = [h for h in w.handshakes if h[0] != agent]
         new = self._start_incarnation(w, e.engine, e.role)
@@ -973,6 +1098,13 @@ class Model:
 
     def _do_resume(self, w: World, agent: str) -> str:
         e = w.ends[agent]
+        for tid, tx in w.tx.items():
+            # What the scopes with a stall exist for: a process waking to find that its
+            # counterpart ended the transfer meanwhile.
+            if e.role == "sender" and tx.s_agent == agent and tx.r_ended and not tx.s_ended:
+                self.note(w, f"{tid} ended on the receiver while the sender slept")
+            if e.role == "receiver" and tx.r_agent == agent and tx.s_ended and not tx.r_ended:
+                self.note(w, f"{tid} ended on the sender while the receiver slept")
         e.phase = "catchup"
         # What waited: the engine's calls, then every message that arrived meanwhile.
         e.inbox = list(e.queued) + [("message", m) for m in w.net if m[1] == agent]
@@ -986,6 +1118,7 @@ class Model:
         item = e.inbox.pop(i)
         if item[0] == "message":
             m = item[1]
+            self._note_forged(w, m)
             effects = self._call(w, agent, lambda now: e.proto.receive_message(now, m[0], m[2]))
             line = f"{agent} handles queued {self._describe(m[2])} from {m[0]}"
         else:
@@ -1163,11 +1296,29 @@ class Model:
     def _hand_back(self, w: World, agent: str, side: str, blocks: tuple[int, ...]) -> None:
         """The engine has the blocks back, and reuses them at once: a sender's get new
         content, a receiver's go to the next transfer."""
+        if side == "receiver":
+            self._check_fence(w, agent, blocks)
         for b in blocks:
             del w.held[agent][b]
             if side == "sender":
                 w.versions[agent][b] += 1
                 self._fill(w, agent, b, f"v{w.versions[agent][b]}")
+
+    def _check_fence(self, w: World, agent: str, blocks: tuple[int, ...]) -> None:
+        """A receiver hands `blocks` back only when no write into them can land any
+        more: each write still in flight into them may land until it was issued plus
+        the write bound (the margin the fence states), and that must be before now,
+        the end of the receiver's fence. (Without this check, the search would have
+        to land that write in a later step to see the late write.)"""
+        bound = self.scope.write_bound
+        for wr in w.writes:
+            if wr.dst == agent and not wr.landed and set(wr.theirs) & set(blocks):
+                raise Violation(
+                    "fence-margin",
+                    f"{agent} hands back blocks {_fmt_blocks(blocks)} at t={w.now:g}, while "
+                    f"write {wr.wid} of {wr.tid} by {wr.src}, issued at t={wr.issued_at:g}, "
+                    f"may land until t={wr.issued_at + bound:g}; its engine reuses them now",
+                )
 
     def _part_ended(self, w: World, agent: str, eff: Any) -> str:
         """A part's end, through the engine's `RequestParts`: the aborts it asks for

@@ -37,6 +37,26 @@ Issue 22's:
 * `wrong-receiver`: the sender takes a Register from any receiver the side channel
   admitted, not only from the decode server its engine named at submit.
 
+Issue 38's, one per term of the receiver's fence (`fence_s = lease_s + 2 *
+liveness_timeout_s`: the lease, then the margin for writes already issued):
+
+* `fence-short-liveness`: the fence shortened by one liveness interval.
+* `fence-lease-only`: the fence is the lease alone, no margin at all.
+
+and two in the checks of who sent a message, which only real peers misbehaving
+(`Scope.impostors`) can reach:
+
+* `counterpart`: the receiver takes a Done, Failed or CancelAck for a transfer from any
+  sender it looked up, not only from the transfer's own.
+* `incarnation`: the sender believes what a receiver's message claims when its engine
+  (and address) is the one the side channel vouched for, whatever incarnation it names.
+
+The `refused-call` invariant's:
+
+* `layer-after-end`: the sender refuses (`LocalProtocolError`) a layer made ready for a
+  transfer it has ended, as if the engine could know: one whose end the engine has not
+  heard yet (a call queued while the process was stopped) is a legal call.
+
 Issue 20's, in the rule that turns a request's parts into its one result
 (`kvpush.protocol.parts.RequestParts`), on one side each:
 
@@ -55,7 +75,7 @@ from typing import Any
 import msgspec
 
 from kvpush.config import COMPAT_FIELDS, CompatibilityPolicy
-from kvpush.errors import FailureReason
+from kvpush.errors import FailureReason, LocalProtocolError
 
 # Each mutation, and the violation kind that `--scope ci` reports for it.
 MUTATIONS: dict[str, str] = {
@@ -71,10 +91,15 @@ MUTATIONS: dict[str, str] = {
     "forged-effect": "forged-effect",
     "lease-first-write": "late-write",
     "empty-layers": "wrong-bytes",
-    "resend-past-deadline": "late-write",
+    "resend-past-deadline": "fence-margin",
     "wrong-receiver": "wrong-receiver",
     "receive-first-part": "wrong-bytes",
     "send-first-part": "source-reused",
+    "fence-short-liveness": "fence-margin",
+    "fence-lease-only": "fence-margin",
+    "counterpart": "wrong-bytes",
+    "incarnation": "late-write",
+    "layer-after-end": "refused-call",
 }
 _PARTS_MUTATIONS = {"receive-first-part": "receiver", "send-first-part": "sender"}
 
@@ -120,12 +145,17 @@ def apply(state: ModuleType, mutation: str | None) -> tuple[type, Any]:
         "lease-first-write": _lease_first_write_sender,
         "empty-layers": _empty_layers_sender,
         "wrong-receiver": _wrong_receiver_sender,
+        "incarnation": _incarnation_sender,
+        "layer-after-end": _layer_after_end_sender,
     }
     receivers = {
         "twice": _twice_receiver,
         "never-ended": _never_ended_receiver,
         "forged-effect": _forged_effect_receiver,
         "resend-past-deadline": _resend_past_deadline_receiver,
+        "fence-short-liveness": _fence_receiver(liveness_intervals=1),
+        "fence-lease-only": _fence_receiver(liveness_intervals=0),
+        "counterpart": _counterpart_receiver,
     }
     if mutation in senders:
         return _with_sides(state, sender_class=senders[mutation](state)), strict
@@ -254,6 +284,74 @@ def _resend_past_deadline_receiver(state: ModuleType) -> type:
 
     _register(ResendPastDeadlineReceiver)
     return ResendPastDeadlineReceiver
+
+
+def _fence_receiver(liveness_intervals: int) -> Any:
+    """A receiver whose fence is the lease plus `liveness_intervals` liveness timeouts
+    (the protocol's is two: `fence_s = lease_s + 2 * liveness_timeout_s`)."""
+
+    def build(state: ModuleType) -> type:
+        class ShortFenceReceiver(state.ReceiverProtocol):  # type: ignore[name-defined,misc]
+            @property
+            def fence_s(self) -> float:
+                t = self._timing
+                return float(t.lease_s + liveness_intervals * t.liveness_timeout_s)
+
+        ShortFenceReceiver.__name__ = f"ShortFenceReceiver{liveness_intervals}"
+        _register(ShortFenceReceiver)
+        return ShortFenceReceiver
+
+    return build
+
+
+def _counterpart_receiver(state: ModuleType) -> type:
+    class CounterpartReceiver(state.ReceiverProtocol):  # type: ignore[name-defined,misc]
+        def handle(self, now: float, peer: str, message: Any) -> list[Any]:
+            rec = self._transfers.get(getattr(message, "transfer_id", None))
+            final = type(message).__name__ in ("Done", "Failed", "CancelAck")
+            if final and rec is not None and rec.peer is not None and peer in self._peers:
+                peer = rec.peer  # any sender we looked up, taken as the transfer's own
+            return list(super().handle(now, peer, message))
+
+    _register(CounterpartReceiver)
+    return CounterpartReceiver
+
+
+def _incarnation_sender(state: ModuleType) -> type:
+    class IncarnationSender(state.SenderProtocol):  # type: ignore[name-defined,misc]
+        def _admit(self, now: float, peer: str, message: Any) -> Any:
+            p = self._peers.get(peer)
+            if p is not None and p.verified and _same_engine(p, message):
+                return None  # its engine (and address): believed, whatever incarnation
+            return super()._admit(now, peer, message)
+
+    _register(IncarnationSender)
+    return IncarnationSender
+
+
+def _same_engine(p: Any, message: Any) -> bool:
+    """What a receiver's message claims, compared with its peer record as the gate does,
+    but for the incarnation."""
+    match type(message).__name__:
+        case "Heartbeat":
+            return bool(message.engine_id == p.engine_id)
+        case "Register":
+            where = (message.receiver_host, message.receiver_port, message.receiver_rank)
+            address = p.address
+            ours = None if address is None else (address.host, address.port, address.rank)
+            return bool(message.receiver_engine_id == p.engine_id and where == ours)
+    return False
+
+
+def _layer_after_end_sender(state: ModuleType) -> type:
+    class LayerAfterEndSender(state.SenderProtocol):  # type: ignore[name-defined,misc]
+        def layers_ready(self, now: float, transfer_id: str, layers: Any) -> list[Any]:
+            if transfer_id not in self._transfers and transfer_id in self._tombstones:
+                raise LocalProtocolError(f"layers_ready: transfer {transfer_id!r} has ended")
+            return list(super().layers_ready(now, transfer_id, layers))
+
+    _register(LayerAfterEndSender)
+    return LayerAfterEndSender
 
 
 def _phantom_sender(state: ModuleType) -> type:

@@ -122,13 +122,16 @@ def _ci(name: str, transfers: tuple[TransferSpec, ...], budget: Budget, **kw: ob
 
 # The CI scopes: each every interleaving up to its depth (or all, where it completes).
 CI = (
-    _ci("one", (T("T1", "S1", 1),), Budget(), max_depth=16, goals=_ok("T1")),
+    _ci(
+        "one", (T("T1", "S1", 1),), Budget(), max_depth=16, goals=_ok("T1"), scenario=("T1 lands",)
+    ),
     _ci(
         "layerwise-prefix",
         (T("T1", "S1", 2, offset=1, layerwise=True),),
         Budget(),
         max_depth=14,
         goals=("T1 lands layer-wise", *_ok("T1")),
+        scenario=("T1 lands layer-wise",),
     ),
     _ci(
         "full-hit-then-reuse",
@@ -141,6 +144,8 @@ CI = (
         script=("expect T1", "submit T1"),
         max_depth=10,
         goals=(*_ok("T1"), "T2 lands", "T2 ok on the receiver"),
+        scenario=("T2 lands",),
+        room=1,
     ),
     _ci(
         "lossy",
@@ -148,6 +153,7 @@ CI = (
         Budget(drops=1, dups=1),
         max_depth=10,
         goals=("T1 ok on the receiver after a drop", "T1 ok on the receiver after a dup"),
+        scenario=("drop Register T1 (blocks (0))",),
     ),
     _ci(
         "failures",
@@ -159,6 +165,7 @@ CI = (
             "T1 write_error on the receiver",
             "T1 handshake_failed on the receiver",
         ),
+        scenario=("T1 write_error on the sender",),
     ),
     _ci(
         "aborts",
@@ -166,17 +173,22 @@ CI = (
         Budget(aborts=1),
         max_depth=11,
         goals=("T1 cancelled on the sender", "T1 cancelled on the receiver"),
+        scenario=("T1 lands while the receiver fences after a abort",),
     ),
     _ci(
         "restart",
         (T("T1", "S1", 1),),
         Budget(restarts=1),
+        # From the first engine calls: from the very start, a restart with a write in
+        # flight came only at the depth bound, with nothing explored after it.
+        script=("expect T1", "submit T1"),
         max_depth=8,
         goals=(
             "T1 lands",
             "T1 peer_gone on the sender after a restart",
             "T1 peer_gone on the receiver after a restart",
         ),
+        scenario=("sender restarts with write 1 of T1 in flight",),
     ),
     _ci(
         "sender-stall",
@@ -185,6 +197,7 @@ CI = (
         script=("expect T1", "submit T1"),
         max_depth=9,
         goals=_ok("T1", " after a stall"),
+        scenario=("T1 ended on the receiver while the sender slept",),
     ),
     _ci(
         "receiver-stall",
@@ -193,6 +206,7 @@ CI = (
         stallable=("receiver",),
         max_depth=11,
         goals=_ok("T1", " after a stall"),
+        scenario=("T1 ended on the sender while the receiver slept",),
     ),
     # A receiver stopped while a heartbeat that omits T2 waits in its inbox: the sender
     # gives T2's Register up (its engine has not submitted T2), forgets the id, and its
@@ -216,6 +230,7 @@ CI = (
             "T2 peer_timeout on the receiver after a stall",
             "T2 deadline_exceeded on the sender after a stall",
         ),
+        scenario=("T2 ended on the sender while the receiver slept",),
     ),
     _ci(
         "two-senders",
@@ -229,6 +244,8 @@ CI = (
         script=_T1_TO_LANDING,
         max_depth=10,
         goals=(*_ok("T1"), "T2 lands", "T2 ok on the receiver"),
+        scenario=("T2 lands",),
+        room=1,
     ),
     # One request in two parts (issue 20): a decode rank takes head 0 of its block from
     # prefill rank 0 (S1) and head 1 from prefill rank 1 (S1.1), as a TP 2 prefill feeds
@@ -252,6 +269,7 @@ CI = (
             "Q write_error on the receiver after a failure",
             "T2 cancelled on the receiver after a failure",
         ),
+        scenario=("T2 cancelled on the receiver after a failure",),
     ),
     # One request in two parts the other way: one prefill rank (S1) writes head 0 of its
     # block into decode rank 0 (R) and head 1 into decode rank 1 (R.1), as a TP 1
@@ -274,6 +292,67 @@ CI = (
             "Q write_error on the sender after a failure",
             "T2 cancelled on the sender after a failure",
         ),
+        scenario=("T2 cancelled on the sender after a failure",),
+    ),
+    # The fence's margin (issue 38): the receiver's engine gives a layer-wise T1 up
+    # while its sender makes a layer ready, so a write may be issued just as the
+    # receiver fences (before its Cancel arrives) and take the whole write bound (the
+    # margin the fence states) to land; the sender may stall meanwhile, its write in
+    # flight. The fence must outlast every such write.
+    _ci(
+        "fence",
+        (T("T1", "S1", 1, layerwise=True),),
+        Budget(aborts=1, stalls=1),
+        script=_T1_HANDSHAKES,
+        max_messages=16,
+        max_depth=6,
+        goals=(
+            "T1 lands while the receiver fences",
+            "T1 lands while the receiver fences after a stall",
+            "T1 cancelled on the receiver after a stall",
+        ),
+        scenario=("T1 lands while the receiver fences after a stall",),
+    ),
+    # Real senders that misbehave (issue 38): S1 and S2 each send R messages about the
+    # other's transfer under their own names (Done, Failed, CancelAck, a heartbeat
+    # listing it), or a heartbeat about their own claiming another incarnation. R has
+    # looked both up, so only "a message about a transfer comes from its counterpart"
+    # stands between them and T1.
+    _ci(
+        "counterparts",
+        (T("T1", "S1", 1), T("T2", "S2", 1)),
+        Budget(forgeries=1),
+        senders=("S1", "S2"),
+        impostors=("S1", "S2"),
+        # T1 as far as its write landing, then R expects T2 and looks S2 up.
+        script=(*_T1_TO_LANDING, "expect T2", "handshake_ok R#1 S2"),
+        max_depth=5,
+        goals=(
+            "R#1 reads a forged Failed T1 (cancelled) from S2#1",
+            "R#1 reads a forged Done T2 from S1#1",
+            "R#1 reads a forged Heartbeat from the sender [T1] from S1#1",
+            *_ok("T1", " after a forgery"),
+        ),
+        scenario=("R#1 reads a forged Failed T1 (cancelled) from S2#1",),
+    ),
+    # The real receiver's own name, claiming another incarnation (issue 38): a sender
+    # stalled mid-transfer, past the receiver's fence, wakes to a heartbeat under R#1's
+    # name that claims another incarnation of R (9) and lists T1. Believed, it would renew the
+    # lease of a transfer the receiver gave up, and the next layer would be written into
+    # blocks the receiver handed back.
+    _ci(
+        "incarnations",
+        (T("T1", "S1", 1, layerwise=True),),
+        Budget(forgeries=1, stalls=1),
+        impostors=("R",),
+        script=(*_T1_HANDSHAKES, "stall S1#1", "sleep S1#1"),
+        max_messages=16,
+        max_depth=5,
+        goals=(
+            "S1#1 reads a forged Heartbeat from the receiver [T1] from R#1",
+            "T1 peer_timeout on the sender after a forgery",
+        ),
+        scenario=("S1#1 reads a forged Heartbeat from the receiver [T1] from R#1",),
     ),
     _ci(
         "incompatible",
@@ -281,6 +360,7 @@ CI = (
         Budget(),
         geometry=(("R", (("layout", "HND"),)),),
         goals=("T1 incompatible_peer on the sender", "T1 incompatible_peer on the receiver"),
+        scenario=("T1 incompatible_peer on the sender",),
     ),
     # Two features at once: a layer-wise transfer whose sender stalls between its
     # layers, past the receiver's liveness timeout and fence. The messages that pile up
@@ -294,6 +374,7 @@ CI = (
         max_messages=16,
         max_depth=8,
         goals=("T1 lands layer-wise after a stall", *_ok("T1", " after a stall")),
+        scenario=("T1 ended on the receiver while the sender slept",),
     ),
     # Two features at once: a layer-wise transfer whose write (or handshake) may fail
     # between its layers; a prefix hit over a network that may drop one message.
@@ -308,6 +389,7 @@ CI = (
             "T1 write_error on the sender after a failure",
             "T1 write_error on the receiver after a failure",
         ),
+        scenario=("T1 write_error on the receiver after a failure",),
     ),
     _ci(
         "prefix-lossy",
@@ -316,6 +398,7 @@ CI = (
         script=("expect T1",),
         max_depth=11,
         goals=_ok("T1", " after a drop"),
+        scenario=("T1 lands after a drop",),
     ),
     # The engines say no: the receiver's rejects T1 instead of expecting it (the sender,
     # submitted or not, hears a Reject), or the sender's refuses T1's Register before any
@@ -332,6 +415,7 @@ CI = (
             "T1 rejected on the receiver after a refusal",
             *_ok("T1"),
         ),
+        scenario=("T1 rejected on the receiver after a refusal",),
     ),
     # A foreign agent sends any message kind, claiming the real engines, for T1 (issue
     # 11): a transfer it ended so would be a [forged-effect] violation.
@@ -342,6 +426,7 @@ CI = (
         script=("expect T1",),
         max_depth=9,
         goals=_ok("T1", " after a forgery"),
+        scenario=("R#1 reads a forged Failed T1 (cancelled) from X#1",),
     ),
     # An insider (it holds the token, its side channel vouches for it) expects T1 too,
     # before or after the real receiver and the submit that names R (issue 22): a write
@@ -355,6 +440,7 @@ CI = (
         script=("insider_expect T1", "handshake_ok I#1 S1"),
         max_depth=11,
         goals=(*_ok("T1"), "T1 malformed_message on the insider"),
+        scenario=("T1 malformed_message on the insider",),
     ),
 )
 

@@ -27,6 +27,24 @@ def row(r: Result, depth: int) -> str:
     )
 
 
+SCENARIO_HEADER = (
+    "| scope | scenario | first reached at depth | depth bound | room wanted "
+    "| new states it led to |\n|---|---|---|---|---|---|"
+)
+
+
+def scenario_rows(r: Result) -> list[str]:
+    """One row per scenario event of the scope: where the search first reached it, and
+    how many states, new to the search, a step where it happened led to (a step into a
+    state seen before, by another path, counts no more: 0 where, say, every forged
+    message read is dropped and the state is the one the first such step made)."""
+    out = []
+    for event, (first, n) in r.scenario.items():
+        at = "never" if first is None else str(first)
+        out.append(f"| {r.scope} | {event} | {at} | {r.max_depth} | {r.room} | {n:,} |")
+    return out
+
+
 def render(rows: list[str], total: str) -> str:
     return "\n".join([HEADER, *rows, total])
 
