@@ -541,8 +541,8 @@ def test_a_transfer_split_for_another_decode_tp_is_refused_at_once_on_both_sides
     assert stats.failed_at_once == [
         "the prefill (TP 2) split transfer t3 for a decode at TP 1, but this decode runs "
         "TP 2: expected the prefill leg's kv_transfer_params to name it (decode_tp_size: 2; "
-        "kvpush proxy reads it from --decode-side-channel; routers that speak vLLM's push "
-        "dialect do not send it, so behind them prefill and decode must run one TP size)"
+        "kvpush proxy reads it from --decode-side-channel; or name none, and the prefill "
+        "learns it from this decode's registration)"
     ]
     while not all("req-p" in e.finished_sending for e in prefill.ended):
         # Well inside its 60 s deadline, which is what it would wait untold.

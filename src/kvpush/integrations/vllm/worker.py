@@ -25,6 +25,17 @@ step and turns what the runtime reports into vLLM's transfer results, once per r
 - a transfer the prefill split for another decode TP than this engine's is refused at
   once, each of its parts (the prefill frees its blocks), and fails, saying so.
 
+Where nothing names the decode's TP size (vLLM's push dialect: vllm-router, llm-d,
+Dynamo), the decode registers the parts of its own TP, and a part's id says it
+(`kvpush.topology.part_id`). A prefill rank then holds the send until the runtime has a
+registration (or a rejection) of one of its parts (`PushRuntime.spoken_before_send`),
+and splits it as that says: at once where the decode registered first (both legs sent
+together), else at the first step that sees it. A held send ends, its blocks freed, if
+no decode speaks within the transfer deadline (one liveness interval for a cancelled
+one, which has only a registered decode to tell). A send whose transfer id another
+request of this rank holds (a router that reused a request id for the same prompt)
+ends at once, as does such a receive: one transfer id, one request.
+
 Layer-wise push: a `Send(layerwise=True)` is opened with no layer ready on the step that
 computes the request's last prompt tokens, before its first layer is saved (vLLM may call
 `start_load_kv` after the forward pass, so whichever of `start_load_kv`, `save_kv_layer`
@@ -378,9 +389,8 @@ class WorkerSide(Generic[S]):
                 f"the prefill (TP {sender_tp}) split transfer {rcv.transfer_id} for a decode "
                 f"at TP {split_for}, but this decode runs TP {ours}: expected the prefill "
                 f"leg's kv_transfer_params to name it (decode_tp_size: {ours}; kvpush proxy "
-                f"reads it from --decode-side-channel; routers that speak vLLM's push "
-                f"dialect do not send it, so behind them prefill and decode must run one "
-                f"TP size)"
+                f"reads it from --decode-side-channel; or name none, and the prefill "
+                f"learns it from this decode's registration)"
             )
             log.error("request %s: %s", rcv.request_id, detail)
             self._refuse_parts(rcv.transfer_id, rcv.host, rcv.port, sender_tp, split_for, detail)
