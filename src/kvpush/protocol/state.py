@@ -157,9 +157,15 @@ a message is read:
 
 Without a token neither the side channel nor the data plane authenticates anyone: the
 side channel serves the message key to anyone who asks, and identity rests on the rules
-above, which hold against any agent that does not borrow a real peer's name (a process
-that can reach the data plane and borrows one can end, or disturb, that peer's
-transfers; nothing it sends makes a wrong byte land).
+above, which hold against any agent that does not borrow a real peer's name. A process
+that can reach the data plane and borrows one (the receiver's agent name and
+incarnation, both in its side channel's answer) can end or disturb that peer's
+transfers, and can make a wrong byte land: a heartbeat forged under the receiver's name
+renews the lease of a transfer the receiver already gave up, and the sender's next
+write lands in blocks the receiver handed back (the exhaustive checker finds it in 15
+steps, with the forger borrowing real names: docs/protocol-checking.md). Only the MAC
+stops it: set a token wherever the data plane can be reached by anyone but the
+deployment's own engines.
 
 What an agent admitted by the side channel (it holds the token, or none is set) can do,
 under its own name and with a side channel of its own: register a transfer id it
