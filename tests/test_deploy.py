@@ -24,14 +24,14 @@ from typing import Any
 import pytest
 import yaml
 
+from helpers.vllm_venv import SRC, run_in_vllm_venv
 from kvpush.cli import build_parser
 from kvpush.errors import ConfigError
 from kvpush.integrations.vllm.params import EXTRA_CONFIG_KEYS
-from kvpush.lab.vllm_servers import DEFAULT_VLLM_VENV, KVPUSH_MODULE, vllm_python
+from kvpush.lab.vllm_servers import KVPUSH_MODULE, vllm_python
 from kvpush.procs.readiness import free_port
 
 MANIFEST = Path(__file__).resolve().parents[1] / "docs" / "deploy" / "llm-d.yaml"
-SRC = Path(__file__).resolve().parents[1] / "src"
 # The oldest and newest Kubernetes releases whose schemas kubernetes-validate ships.
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -158,8 +158,8 @@ def test_the_probe_runs_in_vllms_environment_and_says_what_is_not_ready(tmp_path
     naming the check that is not ready, within its deadline, rather than crash."""
     try:
         python = vllm_python()
-    except ConfigError:
-        pytest.skip(f"no vLLM venv at {DEFAULT_VLLM_VENV} (make vllm-venv builds it)")
+    except ConfigError as exc:
+        pytest.fail(f"cannot run in the vLLM venv: {exc}", pytrace=False)
     container = vllm_container(deployments()["prefill"])
     extra = kv_transfer_config(container)["kv_connector_extra_config"]
     _, _, line = container["readinessProbe"]["exec"]["command"]
@@ -209,28 +209,10 @@ print(json.dumps(out))
 @pytest.mark.vllm
 @pytest.mark.timeout(300)
 def test_vllms_own_parser_takes_each_roles_arguments() -> None:
-    try:
-        python = vllm_python()
-    except ConfigError:
-        pytest.skip(f"no vLLM venv at {DEFAULT_VLLM_VENV} (make vllm-venv builds it)")
     containers = {role: vllm_container(d) for role, d in deployments().items()}
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(SRC)
-    run = subprocess.run(
-        [
-            str(python),
-            "-c",
-            PARSE_AS_VLLM_DOES,
-            json.dumps({role: c["args"] for role, c in containers.items()}),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        check=False,
+    parsed = run_in_vllm_venv(
+        PARSE_AS_VLLM_DOES, json.dumps({role: c["args"] for role, c in containers.items()})
     )
-    assert run.returncode == 0, run.stderr[-4000:]
-    parsed = json.loads(run.stdout.strip().splitlines()[-1])
     for role, container in containers.items():
         config = kv_transfer_config(container)
         assert parsed[role] == {

@@ -22,20 +22,16 @@ connector's, tested with vLLM servers in test_vllm_e2e.py.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvpush.errors import ConfigError
-from kvpush.lab.vllm_servers import DEFAULT_VLLM_VENV, KVPUSH_MODULE, vllm_python
+from helpers.vllm_venv import SRC, run_in_vllm_venv
+from kvpush.lab.vllm_servers import DEFAULT_VLLM_VENV, KVPUSH_MODULE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 # Where scripts/setup-vllm-venv installs ai-dynamo: beside the venv's packages, not in
 # them, so its vLLM plugin and pytest plugins never load in the vLLM servers.
 DYNAMO_DIR = DEFAULT_VLLM_VENV / "ai-dynamo"
@@ -169,25 +165,12 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def dynamo_run() -> dict[str, Any]:
-    try:
-        python = vllm_python()
-    except ConfigError:
-        pytest.skip(f"no vLLM venv at {DEFAULT_VLLM_VENV} (make vllm-venv builds it)")
     if not (DYNAMO_DIR / "dynamo" / "vllm" / "kv_connector_protocols.py").exists():
-        pytest.skip(f"no ai-dynamo at {DYNAMO_DIR} (make vllm-venv installs it)")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    # This checkout's kvpush, whatever the venv holds, and Dynamo from beside the venv.
-    env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(DYNAMO_DIR)])
-    run = subprocess.run(
-        [str(python), "-c", RUN_AS_DYNAMO_DOES, KVPUSH_MODULE, str(PREFILL_PORT)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        check=False,
+        pytest.fail(f"no ai-dynamo at {DYNAMO_DIR}: make vllm-venv installs it", pytrace=False)
+    # Dynamo from beside the venv (never in its site-packages: see setup-vllm-venv).
+    reply: dict[str, Any] = run_in_vllm_venv(
+        RUN_AS_DYNAMO_DOES, KVPUSH_MODULE, str(PREFILL_PORT), path=(DYNAMO_DIR,)
     )
-    assert run.returncode == 0, run.stderr[-4000:]
-    reply: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
     assert Path(reply["kvpush"]).resolve().is_relative_to(SRC)
     assert Path(reply["dynamo"]).resolve().is_relative_to(DYNAMO_DIR.resolve())
     assert reply["version"] == "1.6.1"

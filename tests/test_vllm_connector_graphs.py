@@ -10,18 +10,15 @@ GPU is needed: the answer is a class method's.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from kvpush.errors import ConfigError
-from kvpush.lab.vllm_servers import DEFAULT_VLLM_VENV, KVPUSH_MODULE, vllm_python
+from helpers.vllm_venv import SRC, run_in_vllm_venv
+from kvpush.lab.vllm_servers import KVPUSH_MODULE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 
 ASK_AS_VLLM_DOES = """
 import json, sys
@@ -59,27 +56,8 @@ CASES: list[tuple[str, dict[str, str], bool]] = [
 
 
 def test_piecewise_graphs_are_asked_for_only_where_layerwise_push_is_set() -> None:
-    try:
-        python = vllm_python()
-    except ConfigError:
-        pytest.skip(f"no vLLM venv at {DEFAULT_VLLM_VENV} (make vllm-venv builds it)")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(SRC)  # this checkout's connector, whatever the venv holds
-    run = subprocess.run(
-        [
-            str(python),
-            "-c",
-            ASK_AS_VLLM_DOES,
-            json.dumps([[role, extra] for role, extra, _ in CASES]),
-            KVPUSH_MODULE,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        check=False,
+    reply = run_in_vllm_venv(
+        ASK_AS_VLLM_DOES, json.dumps([[role, extra] for role, extra, _ in CASES]), KVPUSH_MODULE
     )
-    assert run.returncode == 0, run.stderr[-4000:]
-    reply = json.loads(run.stdout.strip().splitlines()[-1])
     assert Path(reply["kvpush"]).resolve().is_relative_to(SRC)
     assert reply["answers"] == [want for _, _, want in CASES]
