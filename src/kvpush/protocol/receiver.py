@@ -128,9 +128,6 @@ class ReceiverProtocol(_Side["_Incoming"]):
         """Side-channel addresses with a usable (compatible) handshake result cached."""
         return len(self._known)
 
-    def lookups_in_flight(self) -> int:
-        return len(self._lookups)
-
     # ----- engine calls
 
     def expect(

@@ -393,11 +393,6 @@ class Engine:
             self._waiting.remove(request_id)
         seq.state = _State.HELD
 
-    def is_waiting(self, request_id: str) -> bool:
-        """Whether a request is queued, not yet given blocks."""
-        seq = self._seqs.get(request_id)
-        return seq is not None and seq.state is _State.WAITING
-
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)

@@ -151,14 +151,6 @@ class PagedKVCache:
             for _ in range(num_layers)
         ]
 
-    def named_tensors(self) -> dict[str, torch.Tensor]:
-        """Layer tensors by name (`model.layers.N.k` / `.v`), in layer order."""
-        out: dict[str, torch.Tensor] = {}
-        for i, (k, v) in enumerate(self.layers):
-            out[f"model.layers.{i}.k"] = k
-            out[f"model.layers.{i}.v"] = v
-        return out
-
     def by_layer(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """`{"model.layers.N": (k, v)}` in layer order: what `register_kv_cache` takes."""
         return {f"model.layers.{i}": kv for i, kv in enumerate(self.layers)}
