@@ -26,15 +26,11 @@ step and turns what the runtime reports into vLLM's transfer results, once per r
   once, each of its parts (the prefill frees its blocks), and fails, saying so.
 
 Where nothing names the decode's TP size (vLLM's push dialect: vllm-router, llm-d,
-Dynamo), the decode registers the parts of its own TP, and a part's id says it
-(`kvpush.topology.part_id`). A prefill rank then holds the send until the runtime has a
-registration (or a rejection) of one of its parts (`PushRuntime.spoken_before_send`),
-and splits it as that says: at once where the decode registered first (both legs sent
-together), else at the first step that sees it. A held send ends, its blocks freed, if
-no decode speaks within the transfer deadline (one liveness interval for a cancelled
-one, which has only a registered decode to tell). A send whose transfer id another
+Dynamo), a send is split as the decode's registrations say: at once where the decode
+registered first (both legs sent together), else held until a step sees one
+(`kvpush.integrations.vllm.splits`). A send or receive whose transfer id another
 request of this rank holds (a router that reused a request id for the same prompt)
-ends at once, as does such a receive: one transfer id, one request.
+ends at once: one transfer id, one request.
 
 Layer-wise push: a `Send(layerwise=True)` is opened with no layer ready on the step that
 computes the request's last prompt tokens, before its first layer is saved (vLLM may call
@@ -75,9 +71,10 @@ from kvpush.integrations.vllm.plan import (
     StepPlan,
     StepResults,
 )
+from kvpush.integrations.vllm.splits import HeldSends, split_spoken
 from kvpush.node import NodeIdentity, Rank, RankSettings, TransportFactory, nixl_transport
 from kvpush.protocol.parts import RequestEnded, RequestParts
-from kvpush.topology import decode_tp_named, rank_heads, transfer_parts
+from kvpush.topology import rank_heads, transfer_parts
 
 if TYPE_CHECKING:
     import torch
@@ -192,7 +189,7 @@ class WorkerSide(Generic[S]):
         # or rejects it: the part's id says the decode's TP (`topology.part_id`). Per
         # transfer id: the send and until when it is held. And, for the current step's
         # sends, the decode TP each is split for (None: not known yet).
-        self._unsplit: dict[str, tuple[Send, float]] = {}
+        self._unsplit = HeldSends(config.timing)
         self._splits: dict[str, int | None] = {}
         # vLLM's layer name -> the geometry's layer (its region: the layers of a hybrid
         # model's groups share one), and each region's layer names.
@@ -300,9 +297,9 @@ class WorkerSide(Generic[S]):
             else:
                 self._hold(snd, now)
         for tid in plan.aborts:
-            held = self._unsplit.pop(tid, None)
+            held = self._unsplit.pop(tid)
             if held is not None:  # offered and aborted at once if a decode speaks in time
-                self._hold(dataclasses.replace(held[0], cancel=True), now)
+                self._hold(dataclasses.replace(held, cancel=True), now)
             for book in self._books.values():
                 self._abort(book.open_parts(tid))
 
@@ -326,9 +323,7 @@ class WorkerSide(Generic[S]):
             detail = f"transfer {snd.transfer_id} is in flight already for another request"
             self._end_at_once("sender", snd.request_id, detail)
             return
-        t = self._config.timing
-        bound = t.liveness_timeout_s if snd.cancel else t.transfer_deadline_s
-        self._unsplit[snd.transfer_id] = (snd, now + bound)
+        self._unsplit.hold(snd, now)
 
     def _split_sends(self, plan: StepPlan) -> None:
         """Once per step, before any of its sends opens: the decode TP each send is split
@@ -340,15 +335,11 @@ class WorkerSide(Generic[S]):
         self._splits = {}
         first = 0
         for snd in plan.sends:
-            named = self._split_spoken(snd.transfer_id, spoken)
+            named = split_spoken(snd.transfer_id, spoken, self._config.tp_size)
             first += named is not None and not snd.cancel
             self._splits[snd.transfer_id] = snd.decode_tp_size or named
         if first:
             self._stats.registered_first(first)
-
-    def _split_spoken(self, tid: str, spoken: Iterable[str]) -> int | None:
-        ours = self._config.tp_size
-        return next((d for pid in spoken if (d := decode_tp_named(pid, tid, ours))), None)
 
     def _open_unsplit(self, now: float) -> None:
         """Offer each held send whose decode has spoken since (its step is over: all
@@ -356,22 +347,12 @@ class WorkerSide(Generic[S]):
         freed."""
         if not self._unsplit:
             return
-        spoken = self._require_runtime().spoken_before_send(list(self._unsplit))
-        for tid, (snd, until) in list(self._unsplit.items()):
-            split = self._split_spoken(tid, spoken)
-            if split is None and now < until:
-                continue
-            del self._unsplit[tid]
-            if split is None:
-                detail = (
-                    f"no decode registered for transfer {tid} in time (its params named "
-                    "no decode TP size, which the prefill learns from the registration)"
-                )
-                if snd.cancel:
-                    detail = "ended without its KV before any decode registered"
-                self._end_at_once("sender", snd.request_id, detail)
-                continue
-            self._offer(dataclasses.replace(snd, decode_tp_size=split, layerwise=False), now)
+        spoken = self._require_runtime().spoken_before_send(self._unsplit.transfer_ids())
+        offers, ended = self._unsplit.settle(spoken, self._config.tp_size, now)
+        for snd, detail in ended:
+            self._end_at_once("sender", snd.request_id, detail)
+        for snd in offers:
+            self._offer(snd, now)
 
     def _receive(self, rcv: Receive, now: float) -> None:
         """Register for every part of a transfer that comes to this rank."""
