@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvpush import __version__
 from kvpush.doctor.addresses import (
     ResolvedAddress,
@@ -43,6 +45,7 @@ from kvpush.geometry import (
     differing_compat_fields,
     write_views,
 )
+from kvpush.health import ServerHealth
 from kvpush.net import is_wildcard
 from kvpush.sidechannel.client import FetchResult, fetch_metadata_timed
 from kvpush.topology import UnsupportedShape, rank_pairs
@@ -95,7 +98,7 @@ class _Observed:
     """What the steps found so far, for the steps after them."""
 
     addresses: dict[str, SideAddress] = field(default_factory=dict)
-    health: dict[str, dict[str, object]] = field(default_factory=dict)
+    health: dict[str, ServerHealth] = field(default_factory=dict)
     health_status: dict[str, int] = field(default_factory=dict)
     health_read_at: dict[str, float] = field(default_factory=dict)  # time.monotonic()
     ranks: dict[str, list[FetchResult]] = field(default_factory=dict)
@@ -154,8 +157,9 @@ def _addresses(options: DoctorOptions, seen: _Observed, step: StepResult) -> Non
         _report_tcp(side, step)
         if t.http is not None:
             _read_health(role, t.http, options, seen, step)
-            advertised = seen.health.get(role, {}).get("side_channel_host")
-            if isinstance(advertised, str):
+            known = seen.health.get(role)
+            advertised = known.side_channel_host if known is not None else None
+            if advertised is not None:
                 side = SideAddress(role, side.host, side.port, side.resolved, advertised)
             _check_advertised_port(role, t, seen, step)
         told = _check_advertised_address(side, options.timeout_s, step)
@@ -291,7 +295,7 @@ def _read_health(
     if body is None:
         # Not a `kvpush serve` server (vLLM's /health says nothing but its status): what
         # it advertises and the deadlines in force are unknown, its status is all there is.
-        seen.health[role] = {"status": "ok" if status == 200 else f"HTTP {status}"}
+        seen.health[role] = ServerHealth(status="ok" if status == 200 else f"HTTP {status}")
         step.add(
             Verdict.OK,
             f"{base}/health answers {status}, without kvpush's fields (not a kvpush serve "
@@ -308,8 +312,8 @@ def _check_advertised_port(role: str, t: Target, seen: _Observed, step: StepResu
     body = seen.health.get(role)
     if body is None:
         return
-    port = body.get("side_channel_port")
-    if isinstance(port, int) and port != t.port:
+    port = body.side_channel_port
+    if port is not None and port != t.port:
         step.add(
             Verdict.FAIL,
             f"{t.http} is a server whose side channel is on port {port}, not {t.port}: "
@@ -318,8 +322,8 @@ def _check_advertised_port(role: str, t: Target, seen: _Observed, step: StepResu
             next_action=f"give --{role} and --{role}-http the two ports of the same server "
             f"(its /health says side_channel_port {port})",
         )
-    served_role = body.get("role")
-    if isinstance(served_role, str) and served_role not in (role, "both"):
+    served_role = body.role
+    if served_role is not None and served_role not in (role, "both"):
         step.add(
             Verdict.FAIL,
             f"{t.http} serves the {served_role} role, not {role}",
@@ -736,10 +740,12 @@ def _liveness(options: DoctorOptions, seen: _Observed, step: StepResult) -> None
                 )
             else:
                 step.add(Verdict.OK, text, side=role)
-        health = seen.health.get(role, {})
-        for key in ("transfer_deadline_s", "queue_timeout_s"):
-            value = health.get(key)
-            if isinstance(value, int | float):
+        health = seen.health.get(role)
+        for key, value in (
+            ("transfer_deadline_s", health.transfer_deadline_s if health else None),
+            ("queue_timeout_s", health.queue_timeout_s if health else None),
+        ):
+            if value is not None:
                 figures[key] = value
         if "transfer_deadline_s" in figures:
             deadlines[role] = float(figures["transfer_deadline_s"])  # type: ignore[arg-type]
@@ -750,8 +756,9 @@ def _liveness(options: DoctorOptions, seen: _Observed, step: StepResult) -> None
             )
             step.add(Verdict.OK, f"in force: {shown.replace('_', ' ')}", side=role)
         step.figures[role] = figures
-    queue = seen.health.get("decode", {}).get("queue_timeout_s")
-    if isinstance(queue, int | float):
+    decode_health = seen.health.get("decode")
+    queue = decode_health.queue_timeout_s if decode_health is not None else None
+    if queue is not None:
         for role, deadline in deadlines.items():
             if deadline <= queue:
                 step.add(
@@ -775,9 +782,8 @@ def _clock_bounds(options: DoctorOptions, seen: _Observed, step: StepResult) -> 
     """What the prefill's leases measured of each decode rank's clock: the data plane's
     heartbeat round trip, by which a lease is taken to end sooner than it may."""
     health = seen.health.get("prefill")
-    transfers = health.get("transfers") if health is not None else None
-    bounds = transfers.get("clock_bounds") if isinstance(transfers, dict) else None
-    if not isinstance(bounds, dict):
+    transfers = health.transfers if health is not None else None
+    if transfers is None:
         why = (
             "give --prefill-http to read what the prefill's leases measured"
             if health is None
@@ -788,21 +794,20 @@ def _clock_bounds(options: DoctorOptions, seen: _Observed, step: StepResult) -> 
         return
     found: dict[str, object] = {}
     for r in seen.ranks.get("decode", []):
-        bound = bounds.get(r.metadata.agent_name)
+        bound = transfers.clock_bounds.get(r.metadata.agent_name)
         rank = r.metadata.rank
-        rtt_s, age_s = (_number(bound, k) for k in ("round_trip_s", "age_s"))
-        if rtt_s is None or age_s is None:
+        if bound is None:
             step.add(
                 Verdict.OK,
                 f"heartbeat round trip to decode rank {rank}: not measured yet (no transfer "
                 "between them since the prefill server started; its first one measures it)",
             )
             continue
-        rtt_ms = rtt_s * 1000
-        found[str(rank)] = {"round_trip_ms": round(rtt_ms, 3), "age_s": round(age_s, 1)}
+        rtt_ms = bound.round_trip_s * 1000
+        found[str(rank)] = {"round_trip_ms": round(rtt_ms, 3), "age_s": round(bound.age_s, 1)}
         text = (
             f"data-plane heartbeat round trip to decode rank {rank}: {rtt_ms:.2f} ms "
-            f"({age_s:.0f} s ago): the prefill bounds that rank's clock to "
+            f"({bound.age_s:.0f} s ago): the prefill bounds that rank's clock to "
             f"within {rtt_ms:.2f} ms, and takes each lease to end that much sooner"
         )
         if rtt_ms > options.slow_round_trip_ms:
@@ -839,11 +844,11 @@ def _health(options: DoctorOptions, seen: _Observed, step: StepResult) -> None:
 def _one_health(role: str, options: DoctorOptions, seen: _Observed, step: StepResult) -> None:
     base = options.target(role).http
     assert base is not None
-    body = seen.health.get(role, {})
-    status = body.get("status")
+    body = seen.health.get(role) or ServerHealth()
+    status = body.status
     figures: dict[str, object] = {"status": status}
     if status != "ok":
-        failure = body.get("runtime_failure") or body.get("side_channel_failure") or ""
+        failure = body.runtime_failure or body.side_channel_failure or ""
         step.add(
             Verdict.FAIL,
             f"/health says {status!r} ({seen.health_status.get(role)}){': ' if failure else ''}"
@@ -867,18 +872,18 @@ def _one_health(role: str, options: DoctorOptions, seen: _Observed, step: StepRe
         step.figures[role] = figures
         return
     figures.update(_metric_figures(samples))
-    transfers = body.get("transfers")
-    if isinstance(transfers, dict):
-        figures["runtime"] = transfers
-    requests = body.get("side_channel_requests")
-    if isinstance(requests, dict):
-        figures["side_channel_requests"] = requests
+    transfers = body.transfers
+    if transfers is not None:
+        figures["runtime"] = msgspec.to_builtins(transfers)
+    requests = body.side_channel_requests
+    if requests is not None:
+        figures["side_channel_requests"] = msgspec.to_builtins(requests)
     step.figures[role] = figures
     held, blocks = figures.get("kv_blocks_held"), figures.get("kv_blocks_total")
     in_flight = _in_flight(body)
     parts = [f"blocks held {_n(held)} of {_n(blocks)}"]
     if in_flight is not None:
-        oldest = transfers.get("oldest_in_flight_s") if isinstance(transfers, dict) else None
+        oldest = transfers.oldest_in_flight_s if transfers is not None else None
         parts.append(
             f"transfers in flight {in_flight}"
             + (f" (the oldest began {oldest:.1f} s ago)" if isinstance(oldest, float) else "")
@@ -904,8 +909,8 @@ def _one_health(role: str, options: DoctorOptions, seen: _Observed, step: StepRe
             next_action=f"read the {role} server's log for those transfers; "
             "peer_timeout: raise --transfer-deadline-s or find the stalled peer",
         )
-    forged = transfers.get("forged_messages") if isinstance(transfers, dict) else None
-    if isinstance(forged, dict) and forged:
+    forged = transfers.forged_messages if transfers is not None else None
+    if forged:
         step.add(
             Verdict.WARN,
             "data-plane messages dropped unread because of who sent them: "
@@ -914,10 +919,10 @@ def _one_health(role: str, options: DoctorOptions, seen: _Observed, step: StepRe
             next_action="something that is not a verified peer is writing to this server's "
             "agent: set a token on both servers, and find that agent's host",
         )
-    elif isinstance(transfers, dict):
+    elif transfers is not None:
         step.add(Verdict.OK, "no forged or dropped data-plane messages", side=role)
-    if isinstance(requests, dict):
-        bad = {k: v for k, v in requests.items() if k in _BAD_REQUESTS and v}
+    if requests is not None:
+        bad = {k: v for k in _BAD_REQUESTS if (v := getattr(requests, k))}
         if bad:
             step.add(
                 Verdict.WARN,
@@ -941,8 +946,9 @@ def _cpu_share(
     """The server's CPU share between its /health of step 1 and one read now (at least
     `cpu_window_s` later, on the server's clock): an idle kvpush server should use
     almost none; one that spins is a busy-polling loop."""
-    first = seen.health.get(role, {}).get("cpu")
-    if _number(first, "at_s") is None:
+    known = seen.health.get(role)
+    first = known.cpu if known is not None else None
+    if first is None:
         return  # not kvpush serve: its CPU is not published
     wait = options.cpu_window_s - (time.monotonic() - seen.health_read_at.get(role, 0.0))
     if wait > 0:
@@ -952,10 +958,11 @@ def _cpu_share(
     except HttpFailed as exc:
         _http_failed(step, role, exc, f"the {role} server stopped answering /health")
         return
-    second = body.get("cpu") if body is not None else None
+    second = body.cpu if body is not None else None
 
     def spent(key: str) -> float | None:
-        a, b = _number(first, key), _number(second, key)
+        a = getattr(first, key)
+        b = getattr(second, key) if second is not None else None
         return None if a is None or b is None else b - a
 
     window, process_s, thread_s = spent("at_s"), spent("process_s"), spent("runtime_thread_s")
@@ -987,17 +994,9 @@ def _cpu_share(
         step.add(Verdict.OK, f"{text}, with nothing in flight", side=role)
 
 
-def _number(d: object, key: str) -> float | None:
-    """`d[key]` if `d` is a map and it is a number (what a server's JSON may not be)."""
-    value = d.get(key) if isinstance(d, dict) else None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
-
-
-def _in_flight(health: dict[str, object] | None) -> object:
-    transfers = health.get("transfers") if health is not None else None
-    return transfers.get("in_flight") if isinstance(transfers, dict) else None
+def _in_flight(health: ServerHealth | None) -> int | None:
+    transfers = health.transfers if health is not None else None
+    return transfers.in_flight if transfers is not None else None
 
 
 _BAD_REQUESTS = ("refused_auth", "malformed", "dropped", "internal_errors")

@@ -4,7 +4,6 @@ deadline. Standard library only: the doctor runs where the serving extras are no
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import urllib.error
@@ -13,6 +12,13 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from kvpush.errors import AddressError
+from kvpush.health import (
+    MalformedHealth,
+    ProxyHealth,
+    ServerHealth,
+    decode_proxy_health,
+    decode_server_health,
+)
 
 
 def base_url(url: str) -> str:
@@ -62,15 +68,22 @@ def get(url: str, timeout_s: float) -> HttpAnswer:
     return HttpAnswer(status, body, (time.perf_counter() - started) * 1000)
 
 
-def get_health(base: str, timeout_s: float) -> tuple[int, dict[str, object] | None]:
-    """The status and JSON object of `/health`; None for a body that is not a JSON object
-    (vLLM's `/health` answers 200 with an empty body)."""
+def get_health(base: str, timeout_s: float) -> tuple[int, ServerHealth | None]:
+    """The status and `/health` of a server; None for a body that is not a JSON object
+    (vLLM's `/health` answers 200 with an empty body). A JSON object that is not of the
+    contract is an `HttpFailed` saying which field was wrong."""
     answer = get(f"{base}/health", timeout_s)
     try:
-        body = json.loads(answer.body)
-    except ValueError:
-        return answer.status, None
-    return answer.status, body if isinstance(body, dict) else None
+        return answer.status, decode_server_health(answer.body, f"GET {base}/health")
+    except MalformedHealth as exc:
+        raise HttpFailed(str(exc)) from None
+
+
+def get_proxy_health(base: str, timeout_s: float) -> ProxyHealth:
+    """A `kvpush proxy`'s `/health`: `HttpFailed` without an answer, `MalformedHealth`
+    (saying what was wrong) for an answer that is not a proxy's."""
+    answer = get(f"{base}/health", timeout_s)
+    return decode_proxy_health(answer.body, f"GET {base}/health")
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")

@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvpush.doctor.checks import DoctorOptions, Target, run_doctor
-from kvpush.doctor.http import HttpFailed, base_url, get_health
+from kvpush.doctor.http import HttpFailed, base_url, get_health, get_proxy_health
 from kvpush.doctor.report import Finding, Report, Verdict, worst
 from kvpush.errors import AddressError
+from kvpush.health import MalformedHealth
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,17 +59,16 @@ def check_proxy(proxy_url: str, options: DoctorOptions) -> ProxyReport:
     """`options` gives the token and the timeout; its prefill and decode are ignored."""
     base = base_url(proxy_url)
     try:
-        _, body = get_health(base, options.timeout_s)
+        health = get_proxy_health(base, options.timeout_s)
     except HttpFailed as exc:
         return ProxyReport(base, (_fail("proxy", str(exc), "start the proxy, or fix --proxy"),), ())
-    pools = {role: body.get(role) if body else None for role in ("prefill", "decode")}
-    if not all(isinstance(p, list) for p in pools.values()):
+    except MalformedHealth as exc:
         return ProxyReport(
             base,
             (
                 _fail(
                     "proxy",
-                    f"{base}/health does not list prefill and decode backends",
+                    f"{base}/health does not list prefill and decode backends: {exc}",
                     "give --proxy the URL of a kvpush proxy",
                 ),
             ),
@@ -76,20 +76,9 @@ def check_proxy(proxy_url: str, options: DoctorOptions) -> ProxyReport:
         )
     problems: list[Finding] = []
     placed: dict[str, list[Target]] = {"prefill": [], "decode": []}
-    for role, pool in pools.items():
-        assert isinstance(pool, list)
+    for role, pool in (("prefill", health.prefill), ("decode", health.decode)):
         for backend in pool:
-            url = backend.get("url") if isinstance(backend, dict) else None
-            if not isinstance(url, str):
-                problems.append(
-                    _fail(
-                        role,
-                        f"a backend without a URL in the proxy's /health: {backend!r}",
-                        "run the same kvpush version for the proxy and the doctor",
-                    )
-                )
-                continue
-            target = _place(role, url, options, problems)
+            target = _place(role, backend.url, options, problems)
             if target is not None:
                 placed[role].append(target)
     pairs = tuple(
@@ -113,8 +102,8 @@ def _place(role: str, url: str, options: DoctorOptions, problems: list[Finding])
             )
         )
         return None
-    host, port = (body or {}).get("side_channel_host"), (body or {}).get("side_channel_port")
-    if not isinstance(host, str) or not isinstance(port, int):
+    side_channel = body.side_channel_address if body is not None else None
+    if side_channel is None:
         problems.append(
             _fail(
                 role,
@@ -125,7 +114,7 @@ def _place(role: str, url: str, options: DoctorOptions, problems: list[Finding])
             )
         )
         return None
-    return Target(role, host, port, base)
+    return Target(role, *side_channel, base)
 
 
 def _fail(side: str, text: str, action: str) -> Finding:

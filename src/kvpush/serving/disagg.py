@@ -33,6 +33,13 @@ from typing import TYPE_CHECKING
 
 from kvpush.config import TimingConfig
 from kvpush.errors import FailureReason, KVPushError
+from kvpush.health import (
+    ClockBound,
+    CpuReading,
+    ServerHealth,
+    SideChannelRequests,
+    TransferFigures,
+)
 from kvpush.kvcache import KVLayout, register_kv_cache
 from kvpush.node import Node, NodeIdentity, RankSettings, TransportFactory, nixl_transport
 from kvpush.serving.engine import (
@@ -732,68 +739,71 @@ class KVBridge:
         if self.node is not None:
             self.node.close()
 
-    def health(self) -> dict[str, object]:
-        """What `/health` adds for this role; `healthy: False` makes it answer 503. It
-        asks the runtime's thread for a snapshot: call it off an event loop."""
+    def health(self) -> ServerHealth:
+        """What `/health` says for this role (the server adds its status and role);
+        `healthy=False` makes it answer 503. It asks the runtime's thread for a snapshot:
+        call it off an event loop."""
         side_ok = False
         runtime_failure: str | None = "not started"
         side_failure: str | None = None
         internal_errors: int | None = None
+        requests: SideChannelRequests | None = None
         if self.node is not None:
             h = self.node.health()
             side_ok = h.side_channel_healthy
             runtime_failure = h.runtime_failure
             side_failure = h.side_channel_failure
             internal_errors = h.side_channel.internal_errors
-        out: dict[str, object] = {
-            "engine_id": self.engine_id,
-            "side_channel_host": self.options.side_channel_host,
-            "side_channel_port": self.options.side_channel_port,
-            "side_channel": "ok" if side_ok else "down",
-            "runtime": "ok" if runtime_failure is None else "down",
-            "healthy": side_ok and runtime_failure is None,
-        }
-        if runtime_failure is not None:
-            out["runtime_failure"] = runtime_failure
-        if side_failure is not None:
-            out["side_channel_failure"] = side_failure
-        if internal_errors is not None:
-            out["side_channel_internal_errors"] = internal_errors
-        # What `kvpush doctor` reads: the deadlines in force, the runtime's transfer
-        # figures and the side channel's request counts.
-        out["transfer_deadline_s"] = self.options.transfer_deadline_s
-        if self.options.role == "decode":
-            out["queue_timeout_s"] = self.options.queue_timeout_s
+            requests = SideChannelRequests(**dataclasses.asdict(h.side_channel))
+        # What `kvpush doctor` reads besides: the deadlines in force, the runtime's
+        # transfer figures and the side channel's request counts.
+        transfers: TransferFigures | None = None
+        cpu: CpuReading | None = None
         runtime = self.runtime
         if runtime is not None and runtime.failure is None:
             s = runtime.statistics()
-            out["transfers"] = {
-                "in_flight": s.in_flight,
-                "oldest_in_flight_s": s.oldest_in_flight_s,
-                "sending": s.sending,
-                "receiving": s.receiving,
-                "writes_in_flight": s.writes_in_flight,
-                "handshakes_in_flight": s.handshakes_in_flight,
-                "blocks_held_sending": s.blocks_held_sending,
-                "blocks_held_receiving": s.blocks_held_receiving,
-                "finished": s.finished,
-                "failed": s.failed,
-                "failures": s.failures,
-                "peers": s.peers,
-                "forged_messages": s.forged_messages,
-                "malformed_messages": s.malformed_messages,
-                "clock_bounds": s.clock_bounds,
-            }
+            transfers = TransferFigures(
+                in_flight=s.in_flight,
+                oldest_in_flight_s=s.oldest_in_flight_s,
+                sending=s.sending,
+                receiving=s.receiving,
+                writes_in_flight=s.writes_in_flight,
+                handshakes_in_flight=s.handshakes_in_flight,
+                blocks_held_sending=s.blocks_held_sending,
+                blocks_held_receiving=s.blocks_held_receiving,
+                finished=s.finished,
+                failed=s.failed,
+                failures=s.failures,
+                peers=s.peers,
+                forged_messages=s.forged_messages,
+                malformed_messages=s.malformed_messages,
+                clock_bounds={
+                    agent: ClockBound(**bound) for agent, bound in s.clock_bounds.items()
+                },
+            )
             # Two readings of these, a moment apart, are the server's CPU share (the doctor
             # warns when an idle server is busy): its clock, the process, the runtime thread.
-            out["cpu"] = {
-                "at_s": time.monotonic(),
-                "process_s": time.process_time(),
-                "runtime_thread_s": s.thread_cpu_s,
-            }
-        if self.node is not None:
-            out["side_channel_requests"] = dataclasses.asdict(self.node.health().side_channel)
-        return out
+            cpu = CpuReading(
+                at_s=time.monotonic(),
+                process_s=time.process_time(),
+                runtime_thread_s=s.thread_cpu_s,
+            )
+        return ServerHealth(
+            engine_id=self.engine_id,
+            side_channel_host=self.options.side_channel_host,
+            side_channel_port=self.options.side_channel_port,
+            side_channel="ok" if side_ok else "down",
+            runtime="ok" if runtime_failure is None else "down",
+            healthy=side_ok and runtime_failure is None,
+            runtime_failure=runtime_failure,
+            side_channel_failure=side_failure,
+            side_channel_internal_errors=internal_errors,
+            transfer_deadline_s=self.options.transfer_deadline_s,
+            queue_timeout_s=self.options.queue_timeout_s if self.options.role == "decode" else None,
+            transfers=transfers,
+            cpu=cpu,
+            side_channel_requests=requests,
+        )
 
     def update_metrics(self, registry: Registry) -> None:
         """The runtime's counts of dropped data-plane messages, into `registry` (at each
@@ -838,7 +848,7 @@ def build_role(
     token: str | None,
     *,
     transport_factory: TransportFactory = nixl_transport,
-) -> tuple[EngineWorker, KVBridge, Prepare, Callable[[], dict[str, object]]]:
+) -> tuple[EngineWorker, KVBridge, Prepare, Callable[[], ServerHealth]]:
     """The prefill or decode role over `engine`: its worker (not started), its started
     `KVBridge`, the request check for its HTTP layer and its `/health` extra. The
     transport is NIXL unless a factory is given (tests run the roles over loopback)."""

@@ -46,9 +46,16 @@ from typing import Any
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from kvpush.errors import ConfigError
+from kvpush.health import (
+    BackendHealth,
+    ProxyHealth,
+    ServerHealth,
+    decode_server_health,
+    encode,
+)
 from kvpush.serving.http import (
     DEFAULT_MAX_BODY_BYTES,
     BadBody,
@@ -82,9 +89,9 @@ class _Instance:
     # One engine of a data-parallel vLLM server (its index), which each leg names.
     engine: int | None = None
     in_flight: int = 0
-    info: dict[str, Any] | None = None
+    info: ServerHealth | None = None
     # Given up front (a vLLM server's /health tells no side channel): never refetched.
-    fixed_info: dict[str, Any] | None = None
+    fixed_info: ServerHealth | None = None
     # A vLLM server's shape, read from its side channel (rank 0's geometry) when first
     # needed and again after a failure; None: not known.
     shape: _Shape | None = None
@@ -199,7 +206,7 @@ def _pool(
         _Instance(
             url.rstrip("/"),
             engine=engine if dp > 1 else None,
-            fixed_info={"side_channel_host": host, "side_channel_port": port + engine},
+            fixed_info=ServerHealth(side_channel_host=host, side_channel_port=port + engine),
         )
         for url, (host, port) in zip(urls, side_channels, strict=True)
         for engine in range(dp)
@@ -263,17 +270,19 @@ class ProxyRoutes:
             asyncio.gather(*(self._backend_health(i) for i in self.prefill.instances)),
             asyncio.gather(*(self._backend_health(i) for i in self.decode.instances)),
         )
-        ok = any(b["status"] == "ok" for b in p) and any(b["status"] == "ok" for b in d)
-        body = {"status": "ok" if ok else "unhealthy", "role": "proxy", "prefill": p, "decode": d}
-        return JSONResponse(body, status_code=200 if ok else 503)
+        ok = any(b.status == "ok" for b in p) and any(b.status == "ok" for b in d)
+        body = ProxyHealth(
+            status="ok" if ok else "unhealthy", role="proxy", prefill=tuple(p), decode=tuple(d)
+        )
+        return Response(encode(body), status_code=200 if ok else 503, media_type="application/json")
 
-    async def _backend_health(self, inst: _Instance) -> dict[str, Any]:
+    async def _backend_health(self, inst: _Instance) -> BackendHealth:
         try:
             resp = await self.client.get(f"{inst.url}/health", timeout=2.0)
         except httpx.HTTPError as exc:
-            return {"url": inst.url, "status": "unreachable", "detail": f"{type(exc).__name__}"}
+            return BackendHealth(url=inst.url, status="unreachable", detail=f"{type(exc).__name__}")
         status = "ok" if resp.status_code == 200 else "unhealthy"
-        return {"url": inst.url, "status": status, "http_status": resp.status_code}
+        return BackendHealth(url=inst.url, status=status, http_status=resp.status_code)
 
     async def metrics(self) -> Response:
         for pool in (self.prefill, self.decode):
@@ -304,30 +313,26 @@ class ProxyRoutes:
     def done(self, outcome: str) -> None:
         self.registry.inc("kvpush_proxy_requests_total", labels={"outcome": outcome})
 
-    async def _info(self, inst: _Instance, role: str, *, named: bool) -> dict[str, Any]:
+    async def _info(self, inst: _Instance, role: str, *, named: bool) -> ServerHealth:
         """What a server says of itself: given (`fixed_info`), or its /health, kept until
         a failure resets it. `named`: it must be a kvpush `role` server that names its
-        side channel; else a /health without kvpush's fields (vLLM's) reads as {}."""
+        side channel; else a /health without kvpush's fields (vLLM's) reads as nothing
+        known. A /health of kvpush's form but malformed raises `MalformedHealth`."""
         if inst.fixed_info is not None:
             return inst.fixed_info
         if inst.info is None:
             resp = await self.client.get(f"{inst.url}/health", timeout=5.0)
-            body = resp.json() if resp.content else {}
-            if not isinstance(body, dict):
-                body = {}
-            ours = body.get("role") == role and "side_channel_port" in body
-            if body.get("role") not in (None, role) or (named and not ours):
-                raise RuntimeError(f"{inst.url} is not a {role} server (health: {body})")
-            inst.info = body
+            health = decode_server_health(resp.content, f"{inst.url}/health") or ServerHealth()
+            ours = health.role == role and health.side_channel_address is not None
+            if health.role not in (None, role) or (named and not ours):
+                raise RuntimeError(f"{inst.url} is not a {role} server (health: {resp.text[:300]})")
+            inst.info = health
         return inst.info
 
     async def _decode_side_channel(self, inst: _Instance) -> tuple[str, int] | None:
         """The decode server's side channel, where it is known (given, or from a kvpush
         serve /health; not from vLLM's)."""
-        info = await self._info(inst, "decode", named=False)
-        if "side_channel_port" not in info:
-            return None
-        return info["side_channel_host"], info["side_channel_port"]
+        return (await self._info(inst, "decode", named=False)).side_channel_address
 
     async def _shape(self, inst: _Instance, side_channel: tuple[str, int] | None) -> _Shape:
         """A vLLM server's tensor-parallel size and block size, from its side channel
@@ -396,13 +401,15 @@ class ProxyRoutes:
         # Both legs name both TP sizes: each side splits the transfer into the same
         # parts, one per pair of ranks (vLLM servers; kvpush serve runs TP 1); the decode
         # leg names the prefill's block size, the unit the decode registers in.
-        p = await self._shape(p_inst, (info["side_channel_host"], info["side_channel_port"]))
+        p_side = info.side_channel_address
+        assert p_side is not None  # `named`: _info refused a prefill server without one
+        p = await self._shape(p_inst, p_side)
         d_tp = (await self._shape(d_inst, to_decode)).tp_size
         remote = RemotePrefill(
             transfer_id=tid,
-            remote_host=info["side_channel_host"],
-            remote_port=info["side_channel_port"],
-            remote_engine_id=info.get("engine_id"),
+            remote_host=p_side[0],
+            remote_port=p_side[1],
+            remote_engine_id=info.engine_id,
             tp_size=p.tp_size,
             decode_tp_size=d_tp,
             block_size=p.block_size,

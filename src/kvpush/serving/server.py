@@ -24,10 +24,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from kvpush.errors import ClosedError
+from kvpush.health import ServerHealth
+from kvpush.health import encode as encode_health
 from kvpush.serving.checkpoint import Tokenizer
 from kvpush.serving.engine import EngineStats, FinishReason, RequestStats, SamplingParams
 from kvpush.serving.http import (
@@ -370,7 +373,7 @@ class ServerSettings:
     vocab_size: int
     max_model_len: int
     prepare: Prepare | None = None
-    health_extra: Callable[[], dict[str, object]] | None = None
+    health_extra: Callable[[], ServerHealth] | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     chat_template: str | None = None
     internal_token: str | None = None
@@ -388,7 +391,7 @@ def create_app(
     vocab_size: int,
     max_model_len: int,
     prepare: Prepare | None = None,
-    health_extra: Callable[[], dict[str, object]] | None = None,
+    health_extra: Callable[[], ServerHealth] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     chat_template: str | None = None,
     internal_token: str | None = None,
@@ -442,12 +445,20 @@ class ServerRoutes:
     async def health(self) -> Response:
         s = self.settings
         # Off the event loop: the role's health asks the runtime's thread for a snapshot.
-        extra = await asyncio.to_thread(s.health_extra) if s.health_extra is not None else {}
+        part = (
+            await asyncio.to_thread(s.health_extra)
+            if s.health_extra is not None
+            else ServerHealth()
+        )
         alive = self.worker.alive
-        healthy = alive and extra.get("healthy", True) is True
+        healthy = alive and part.healthy is not False
         status = "ok" if healthy else ("stopped" if not alive else "unhealthy")
-        body: dict[str, object] = {"status": status, "role": s.role, **extra}
-        return JSONResponse(body, status_code=200 if healthy else 503)
+        body = msgspec.structs.replace(part, status=status, role=s.role)
+        return Response(
+            encode_health(body),
+            status_code=200 if healthy else 503,
+            media_type="application/json",
+        )
 
     async def metrics(self) -> Response:
         # Refresh from the latest snapshot, so every gauge is there from the first scrape.
