@@ -34,10 +34,10 @@ from kvpush.config import SideChannelConfig
 from kvpush.doctor.addresses import ResolvedAddress, SideAddress, pair_problems
 from kvpush.doctor.checks import served_ranks
 from kvpush.doctor.data_plane import UCX_ACTION
+from kvpush.doctor_probe import DOCTOR_DIGEST, DOCTOR_WRITE
 from kvpush.errors import PeerUnreachable
 from kvpush.geometry import PROTOCOL_VERSION
 from kvpush.net import bracket_host
-from kvpush.node import DOCTOR_DIGEST, DOCTOR_WRITE
 from kvpush.procs.readiness import free_port
 from kvpush.procs.server_process import ServerProcess
 from kvpush.serving.checkpoint import make_model

@@ -1,7 +1,7 @@
-"""`kvpush doctor`'s test writes (`kvpush.runtime.probe`) between two PushRuntimes on the
-loopback transport: real threads, real byte copies, the receiver's buffer read back and
-both KV caches compared before and after. The protocol's clock is a fake (deadlines);
-writes are timed on the real one."""
+"""`kvpush doctor`'s test writes (`kvpush.doctor_probe.RankProbe`, a service each runtime
+is given) between two PushRuntimes on the loopback transport: real threads, real byte
+copies, the receiver's buffer read back and both KV caches compared before and after.
+The protocol's clock is a fake (deadlines); writes are timed on the real one."""
 
 from __future__ import annotations
 
@@ -14,17 +14,16 @@ import pytest
 from helpers.fakes import FakeClock
 from helpers.waiting import wait_until
 from kvpush.config import TimingConfig
+from kvpush.doctor_probe import PROBE_TIMEOUT_S, ProbeRefused, ProbeReport, RankProbe
+from kvpush.doctor_probe.scratch import PROBE_SIZES, PROBE_WRITES, SCRATCH_BYTES, digest, pattern
 from kvpush.geometry import ScratchRegion
 from kvpush.runtime import (
     InMemoryPeerDirectory,
     PeerAddress,
-    ProbeRefused,
-    ProbeReport,
     PushRuntime,
     RuntimeIdentity,
 )
-from kvpush.runtime.probe import PROBE_TIMEOUT_S
-from kvpush.runtime.scratch import PROBE_SIZES, PROBE_WRITES, SCRATCH_BYTES, digest, pattern
+from kvpush.sidechannel import PeerMetadata
 from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
 from transport_conformance import KVBuffers, make_kv
 
@@ -46,6 +45,26 @@ class HeldScratchTransport(LoopbackTransport):
         self.held.append(write_id)
 
 
+class ProbedRank:
+    """A runtime and the doctor's probe it was given: what the checks are asked of."""
+
+    def __init__(self, runtime: PushRuntime, probe: RankProbe) -> None:
+        self.runtime = runtime
+        self.probe = probe
+
+    def local_metadata(self) -> PeerMetadata:
+        return self.runtime.local_metadata()
+
+    def start_probe(self, target: PeerAddress, seed: bytes) -> int:
+        return self.probe.start_probe(target, seed)
+
+    def probe_report(self, probe_id: int) -> ProbeReport | None:
+        return self.probe.probe_report(probe_id)
+
+    def scratch_digest(self, nbytes: int) -> str:
+        return self.probe.scratch_digest(nbytes)
+
+
 class Pair:
     def __init__(self) -> None:
         self.clock = FakeClock()
@@ -61,9 +80,10 @@ class Pair:
         *,
         scratch: bool = True,
         transport: LoopbackTransport | None = None,
-    ) -> tuple[PushRuntime, PeerAddress]:
+    ) -> tuple[ProbedRank, PeerAddress]:
         kv = make_kv(num_layers=2, num_blocks=8, block_bytes=64)
         kv.fill_random(port)
+        probe = RankProbe(scratch)
         rt = PushRuntime(
             transport or LoopbackTransport(self.fabric, agent),
             kv.geometry,
@@ -71,14 +91,14 @@ class Pair:
             self.directory,
             timing=TIMING,
             clock=self.clock,
-            scratch=scratch,
+            services=[probe],
         )
         rt.start()
         address = PeerAddress(HOST, port)
         self.directory.publish(address, rt.local_metadata())
         self.runtimes.append(rt)
         self.kv[agent] = kv
-        return rt, address
+        return ProbedRank(rt, probe), address
 
     def cache(self, agent: str) -> list[bytes]:
         kv = self.kv[agent]
@@ -100,7 +120,7 @@ def pair() -> Iterator[Pair]:
     p.close()
 
 
-def finished(rt: PushRuntime, probe: int, advance: FakeClock | None = None) -> ProbeReport:
+def finished(rt: ProbedRank, probe: int, advance: FakeClock | None = None) -> ProbeReport:
     """The check's report once it is no longer running (moving the fake clock if given)."""
 
     def ended() -> bool:

@@ -17,6 +17,7 @@ import msgspec
 import pytest
 import torch
 
+from kvpush.doctor_probe.scratch import ScratchBuffer, digest, pattern
 from kvpush.errors import ClosedError, FailureReason, KVPushError, TransportError
 from kvpush.geometry import (
     CacheGeometry,
@@ -26,7 +27,6 @@ from kvpush.geometry import (
     write_plan,
     write_views,
 )
-from kvpush.runtime.scratch import ScratchBuffer, digest, pattern
 from kvpush.transports.base import (
     MessageReceived,
     PeerLost,

@@ -176,10 +176,10 @@ class CacheGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
 
 class ScratchRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """A small buffer a rank registers beside its KV cache, for `kvpush doctor`'s test
-    writes only: bytes `[base_addr, base_addr + nbytes)` in `device` memory. It is never
-    part of the cache, and a peer refuses one that overlaps any KV region
-    (`overlapping_region`)."""
+    """A small buffer a rank registers beside its KV cache, for test writes of the data
+    plane only (`kvpush.runtime.services`): bytes `[base_addr, base_addr + nbytes)` in
+    `device` memory. It is never part of the cache, and a peer refuses one that overlaps
+    any KV region (`overlapping_region`)."""
 
     base_addr: int
     nbytes: int

@@ -2,7 +2,7 @@
 
 One frozen msgspec struct per answer, built by whoever answers (`kvpush.serving.server`
 and its prefill/decode role, `kvpush.serving.proxy`) and read by field by whoever asks
-(the proxy, `kvpush doctor`), never by key string. One decoder each
+(the proxy, the operators' diagnostics), never by key string. One decoder each
 (`decode_server_health`, `decode_proxy_health`), and one error: `MalformedHealth`, whose
 message says which field was wrong and what was expected.
 
@@ -10,9 +10,9 @@ The JSON (`encode`): a server's top-level field that is None is left out, so a s
 says only what it knows (the role's fields only on a prefill or decode server, the
 runtime's failure only when there is one); the nested figures always carry every key.
 Unknown fields are ignored on reading, and new fields get defaults and go last, so a
-newer server's answer reads in an older proxy or doctor. The figures (`transfers`,
+newer server's answer reads in an older reader. The figures (`transfers`,
 `cpu`, `side_channel_requests`) are read for what they are worth: one of the wrong type
-reads as not known, and the doctor says it does not know; a wrong identity (`status`,
+reads as not known, and its reader says it does not know; a wrong identity (`status`,
 `role`, the side channel's address, `healthy`, ...) is `MalformedHealth`.
 
 Servers that are not kvpush's answer differently: vLLM's `/health` is 200 with an empty
@@ -79,7 +79,7 @@ class TransferFigures(msgspec.Struct, frozen=True):
 
 class CpuReading(msgspec.Struct, frozen=True):
     """CPU seconds so far, on the server's monotonic clock `at_s`: two readings a moment
-    apart are the server's CPU share (the doctor's busy-idle check)."""
+    apart are the server's CPU share (whether an idle server is busy)."""
 
     at_s: float
     process_s: float
@@ -106,7 +106,7 @@ class ServerHealth(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     "stopped" (503); `role` is "prefill", "decode" or "both". The fields after them are a
     prefill or decode server's: its engine, its side channel as peers reach it, whether
     the side channel and the runtime serve (`healthy`: both do) and why not, the
-    deadlines in force, and the figures `kvpush doctor` reads."""
+    deadlines in force, and the figures diagnostics read."""
 
     status: str | None = None
     role: str | None = None

@@ -25,32 +25,28 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvpush.config import SideChannelConfig, TimingConfig
-from kvpush.errors import ClosedError, LocalProtocolError, SideChannelError
+from kvpush.errors import ClosedError, ConfigError, LocalProtocolError, SideChannelError
 from kvpush.geometry import CacheGeometry
 from kvpush.protocol import REVALIDATE_AFTER_S
 from kvpush.runtime import (
-    PeerAddress,
-    ProbeRefused,
     PushRuntime,
     RuntimeIdentity,
+    RuntimeService,
     SideChannelPeerDirectory,
 )
 from kvpush.sidechannel import (
     ControlHandler,
     MetadataServer,
     PeerMetadata,
-    RequestRejected,
     SideChannelStats,
 )
 from kvpush.transports.base import Transport
 
 __all__ = [
-    "DOCTOR_DIGEST",
-    "DOCTOR_RESULT",
-    "DOCTOR_WRITE",
     "Node",
     "NodeHealth",
     "NodeIdentity",
+    "NodeService",
     "Rank",
     "RankSettings",
     "TransportFactory",
@@ -61,9 +57,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT_S = 5.0
-
-# The control kinds of `kvpush doctor`'s data-plane check (`Node._doctor_kinds`).
-DOCTOR_WRITE, DOCTOR_RESULT, DOCTOR_DIGEST = b"doctor-write", b"doctor-result", b"doctor-digest"
 
 # From the agent name a rank gets to its transport, not started yet.
 TransportFactory = Callable[[str], Transport]
@@ -107,9 +100,22 @@ class RankSettings:
     # The runtime compares every peer's cache with ours on every handshake; this also
     # refuses a mismatch earlier, in the side-channel client (its detail names theirs).
     check_compat_in_lookup: bool = True
-    # A scratch buffer for `kvpush doctor`'s test writes (`kvpush.runtime.scratch`). A
-    # server turns it on when it has a token or its operator allows doctor writes.
-    scratch: bool = False
+
+
+class NodeService:
+    """A tool's part in a node, given at assembly (`Node(services=...)`), as the bench's
+    request kinds are given (`control=`): request kinds of its own on the node's side
+    channel, and for each rank a `RuntimeService` on that rank's runtime. The node only
+    routes them; it knows nothing of what the tool does."""
+
+    def control(self) -> Mapping[bytes, ControlHandler]:
+        """Request kinds to serve on the node's side channel, with their handlers."""
+        return {}
+
+    def for_rank(self, rank: int) -> RuntimeService | None:
+        """Rank `rank`'s service (the node asks once per rank, in order, as it builds
+        the rank), or None."""
+        return None
 
 
 class Rank:
@@ -129,10 +135,12 @@ class Rank:
         incarnation: str | None = None,
         settings: RankSettings | None = None,
         transport_factory: TransportFactory = nixl_transport,
+        services: Sequence[RuntimeService] = (),
     ) -> None:
         self._geometry = geometry
         self._settings = settings or RankSettings()
         self._transport_factory = transport_factory
+        self._services = tuple(services)
         self._identity = RuntimeIdentity(
             engine_id=identity.engine_id,
             incarnation=incarnation or uuid.uuid4().hex,
@@ -201,7 +209,7 @@ class Rank:
             revalidate_after_s=settings.revalidate_after_s,
             drive_in_step=settings.drive_in_step,
             token=settings.token,
-            scratch=settings.scratch,
+            services=self._services,
         )
         self._runtime.start()
 
@@ -257,8 +265,9 @@ class Node:
 
     `bind_host` is the address the side channel binds (default: `identity.host`, which
     is what peers are told). `control` is passed to the `MetadataServer` (its extra
-    request kinds). `close()` stops the side channel first, so no request reaches a
-    closing runtime, then closes every rank."""
+    request kinds), with those of the `services` the node is given (`NodeService`): a
+    kind is served by one of them only. `close()` stops the side channel first, so no
+    request reaches a closing runtime, then closes every rank."""
 
     def __init__(
         self,
@@ -271,7 +280,15 @@ class Node:
         settings: RankSettings | None = None,
         transport_factory: TransportFactory = nixl_transport,
         control: Mapping[bytes, ControlHandler] | None = None,
+        services: Sequence[NodeService] = (),
     ) -> None:
+        kinds: dict[bytes, ControlHandler] = dict(control or {})
+        for service in services:
+            for kind, handler in service.control().items():
+                if kind in kinds:
+                    raise ConfigError(f"request kind {kind!r} is served twice on this node")
+                kinds[kind] = handler
+        self._services = tuple(services)
         self._geometries = list(geometries)
         self._identity = identity
         self._settings = settings or RankSettings()
@@ -283,7 +300,7 @@ class Node:
             port,
             SideChannelConfig(token=self._settings.token),
             self._published,
-            control={**self._doctor_kinds(), **(control or {})},
+            control=kinds,
         )
         self._ranks: list[Rank] = []
         self._started = False
@@ -336,6 +353,9 @@ class Node:
                     incarnation=self._incarnation,
                     settings=self._settings,
                     transport_factory=self._transport_factory,
+                    services=[
+                        s for service in self._services if (s := service.for_rank(r)) is not None
+                    ],
                 )
                 self._ranks.append(rank)
                 rank.start()
@@ -369,65 +389,6 @@ class Node:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    # ----------------------------------------------------------------- doctor checks
-
-    def _doctor_kinds(self) -> dict[bytes, ControlHandler]:
-        """What `kvpush doctor` asks a node's side channel for its data-plane check
-        (step 4): start test writes from a rank into a receiver's scratch buffer, read
-        where they stand, read a digest of a rank's own buffer. Behind the token's proof
-        like every request; a rank without a scratch buffer refuses them all."""
-        return {
-            DOCTOR_WRITE: self._doctor_write,
-            DOCTOR_RESULT: self._doctor_result,
-            DOCTOR_DIGEST: self._doctor_digest,
-        }
-
-    def _doctor_rank(self, body: object, *keys: str) -> tuple[Rank, dict[str, object]]:
-        if not isinstance(body, dict) or not all(k in body for k in ("rank", *keys)):
-            raise RequestRejected(f"expected a map with {', '.join(('rank', *keys))}")
-        r = body["rank"]
-        ranks = self._ranks
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < len(ranks):
-            raise RequestRejected(f"rank {r!r} is not one of this node's 0..{len(ranks) - 1}")
-        return ranks[r], body
-
-    def _doctor_write(self, body: object) -> object:
-        rank, body = self._doctor_rank(body, "to", "seed")
-        to, seed = body["to"], body["seed"]
-        if not (
-            isinstance(to, list | tuple)
-            and len(to) == 3
-            and isinstance(to[0], str)
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in to[1:])
-            and isinstance(seed, bytes)
-        ):
-            raise RequestRejected("expected to = [host, port, rank] and seed = bytes")
-        try:
-            return {"probe": rank.runtime.start_probe(PeerAddress(*to), seed)}
-        except (ProbeRefused, LocalProtocolError) as exc:
-            raise RequestRejected(str(exc)) from None
-
-    def _doctor_result(self, body: object) -> object:
-        rank, body = self._doctor_rank(body, "probe")
-        probe = body["probe"]
-        try:
-            report = rank.runtime.probe_report(probe) if isinstance(probe, int) else None
-        except LocalProtocolError as exc:
-            raise RequestRejected(str(exc)) from None
-        if report is None:
-            raise RequestRejected(f"no check {probe!r} is known on rank {body['rank']}")
-        return report.as_dict()
-
-    def _doctor_digest(self, body: object) -> object:
-        rank, body = self._doctor_rank(body, "bytes")
-        nbytes = body["bytes"]
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-            raise RequestRejected(f"expected bytes = a byte count, got {nbytes!r}")
-        try:
-            return {"sha256": rank.runtime.scratch_digest(nbytes)}
-        except (ProbeRefused, LocalProtocolError) as exc:
-            raise RequestRejected(str(exc)) from None
 
     def health(self) -> NodeHealth:
         server = self._server

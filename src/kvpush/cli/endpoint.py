@@ -25,6 +25,7 @@ from typing import Any
 from kvpush import __version__
 from kvpush.bench.endpoint_service import BENCH_KINDS, BenchService
 from kvpush.config import SideChannelConfig, load_token
+from kvpush.doctor_probe import DoctorProbe
 from kvpush.errors import ConfigError, SideChannelError
 from kvpush.geometry import CacheGeometry
 from kvpush.net import is_wildcard, zmq_address
@@ -214,6 +215,8 @@ class _Endpoint:
             settings=RankSettings(token=self._token, check_compat_in_lookup=False),
             transport_factory=_nixl_transport_class(),
             control={kind: self._bench_handler(kind) for kind in BENCH_KINDS},
+            # Without a scratch buffer: the doctor is told why it cannot check here.
+            services=[DoctorProbe(scratch=False)],
         )
         self._node.start()
         self._runtimes = [rank.runtime for rank in self._node.ranks]

@@ -6,7 +6,7 @@ DOCTOR_WRITE) with a fresh random seed, reads where it stands until it ends
 (DOCTOR_RESULT), then asks the receiving rank for the digest of its buffer
 (DOCTOR_DIGEST) and compares it with the digest of the pattern the seed stands for.
 The figures are the writing rank's own: each write timed from its post to its
-completion on the runtime's thread (`kvpush.runtime.probe`). Nothing but the scratch
+completion on the runtime's thread (`kvpush.doctor_probe.rank`). Nothing but the scratch
 buffers is written: the writing rank refuses a buffer that overlaps a KV region.
 """
 
@@ -17,10 +17,9 @@ import time
 from collections.abc import Callable
 
 from kvpush.doctor.report import StepResult, Verdict
+from kvpush.doctor_probe import DOCTOR_DIGEST, DOCTOR_RESULT, DOCTOR_WRITE, PROBE_TIMEOUT_S
+from kvpush.doctor_probe.scratch import LARGE_WRITE, SMALL_WRITE, digest, pattern
 from kvpush.errors import SideChannelError
-from kvpush.node import DOCTOR_DIGEST, DOCTOR_RESULT, DOCTOR_WRITE
-from kvpush.runtime.probe import PROBE_TIMEOUT_S
-from kvpush.runtime.scratch import LARGE_WRITE, SMALL_WRITE, digest, pattern
 from kvpush.sidechannel import PeerMetadata, RequestRejected, control_request
 
 _POLL_S = 0.02

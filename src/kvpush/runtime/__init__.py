@@ -209,7 +209,7 @@ from kvpush.runtime.directory import (
     SideChannelPeerDirectory,
 )
 from kvpush.runtime.facade import PushRuntime
-from kvpush.runtime.probe import ProbeRefused, ProbeReport
+from kvpush.runtime.services import RuntimeService, ServiceHost
 from kvpush.runtime.values import (
     PeerAddress,
     RuntimeIdentity,
@@ -221,14 +221,14 @@ __all__ = [
     "InMemoryPeerDirectory",
     "PeerAddress",
     "PeerDirectory",
-    "ProbeRefused",
-    "ProbeReport",
     "PushRuntime",
     "ReceiverState",
     "RuntimeIdentity",
+    "RuntimeService",
     "RuntimeStatistics",
     "RuntimeStopped",
     "SenderState",
+    "ServiceHost",
     "SideChannelPeerDirectory",
     "TransferResult",
 ]

@@ -17,11 +17,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvpush.errors import (
@@ -47,8 +48,7 @@ from kvpush.protocol import (
     WriteBlocks,
 )
 from kvpush.runtime.directory import LookupPool, PeerDirectory, handshake_reason
-from kvpush.runtime.probe import Probes
-from kvpush.runtime.scratch import ScratchBuffer
+from kvpush.runtime.services import RuntimeService
 from kvpush.runtime.values import RuntimeStatistics
 from kvpush.sidechannel import PeerMetadata
 from kvpush.topology import UnsupportedShape
@@ -142,19 +142,10 @@ class _LookupResult:
 
 
 @dataclass(frozen=True, slots=True)
-class _ProbeLookup:
-    address: PeerAddress
-    metadata: PeerMetadata | None
-    error: BaseException | None
+class RunForService:
+    """A call a service asked for on the runtime's thread (`ServiceHost.run`)."""
 
-
-@dataclass(frozen=True, slots=True)
-class StartProbe:
-    """Run doctor check `probe_id`, writing into `target`'s scratch buffer (`Probes`)."""
-
-    probe_id: int
-    target: PeerAddress
-    seed: bytes
+    call: Callable[[], None]
 
 
 @dataclass(slots=True)
@@ -198,8 +189,7 @@ Command = (
     | Abort
     | RefuseRegistration
     | _LookupResult
-    | _ProbeLookup
-    | StartProbe
+    | RunForService
     | StatsRequest
     | StateRequest
     | SpokenRequest
@@ -239,7 +229,7 @@ class Driver:
         max_backoff_s: float,
         spin_s: float,
         tick_interval_s: float,
-        scratch: ScratchBuffer | None = None,
+        services: Sequence[RuntimeService] = (),
     ) -> None:
         self._transport = transport
         self._geometry = geometry
@@ -260,23 +250,12 @@ class Driver:
             lambda a, m, e: self.commands.put(_LookupResult(a, m, e)),
             name=f"kvpush-handshake-{transport.agent_name}",
         )
-        # Doctor checks look their receiver up on a pool of their own, so that a check
-        # never waits behind, or holds up, a transfer's handshake to the same address.
-        self._probe_lookups = LookupPool(
-            directory,
-            lambda a, m, e: self.commands.put(_ProbeLookup(a, m, e)),
-            name=f"kvpush-doctor-{transport.agent_name}",
-            max_workers=2,
-        )
-        self._probes = Probes(
-            transport,
-            scratch,
-            lookup=self._probe_lookups.submit,
-            load=self._load_for_probe,
-            release=self._release_probe_peer,
-            clock=clock,
-        )
-        self._probe_peers: set[str] = set()  # loaded by a check, not (yet) the protocol's
+        # The services the runtime was given (`kvpush.runtime.services`): driven in its
+        # passes, their writes' ends routed back to them by write id.
+        self._services = tuple(services)
+        self._service_write_ids = itertools.count(-1, -1)
+        self._service_writes: dict[int, RuntimeService] = {}
+        self._lent_peers: set[str] = set()  # lent to a service, not (yet) the protocol's
         self._thread: threading.Thread | None = None
         # Held by whichever thread runs a pass (the driver's, or an engine thread that
         # drives in-step): the transport and the protocol below are touched under it only.
@@ -312,7 +291,6 @@ class Driver:
 
     def start(self, on_crash: Callable[[BaseException], None]) -> None:
         self._lookups_pool.start()
-        self._probe_lookups.start()
         self._thread = threading.Thread(
             target=self._run,
             args=(on_crash,),
@@ -332,12 +310,8 @@ class Driver:
         else:  # start() failed before the thread ran: nobody else closes the transport
             self._transport.close()
         self._lookups_pool.close(max(0.0, timeout - (time.monotonic() - start)))
-        self._probe_lookups.close(max(0.0, timeout - (time.monotonic() - start)))
-
-    @property
-    def probes(self) -> Probes:
-        """The rank's doctor checks; `submit` and `report` may be called from any thread."""
-        return self._probes
+        for service in self._services:
+            service.close(max(0.0, timeout - (time.monotonic() - start)))
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -436,8 +410,9 @@ class Driver:
         if events:
             self._handle_events(events)
         self._unconfirmed.clear()
-        if self._probes.busy:
-            self._probes.tick()
+        for service in self._services:
+            if service.busy:
+                service.tick()
         now = self._clock()
         if now >= self._next_tick:
             self._next_tick = now + self._tick_interval_s
@@ -517,7 +492,7 @@ class Driver:
     def _in_flight(self) -> bool:
         return (
             bool(self._lookups or self._write_bytes)
-            or self._probes.busy
+            or any(service.busy for service in self._services)
             or self._protocol.in_flight()
         )
 
@@ -547,11 +522,11 @@ class Driver:
                     except RemoteProtocolError as exc:
                         self._malformed += 1
                         effects = protocol.peer_misbehaved(now, peer, str(exc))
-                case WriteDone(write_id=wid) if wid < 0:  # a doctor check's (`Probes`)
-                    self._probes.write_ended(wid, None)
+                case WriteDone(write_id=wid) if wid < 0:  # a service's (`service_write_id`)
+                    self._service_write_ended(wid, None)
                     continue
                 case WriteFailed(write_id=wid, detail=detail) if wid < 0:
-                    self._probes.write_ended(wid, detail)
+                    self._service_write_ended(wid, detail)
                     continue
                 case WriteDone(write_id=wid):
                     self._bytes_written += self._write_bytes.pop(wid, 0)
@@ -613,10 +588,8 @@ class Driver:
                 self._apply(sender.refuse(now, tid, detail))
             case _LookupResult():
                 self._on_lookup(now, cmd)
-            case _ProbeLookup(address=address, metadata=meta, error=error):
-                self._probes.on_lookup(address, meta, error)
-            case StartProbe(probe_id=probe_id, target=target, seed=seed):
-                self._probes.start(probe_id, target, seed)
+            case RunForService(call=call):
+                call()
             case StatsRequest():
                 cmd.result = self.snapshot()
                 cmd.done.set()
@@ -692,12 +665,29 @@ class Driver:
                 self._infos[meta.agent_name] = info
                 if views.our_ids is not None or views.their_ids is not None:
                     self._id_maps[meta.agent_name] = (views.our_ids, views.their_ids)
-            self._probe_peers.discard(meta.agent_name)  # the protocol's from now on
+            self._lent_peers.discard(meta.agent_name)  # the protocol's from now on
         self._apply(self._protocol.handshake_done(now, address, info))
 
-    def _load_for_probe(self, meta: PeerMetadata) -> None:
-        """Load a doctor check's receiver as `_on_lookup` would (for messages only if its
-        cache is not ours), unless it is loaded already."""
+    # ----------------------------------------------------------------- services
+
+    def run_for_service(self, call: Callable[[], None]) -> None:
+        """Any thread: run `call` on the runtime's thread, at its next pass."""
+        self.commands.put(RunForService(call))
+
+    def service_write_id(self, service: RuntimeService) -> int:
+        """A write id for `service` (below zero), whose end goes to its `write_ended`."""
+        write_id = next(self._service_write_ids)
+        self._service_writes[write_id] = service
+        return write_id
+
+    def _service_write_ended(self, write_id: int, error: str | None) -> None:
+        service = self._service_writes.pop(write_id, None)
+        if service is not None:
+            service.write_ended(write_id, error)
+
+    def lend_peer(self, meta: PeerMetadata) -> None:
+        """Load a service's peer as `_on_lookup` would (for messages only if its cache is
+        not ours), unless it is loaded already."""
         if self._transport.has_peer(meta.agent_name):
             return
         compat = meta.geometry.compat_fields()
@@ -707,7 +697,7 @@ class Driver:
             try:
                 views = write_views(self._geometry, meta.geometry)
             except UnsupportedShape:
-                messages_only = True  # the doctor's compatibility step names why
+                messages_only = True  # the protocol never writes to it either
         self._transport.add_peer(
             meta.agent_name,
             meta.agent_metadata,
@@ -715,12 +705,12 @@ class Driver:
             messages_only=messages_only,
             ours=None if views[0] is self._geometry else views[0],
         )
-        self._probe_peers.add(meta.agent_name)
+        self._lent_peers.add(meta.agent_name)
 
-    def _release_probe_peer(self, agent: str) -> None:
-        """A check ended: forget the peer it loaded, unless the protocol took it since."""
-        if agent in self._probe_peers:
-            self._probe_peers.discard(agent)
+    def return_peer(self, agent: str) -> None:
+        """A service is done with a lent peer: forget it, unless the protocol took it since."""
+        if agent in self._lent_peers:
+            self._lent_peers.discard(agent)
             self._transport.remove_peer(agent)
 
     def _lookup(self, now: float, hs: Handshake) -> None:

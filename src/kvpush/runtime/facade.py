@@ -10,6 +10,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 
 from kvpush import __version__
 from kvpush.config import STRICT_COMPATIBILITY, CompatibilityPolicy, TimingConfig
@@ -20,7 +21,7 @@ from kvpush.errors import (
     LocalProtocolError,
     RuntimeStopped,
 )
-from kvpush.geometry import CacheGeometry
+from kvpush.geometry import CacheGeometry, ScratchRegion
 from kvpush.protocol import (
     REVALIDATE_AFTER_S,
     LocalIdentity,
@@ -45,12 +46,10 @@ from kvpush.runtime.driver import (
     Send,
     Sink,
     SpokenRequest,
-    StartProbe,
     StateRequest,
     StatsRequest,
 )
-from kvpush.runtime.probe import ProbeRefused, ProbeReport
-from kvpush.runtime.scratch import ScratchBuffer
+from kvpush.runtime.services import RuntimeService, ServiceHost
 from kvpush.runtime.values import RuntimeIdentity, RuntimeStatistics, TransferResult
 from kvpush.sidechannel import ROLES, PeerMetadata
 from kvpush.transports.base import Transport
@@ -82,7 +81,7 @@ class PushRuntime:
         compatibility: CompatibilityPolicy = STRICT_COMPATIBILITY,
         drive_in_step: bool = True,
         token: str | None = None,
-        scratch: bool = False,
+        services: Sequence[RuntimeService] = (),
     ) -> None:
         if identity.role not in ROLES:
             raise ConfigError(f"role {identity.role!r} is not one of {', '.join(ROLES)}")
@@ -127,9 +126,11 @@ class PushRuntime:
                 MessageAuth(token, transport.agent_name, identity.incarnation) if token else None
             ),
         )
-        # `kvpush doctor`'s scratch buffer, on the cache's device (`kvpush.runtime.scratch`).
-        device = geometry.regions[0].device if geometry.regions else "cpu"
-        self._scratch = ScratchBuffer(device) if scratch else None
+        # What tools run on this rank (`kvpush.runtime.services`), started with it.
+        self._services = tuple(services)
+        self._directory = directory
+        self._clock = clock
+        self._scratch: ScratchRegion | None = None  # one a service offered
         self._driver = Driver(
             transport,
             geometry,
@@ -141,7 +142,7 @@ class PushRuntime:
             max_backoff_s=max_backoff_s,
             spin_s=spin_s,
             tick_interval_s=min(self._timing.heartbeat_interval_s / 4, 0.05),
-            scratch=self._scratch,
+            services=self._services,
         )
         # Engine-facing state, guarded by _lock.
         self._lock = threading.Lock()
@@ -169,8 +170,8 @@ class PushRuntime:
             self._started = True
         self._transport.start()
         self._transport.register_memory(self._geometry)
-        if self._scratch is not None:
-            self._transport.register_scratch(self._scratch.region)
+        for service in self._services:
+            service.start(self._service_host(service))
         self._local_metadata = PeerMetadata(
             engine_id=self._identity.engine_id,
             incarnation=self._identity.incarnation,
@@ -181,7 +182,7 @@ class PushRuntime:
             geometry=self._geometry,
             kvpush_version=self._kvpush_version,
             message_key=self._message_key,
-            scratch=None if self._scratch is None else self._scratch.region,
+            scratch=self._scratch,
         )
         self._driver.start(self._crashed)
 
@@ -422,38 +423,35 @@ class PushRuntime:
                 return req.result
         return self._driver.snapshot()
 
-    # ----------------------------------------------------------------- doctor checks
+    # ----------------------------------------------------------------- services
 
-    def start_probe(self, target: PeerAddress, seed: bytes) -> int:
-        """Start a doctor check: test writes from our scratch buffer into `target`'s
-        (`kvpush.runtime.probe`). Returns its id at once, for `probe_report`; the check
-        runs on the runtime's thread. Raises `ProbeRefused` (why) when this rank cannot
-        run one (no scratch buffer, a bad seed)."""
-        self._check_address(target, "target")
-        if not isinstance(seed, bytes) or not 8 <= len(seed) <= 64:
-            raise ProbeRefused(f"a check's seed must be 8 to 64 bytes, got {seed!r:.80}")
+    def _service_host(self, service: RuntimeService) -> ServiceHost:
+        driver = self._driver
+        return ServiceHost(
+            transport=self._transport,
+            geometry=self._geometry,
+            directory=self._directory,
+            clock=self._clock,
+            run=driver.run_for_service,
+            write_id=partial(driver.service_write_id, service),
+            lend_peer=driver.lend_peer,
+            return_peer=driver.return_peer,
+            offer_scratch=self._offer_scratch,
+            failure=self._service_failure,
+        )
+
+    def _offer_scratch(self, region: ScratchRegion) -> None:
+        if self._local_metadata is not None or self._scratch is not None:
+            raise LocalProtocolError(
+                "a scratch buffer is offered once per rank, by a service as the runtime starts"
+            )
+        self._transport.register_scratch(region)
+        self._scratch = region
+
+    def _service_failure(self) -> str | None:
         if not self._driver.alive() or self.failure is not None:
-            raise ProbeRefused(f"the runtime is not running: {self.failure or 'not started'}")
-        probe_id = self._driver.probes.submit(target, seed)
-        # To the runtime's thread, never in-step: loading the peer may wait on the network,
-        # and the caller is a side channel that serves others.
-        self._driver.commands.put(StartProbe(probe_id, target, seed))
-        return probe_id
-
-    def probe_report(self, probe_id: int) -> ProbeReport | None:
-        """Where check `probe_id` stands; None for an id this rank does not know (any
-        more: the last few are kept). Never waits for the runtime's thread."""
-        return self._driver.probes.report(probe_id)
-
-    def scratch_digest(self, nbytes: int) -> str:
-        """The SHA-256 of our scratch buffer's first `nbytes` bytes, as they are now."""
-        if self._scratch is None:
-            raise ProbeRefused("this rank has no scratch buffer")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-            raise ProbeRefused(f"expected a byte count, got {nbytes!r}")
-        if not 0 < nbytes <= self._scratch.region.nbytes:
-            raise ProbeRefused(f"expected 1 to {self._scratch.region.nbytes} bytes, got {nbytes}")
-        return self._scratch.digest(nbytes)
+            return self.failure or "not started"
+        return None
 
     # ----------------------------------------------------------------- argument checks
 

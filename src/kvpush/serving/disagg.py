@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvpush.config import TimingConfig
+from kvpush.doctor_probe import DoctorProbe
 from kvpush.errors import FailureReason, KVPushError
 from kvpush.health import (
     ClockBound,
@@ -728,9 +729,11 @@ class KVBridge:
                 token=self.token,
                 timing=TimingConfig(transfer_deadline_s=opts.transfer_deadline_s),
                 idle_poll_s=opts.idle_poll_ms / 1000,
-                scratch=self.token is not None or opts.allow_doctor_writes,
             ),
             transport_factory=self._transport_factory,
+            # `kvpush doctor`'s test writes go into a scratch buffer, never a KV block: on
+            # with a token (the doctor proves it), else only when the operator allows them.
+            services=[DoctorProbe(scratch=self.token is not None or opts.allow_doctor_writes)],
         )
         self.node.start()
         return self.node.runtime

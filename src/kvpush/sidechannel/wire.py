@@ -94,8 +94,8 @@ class PeerMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     # incarnation; see `kvpush.protocol.PushProtocol`). Served only to requests the
     # token admits, as the rest of the metadata. Empty: this rank checks none.
     message_key: bytes = b""
-    # Where `kvpush doctor` may write on this rank (`kvpush.runtime.scratch`); None: the
-    # rank has none (no token, and its operator did not allow doctor writes).
+    # A buffer beside the KV cache, never a KV block, that peers may test-write into (a
+    # service of the rank offered it: `kvpush.runtime.services`); None: the rank has none.
     scratch: ScratchRegion | None = None
     # Append new fields with defaults only.
 

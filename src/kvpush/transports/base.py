@@ -142,7 +142,8 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def write_scratch(self, peer: str, write_id: int, nbytes: int, theirs: ScratchRegion) -> None:
         """Start copying the first `nbytes` of our scratch buffer to the first `nbytes` of
-        `theirs`, the peer's (from its published metadata): `kvpush doctor`'s test write.
+        `theirs`, the peer's (from its published metadata): a test of the data plane that
+        touches no KV block (`kvpush.runtime.services`).
 
         The peer must have been added, for messages only or not. Completes as a block
         write does (`WriteDone`/`WriteFailed` from `poll()`), with no notification.
@@ -150,7 +151,7 @@ class Transport(abc.ABC):
         scratch buffer here or `nbytes` outside either buffer (LOCAL_ERROR)."""
 
     def description(self) -> dict[str, str]:
-        """What this data plane is and how it is configured, for `kvpush doctor`."""
+        """What this data plane is and how it is configured, for reports."""
         return {"transport": type(self).__name__}
 
     @abc.abstractmethod

@@ -1,24 +1,26 @@
-"""`kvpush doctor`'s test writes, run by the driver beside the protocol's transfers.
+"""`kvpush doctor`'s test writes on one rank: a `RuntimeService` its runtime drives.
 
-A check (`Probes.submit`, then `start` on the driver) names a receiver by its
-side-channel address and a seed. The driver looks the receiver up on a lookup pool of
-its own; once its metadata is in, the peer is loaded on the transport (as the protocol
-would load it) and our scratch buffer is filled with `scratch.pattern(seed)`. Then the
-writes go out one at a time, small ones first (`scratch.PROBE_SIZES`, `PROBE_WRITES`
-each), each timed from its post to its `WriteDone` on the driver's thread. A check ends
-`ok` after the last write, `failed` at the first error or after `PROBE_TIMEOUT_S`, or
-`refused` when another was running. Its report stays readable from any thread without
-waiting for the driver (the side channel's thread reads it).
+A check (`RankProbe.start_probe`) names a receiver by its side-channel address and a
+seed. The probe looks the receiver up on a lookup pool of its own (so that a check never
+waits behind, or holds up, a transfer's handshake to the same address); once its
+metadata is in, the runtime lends it the peer (loaded as the protocol would load it) and
+our scratch buffer is filled with `scratch.pattern(seed)`. Then the writes go out one at
+a time, small ones first (`scratch.PROBE_SIZES`, `PROBE_WRITES` each), each timed from
+its post to its end on the runtime's thread. A check ends `ok` after the last write,
+`failed` at the first error or after `PROBE_TIMEOUT_S`, or `refused` when another was
+running. Its report stays readable from any thread without waiting for the runtime (the
+side channel's thread reads it).
 
-What keeps it apart from the cache: write ids below zero (the protocol's are positive),
-a buffer that is never a KV block, and a receiver whose published buffer overlaps its
-KV cache is refused before anything is written. One check runs at a time per rank, and
-none starts while a write of an earlier one that timed out is still out: the bytes a
-check can move are bounded.
+What keeps it apart from the cache: write ids from the runtime's service range (below
+zero; the protocol's are positive), a buffer that is never a KV block, and a receiver
+whose published buffer overlaps its KV cache is refused before anything is written. One
+check runs at a time per rank, and none starts while a write of an earlier one that timed
+out is still out: the bytes a check can move are bounded.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import statistics
@@ -27,14 +29,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvpush.errors import KVPushError, TransportError
+from kvpush.doctor_probe.scratch import PROBE_SIZES, PROBE_WRITES, ScratchBuffer, pattern
+from kvpush.errors import KVPushError, LocalProtocolError, TransportError
 from kvpush.geometry import ScratchRegion
-from kvpush.protocol import PeerAddress
-from kvpush.runtime.scratch import PROBE_SIZES, PROBE_WRITES, ScratchBuffer, pattern
+from kvpush.runtime import PeerAddress
+from kvpush.runtime.directory import LookupPool
+from kvpush.runtime.services import RuntimeService, ServiceHost
 from kvpush.sidechannel import PeerMetadata
-from kvpush.transports.base import Transport
 
-__all__ = ["PROBE_TIMEOUT_S", "ProbeRefused", "ProbeReport", "Probes"]
+__all__ = ["PROBE_TIMEOUT_S", "ProbeRefused", "ProbeReport", "RankProbe"]
 
 log = logging.getLogger(__name__)
 
@@ -95,49 +98,54 @@ class _Check:
     deadline: float
     peer_agent: str = ""
     their_device: str = ""
-    loads: bool = False  # it asked for its peer to be loaded (`release` at its end)
+    loads: bool = False  # it was lent its peer (`return_peer` at its end)
     theirs: ScratchRegion | None = None  # the receiver's buffer, once looked up
     todo: list[int] = field(default_factory=list)  # sizes still to write
     writing: tuple[int, int, float] | None = None  # (write id, bytes, posted at)
     writes: list[tuple[int, float]] = field(default_factory=list)
 
 
-class Probes:
-    """The checks of one rank. Touched only by whichever thread drives the runtime,
-    but for `submit` and `report`, which any thread may call.
+class RankProbe(RuntimeService):
+    """The checks of one rank. `scratch`: the rank owns a scratch buffer that checks
+    write from and into (else it refuses them, naming why). Its steps run on the
+    runtime's thread; `start_probe`, `probe_report` and `scratch_digest` may be called
+    from any thread. The writes are timed on `timer`, deadlines are on the runtime's
+    clock."""
 
-    `lookup` asks for a receiver's metadata (its answer comes back as `on_lookup`);
-    `load` puts a looked-up peer on the transport unless it is there (raising
-    `KVPushError` if it cannot be); `release`, at the check's end, lets go of it unless
-    someone else (the protocol) had it or took it meanwhile. Deadlines are on `clock`
-    (the runtime's), the writes are timed on `timer`."""
-
-    def __init__(
-        self,
-        transport: Transport,
-        scratch: ScratchBuffer | None,
-        *,
-        lookup: Callable[[PeerAddress], None],
-        load: Callable[[PeerMetadata], None],
-        release: Callable[[str], None],
-        clock: Callable[[], float],
-        timer: Callable[[], float] = time.perf_counter,
-    ) -> None:
-        self._transport = transport
-        self._scratch = scratch
-        self._lookup = lookup
-        self._load = load
-        self._release = release
-        self._clock = clock
+    def __init__(self, scratch: bool, *, timer: Callable[[], float] = time.perf_counter) -> None:
+        self._wants_scratch = scratch
         self._timer = timer
-        self._ids = itertools.count(1)
-        self._write_ids = itertools.count(-1, -1)
+        self._host: ServiceHost | None = None
+        self._scratch: ScratchBuffer | None = None
+        self._lookups: LookupPool | None = None
         self._check: _Check | None = None
         self._stale: set[int] = set()  # writes of timed-out checks, still out
         # Reports are read from any thread (the side channel's), never waiting for the
-        # driver: guarded by _lock, as is the id counter.
+        # runtime: guarded by _lock, as is the id counter.
         self._lock = threading.Lock()
+        self._ids = itertools.count(1)
         self._reports: dict[int, ProbeReport] = {}
+
+    # ------------------------------------------------------------------ the service
+
+    def start(self, host: ServiceHost) -> None:
+        self._host = host
+        if self._wants_scratch:
+            # On the cache's device: the check crosses the data plane the KV does.
+            regions = host.geometry.regions
+            self._scratch = ScratchBuffer(regions[0].device if regions else "cpu")
+            host.offer_scratch(self._scratch.region)
+        self._lookups = LookupPool(
+            host.directory,
+            lambda a, m, e: host.run(functools.partial(self._on_lookup, a, m, e)),
+            name=f"kvpush-doctor-{host.transport.agent_name}",
+            max_workers=2,
+        )
+        self._lookups.start()
+
+    def close(self, timeout: float) -> None:
+        if self._lookups is not None:
+            self._lookups.close(timeout)
 
     @property
     def busy(self) -> bool:
@@ -146,9 +154,23 @@ class Probes:
         never ends does not keep the runtime polling at its busy rate.)"""
         return self._check is not None
 
-    def submit(self, target: PeerAddress, seed: bytes) -> int:
-        """Any thread: a new check's id, reported "running" until the driver takes it
-        (`start`). Raises `ProbeRefused` on a rank without a scratch buffer."""
+    # ------------------------------------------------------------------ any thread
+
+    def start_probe(self, target: PeerAddress, seed: bytes) -> int:
+        """Start a check: test writes from our scratch buffer into `target`'s. Returns
+        its id at once, for `probe_report`, reported "running" until it ends; the check
+        runs on the runtime's thread. Raises `ProbeRefused` (why) when this rank cannot
+        run one (no scratch buffer, a bad seed, the runtime not running)."""
+        if not isinstance(target, PeerAddress):
+            raise LocalProtocolError(
+                f"target must be a kvpush.runtime.PeerAddress(host, port, rank), got {target!r}"
+            )
+        if not isinstance(seed, bytes) or not 8 <= len(seed) <= 64:
+            raise ProbeRefused(f"a check's seed must be 8 to 64 bytes, got {seed!r:.80}")
+        host = self._host
+        failure = "not started" if host is None else host.failure()
+        if host is None or failure is not None:
+            raise ProbeRefused(f"the runtime is not running: {failure}")
         if self._scratch is None:
             raise ProbeRefused(
                 "this rank has no scratch buffer: its server was started without a token "
@@ -157,12 +179,34 @@ class Probes:
         with self._lock:
             probe_id = next(self._ids)
         self._publish(_Check(probe_id, target, seed, float("inf")), "running")
+        # To the runtime's thread, never the caller's: loading the peer may wait on the
+        # network, and the caller is a side channel that serves others.
+        host.run(functools.partial(self._start, probe_id, target, seed))
         return probe_id
 
-    def start(self, probe_id: int, target: PeerAddress, seed: bytes) -> None:
-        """On the driver: run check `probe_id`, unless one is running or a write of one
-        that timed out is still out (then it ends "refused", saying which)."""
-        check = _Check(probe_id, target, seed, self._clock() + PROBE_TIMEOUT_S)
+    def probe_report(self, probe_id: int) -> ProbeReport | None:
+        """Where check `probe_id` stands; None for an id this rank does not know (any
+        more: the last few are kept). Never waits for the runtime's thread."""
+        with self._lock:
+            return self._reports.get(probe_id)
+
+    def scratch_digest(self, nbytes: int) -> str:
+        """The SHA-256 of our scratch buffer's first `nbytes` bytes, as they are now."""
+        if self._scratch is None:
+            raise ProbeRefused("this rank has no scratch buffer")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise ProbeRefused(f"expected a byte count, got {nbytes!r}")
+        if not 0 < nbytes <= self._scratch.region.nbytes:
+            raise ProbeRefused(f"expected 1 to {self._scratch.region.nbytes} bytes, got {nbytes}")
+        return self._scratch.digest(nbytes)
+
+    # ------------------------------------------------------------------ its steps
+
+    def _start(self, probe_id: int, target: PeerAddress, seed: bytes) -> None:
+        """Run check `probe_id`, unless one is running or a write of one that timed out
+        is still out (then it ends "refused", saying which)."""
+        assert self._host is not None and self._lookups is not None  # start_probe checked
+        check = _Check(probe_id, target, seed, self._host.clock() + PROBE_TIMEOUT_S)
         if self._check is not None:
             self._publish(check, "refused", f"check {self._check.probe_id} is still running here")
             return
@@ -175,24 +219,18 @@ class Probes:
             )
             return
         self._check = check
-        self._lookup(target)
+        self._lookups.submit(target)
 
-    def report(self, probe_id: int) -> ProbeReport | None:
-        """Any thread: where check `probe_id` stands (the last few are kept)."""
-        with self._lock:
-            return self._reports.get(probe_id)
-
-    # ------------------------------------------------------------------ its steps
-
-    def on_lookup(self, target: PeerAddress, meta: PeerMetadata | None, error: object) -> None:
-        check = self._check
+    def _on_lookup(self, target: PeerAddress, meta: PeerMetadata | None, error: object) -> None:
+        check, host = self._check, self._host
         if check is None or check.target != target or check.theirs is not None:
             return
+        assert host is not None
         if meta is None:
             self._end(check, f"the receiver's side channel could not be used: {error}")
             return
         check.peer_agent = meta.agent_name
-        if meta.agent_name == self._transport.agent_name:
+        if meta.agent_name == host.transport.agent_name:
             self._end(check, "that address serves this rank itself")
             return
         theirs = meta.scratch
@@ -215,12 +253,12 @@ class Probes:
         check.their_device = theirs.device
         check.loads = True
         try:
-            self._load(meta)
+            host.lend_peer(meta)
         except KVPushError as exc:
             why = exc.detail if isinstance(exc, TransportError) else str(exc)
             self._end(check, f"our data plane could not load {meta.agent_name}: {why}")
             return
-        assert self._scratch is not None  # start() refuses without one
+        assert self._scratch is not None  # start_probe refuses without one
         self._scratch.fill(pattern(check.seed, max(PROBE_SIZES)))
         check.theirs = theirs
         check.todo = [n for n in PROBE_SIZES for _ in range(PROBE_WRITES)]
@@ -243,7 +281,7 @@ class Probes:
 
     def tick(self) -> None:
         check = self._check
-        if check is None or self._clock() < check.deadline:
+        if check is None or self._host is None or self._host.clock() < check.deadline:
             return
         if check.writing is not None:
             self._stale.add(check.writing[0])
@@ -255,15 +293,15 @@ class Probes:
         self._end(check, f"{what} within {PROBE_TIMEOUT_S:g} s")
 
     def _next_write(self, check: _Check) -> None:
-        assert check.theirs is not None  # set before the first write
+        assert check.theirs is not None and self._host is not None  # set before the first
         if not check.todo:
             self._end(check, None)
             return
         nbytes = check.todo.pop(0)
-        write_id = next(self._write_ids)
+        write_id = self._host.write_id()
         check.writing = (write_id, nbytes, self._timer())
         try:
-            self._transport.write_scratch(check.peer_agent, write_id, nbytes, check.theirs)
+            self._host.transport.write_scratch(check.peer_agent, write_id, nbytes, check.theirs)
         except KVPushError as exc:
             check.writing = None
             self._end(check, f"write {len(check.writes) + 1} ({nbytes} bytes) not started: {exc}")
@@ -271,10 +309,11 @@ class Probes:
     def _end(self, check: _Check, error: str | None) -> None:
         self._check = None
         self._publish(check, "failed" if error else "ok", error or "")
-        if check.loads:
-            self._release(check.peer_agent)
+        if check.loads and self._host is not None:
+            self._host.return_peer(check.peer_agent)
 
     def _publish(self, check: _Check, state: str, detail: str = "") -> None:
+        host = self._host
         report = ProbeReport(
             check.probe_id,
             state,
@@ -283,7 +322,7 @@ class Probes:
             check.peer_agent,
             check.their_device,
             tuple(check.writes),
-            self._transport.description(),
+            host.transport.description() if host is not None else {},
         )
         with self._lock:
             self._reports[check.probe_id] = report

@@ -3,7 +3,7 @@
 A rank that allows doctor writes (it has a token, or its operator allowed them) owns
 one `ScratchBuffer` of `SCRATCH_BYTES` beside its KV cache, on the cache's device, and
 registers it with its transport. A doctor check asks the prefill's rank to write into
-the decode's buffer (`kvpush.runtime.probe`): `PROBE_WRITES` writes of two sizes, each
+the decode's buffer (`kvpush.doctor_probe.rank`): `PROBE_WRITES` writes of two sizes, each
 carrying `pattern(seed, size)`. The doctor then asks the decode for the `digest` of its
 buffer and compares it with the digest of the pattern it chose: the bytes crossed the
 data plane intact, or they did not. No KV block is read or written on the way.
