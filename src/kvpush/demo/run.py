@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+from kvpush.metrics_text import parse_metrics, series
 from kvpush.procs.readiness import free_port
 from kvpush.procs.server_process import ServerProcess
 from kvpush.stats import percentile
@@ -205,12 +206,8 @@ def make_load_prompts(n: int, seed: int) -> list[str]:
 
 
 def metric_values(text: str) -> dict[str, float]:
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
+    """Each sample of a `/metrics` answer by its series (`name{label="value",...}`)."""
+    return {series(s): s.value for s in parse_metrics(text)}
 
 
 def metric_sum(values: dict[str, float], prefix: str, *must: str) -> float:

@@ -1,10 +1,10 @@
-"""A server's `/health` (JSON) and `/metrics` (Prometheus text), each fetched once with a
-deadline. Standard library only: the doctor runs where the serving extras are not installed.
+"""A server's `/health` (JSON, `kvpush.health`) and `/metrics` (Prometheus text,
+`kvpush.metrics_text`), each fetched once with a deadline. No HTTP library but the
+standard one: the doctor runs where the serving extras are not installed.
 """
 
 from __future__ import annotations
 
-import re
 import time
 import urllib.error
 import urllib.request
@@ -19,6 +19,7 @@ from kvpush.health import (
     decode_proxy_health,
     decode_server_health,
 )
+from kvpush.metrics_text import MalformedMetrics, Sample, parse_metrics
 
 
 def base_url(url: str) -> str:
@@ -86,45 +87,13 @@ def get_proxy_health(base: str, timeout_s: float) -> ProxyHealth:
     return decode_proxy_health(answer.body, f"GET {base}/health")
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    name: str
-    labels: dict[str, str]
-    value: float
-
-
-def parse_metrics(text: str) -> list[Sample]:
-    """The samples of a Prometheus text exposition; comments and odd lines are skipped."""
-    out = []
-    for line in text.splitlines():
-        match = _SAMPLE.match(line.strip())
-        if match is None:
-            continue
-        name, labels, value = match.groups()
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        out.append(Sample(name, dict(_LABEL.findall(labels or "")), number))
-    return out
-
-
 def get_metrics(base: str, timeout_s: float) -> list[Sample]:
+    """The samples of `/metrics` (`kvpush.metrics_text`); an answer that is not of the
+    Prometheus text format is an `HttpFailed` saying what was wrong."""
     answer = get(f"{base}/metrics", timeout_s)
     if answer.status != 200:
         raise HttpFailed(f"GET {base}/metrics answered {answer.status}")
-    return parse_metrics(answer.body)
-
-
-def total(samples: list[Sample], name: str, **labels: str) -> float | None:
-    """The sum of `name`'s samples whose labels include `labels`; None if there are none."""
-    chosen = [
-        s.value
-        for s in samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    ]
-    return sum(chosen) if chosen else None
+    try:
+        return parse_metrics(answer.body)
+    except MalformedMetrics as exc:
+        raise HttpFailed(f"GET {base}/metrics: {exc}") from None

@@ -9,9 +9,10 @@ import time
 import msgspec
 
 from kvpush.doctor.checks.options import ROLES, DoctorOptions, Observed, http_failed
-from kvpush.doctor.http import HttpFailed, Sample, get_health, get_metrics, total
+from kvpush.doctor.http import HttpFailed, get_health, get_metrics
 from kvpush.doctor.report import StepResult, Verdict
 from kvpush.health import ServerHealth
+from kvpush.metrics_text import Sample, total
 
 
 def check_health(options: DoctorOptions, seen: Observed, step: StepResult) -> None:
