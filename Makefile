@@ -33,8 +33,8 @@ demo: $(STAMP)
 	$(BIN)/kvpush demo
 
 lint: $(STAMP)
-	$(BIN)/ruff format --check src tests scripts
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests tools scripts
+	$(BIN)/ruff check src tests tools
 	$(BIN)/lint-imports
 
 typecheck: $(STAMP)
