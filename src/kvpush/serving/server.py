@@ -100,34 +100,9 @@ class ServerSettings:
 
 
 def create_app(
-    worker: EngineWorker,
-    tokenizer: Tokenizer,
-    registry: Registry,
-    *,
-    model_name: str,
-    role: str,
-    vocab_size: int,
-    max_model_len: int,
-    prepare: Prepare | None = None,
-    health_extra: Callable[[], dict[str, object]] | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    chat_template: str | None = None,
-    internal_token: str | None = None,
-    metrics_extra: Callable[[], None] | None = None,
+    worker: EngineWorker, tokenizer: Tokenizer, registry: Registry, settings: ServerSettings
 ) -> FastAPI:
-    settings = ServerSettings(
-        model_name=model_name,
-        role=role,
-        vocab_size=vocab_size,
-        max_model_len=max_model_len,
-        prepare=prepare,
-        health_extra=health_extra,
-        max_body_bytes=max_body_bytes,
-        chat_template=chat_template,
-        internal_token=internal_token,
-        metrics_extra=metrics_extra,
-    )
-    app = FastAPI(title=f"kvpush {role} server", docs_url=None, redoc_url=None)
+    app = FastAPI(title=f"kvpush {settings.role} server", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     worker.on_stats = lambda s: update_engine_metrics(registry, s)
     app.include_router(ServerRoutes(worker, tokenizer, registry, settings).router())
