@@ -122,9 +122,9 @@ def _error_text(resp: httpx.Response) -> str:
 
 def proxy_registry() -> Registry:
     r = Registry()
-    r.counter("kvpush_proxy_requests_total", "Client requests by outcome.")
+    r.counter("kvpush_proxy_requests_total", "Client requests by outcome.", ["outcome"])
     r.counter("kvpush_proxy_prefill_aborts_total", "Prefill legs cancelled: the decode leg failed.")
-    r.gauge("kvpush_proxy_in_flight", "Requests in flight per backend.")
+    r.gauge("kvpush_proxy_in_flight", "Requests in flight per backend.", ["pool", "url"])
     r.counter(
         "kvpush_proxy_body_disconnects_total",
         "Clients that went away while their body was read.",
