@@ -14,7 +14,7 @@ from kvpush.serving.engine import Engine, SpecConfig
 from kvpush.serving.http import Terminated, stopped_by_sigterm
 from kvpush.serving.metrics import serving_registry
 from kvpush.serving.options import ServeOptions
-from kvpush.serving.server import create_app
+from kvpush.serving.server import ServerSettings, create_app
 from kvpush.serving.worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -55,10 +55,7 @@ def serve(options: ServeOptions) -> int:
         worker, bridge, prepare, health_extra = build_role(options, engine, registry, token)
     else:
         worker = EngineWorker(engine, admission=options.admission())
-    app = create_app(
-        worker,
-        loaded.tokenizer,
-        registry,
+    settings = ServerSettings(
         model_name=name,
         role=options.role,
         vocab_size=loaded.config.vocab_size,
@@ -70,6 +67,7 @@ def serve(options: ServeOptions) -> int:
         internal_token=token,
         metrics_extra=None if bridge is None else lambda: bridge.update_metrics(registry),
     )
+    app = create_app(worker, loaded.tokenizer, registry, settings)
     config = uvicorn.Config(
         app,
         host=unbracket_host(options.host),

@@ -42,8 +42,9 @@ from kvpush.serving.engine import (
     SamplingParams,
 )
 from kvpush.serving.metrics import Registry, RegistryTransferMetrics
+from kvpush.serving.openai_request import BadRequest, CompletionRequest
 from kvpush.serving.paged import KV_LAYOUT
-from kvpush.serving.server import BadRequest, CompletionRequest, Prepare
+from kvpush.serving.server import Prepare
 from kvpush.serving.worker import Accepted, AdmissionConfig, Done, EngineWorker, Job, Rejected
 from kvpush.transfer_metrics import record_ended
 from kvpush.transfer_params import (
