@@ -10,10 +10,11 @@ from pathlib import Path
 from kvpush.config import load_token
 from kvpush.net import unbracket_host
 from kvpush.serving.checkpoint import load_model
-from kvpush.serving.engine import Engine, SpecConfig
+from kvpush.serving.engine import Engine
 from kvpush.serving.http import Terminated, stopped_by_sigterm
 from kvpush.serving.metrics import serving_registry
 from kvpush.serving.options import ServeOptions
+from kvpush.serving.sampling import SpecConfig
 from kvpush.serving.server import ServerSettings, create_app
 from kvpush.serving.worker import EngineWorker
 

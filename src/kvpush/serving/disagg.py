@@ -35,15 +35,11 @@ from kvpush.config import TimingConfig
 from kvpush.errors import FailureReason, KVPushError
 from kvpush.kvcache import KVLayout, register_kv_cache
 from kvpush.node import Node, NodeIdentity, RankSettings, TransportFactory, nixl_transport
-from kvpush.serving.engine import (
-    Engine,
-    FinishReason,
-    RequestRejected,
-    SamplingParams,
-)
+from kvpush.serving.engine import Engine, FinishReason
 from kvpush.serving.metrics import Registry, RegistryTransferMetrics
 from kvpush.serving.openai_request import BadRequest, CompletionRequest
 from kvpush.serving.paged import KV_LAYOUT
+from kvpush.serving.sampling import RequestRejected, SamplingParams
 from kvpush.serving.server import Prepare
 from kvpush.serving.worker import Accepted, AdmissionConfig, Done, EngineWorker, Job, Rejected
 from kvpush.transfer_metrics import record_ended

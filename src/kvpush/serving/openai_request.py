@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpush.serving.checkpoint import Tokenizer
-from kvpush.serving.engine import SamplingParams
+from kvpush.serving.sampling import SamplingParams
 
 
 class BadRequest(Exception):
