@@ -217,6 +217,20 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
         out.finished_sending |= ended.finished_sending
         return out
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """None, ever: a failed receive fails its whole request, in `failed_recving`.
+
+        That alone keeps every block a failed transfer touched out of vLLM's prefix
+        cache: a request loading asynchronously holds blocks allocated uncached
+        (`delay_cache_blocks`), and vLLM caches them only when the load ended without
+        failure; a failed one, under `kv_load_failure_policy: "recompute"`, restarts
+        from no computed token and frees its blocks unhashed, so nothing can match
+        them (docs/vllm.md, "Failures and vLLM's failure policy"). Naming the blocks
+        here as well would add nothing (its computed tokens are already none), and
+        vLLM refuses block-level errors outright for a model of several KV-cache
+        groups (a RuntimeError in its scheduler)."""
+        return set()
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self._worker.take_stats() if self._worker is not None else None
 
