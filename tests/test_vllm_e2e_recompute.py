@@ -3,9 +3,10 @@
 fp8_e4m3`, which vLLM-CPU runs on x86 with AVX-512 or AMX).
 
 - fp8 KV: each side channel names the cache as the compatibility check sees it (format
-  and per-layer scales; `tests/test_vllm_worker_fp8.py` has the refusal of a peer whose
-  differ), and every request of every round, moved fp8 bytes included, has a single
-  fp8 instance's tokens and logprobs.
+  and per-layer scales), every request of every round, moved fp8 bytes included, has a
+  single fp8 instance's tokens and logprobs, and a third server, a decode storing
+  fp8_e5m2, is refused by the handshake, naming both caches
+  (`tests/test_vllm_worker_fp8.py` has other scales and unquantized peers too).
 - Recompute on failure: the prefill is killed (SIGKILL, the whole server) in the
   middle of a batch, and every request still answers 200 with the single instance's
   tokens, the decode computing the prompt of each one whose transfer failed; a block
@@ -14,7 +15,7 @@ fp8_e4m3`, which vLLM-CPU runs on x86 with AVX-512 or AMX).
   prefill, a round with shared prefixes matches again, and neither server holds a
   request or a KV block at the end.
 
-No third server: the reference answers come from the prefill server before anything
+No reference server: the reference answers come from the prefill server before anything
 moves, each prompt alone and without `kv_transfer_params`, so it computes the whole
 request itself, as a single instance does (same model, flags, cache dtype and threads;
 its connector takes no part in a request that names no transfer).
@@ -89,6 +90,8 @@ class Pair:
     prefill: VllmServer
     decode: VllmServer
     reference: dict[str, Outcome]
+    # A decode server whose cache is another fp8 format (stopped by the test using it).
+    other_decode: VllmServer
 
     @property
     def servers(self) -> list[VllmServer]:
@@ -100,7 +103,10 @@ CACHE_DTYPE = "fp8_e4m3"
 CACHE_NAMED = f"uint8 holding {CACHE_DTYPE} (k_scale 1.0, v_scale 1.0 in every layer)"
 
 
-def _spec(name: str, role: str, policy: str = "fail") -> ServerSpec:
+OTHER_CACHE_DTYPE = "fp8_e5m2"
+
+
+def _spec(name: str, role: str, policy: str = "fail", cache_dtype: str = CACHE_DTYPE) -> ServerSpec:
     return ServerSpec(
         name=name,
         host=HOST,
@@ -110,7 +116,7 @@ def _spec(name: str, role: str, policy: str = "fail") -> ServerSpec:
         side_channel_port=free_port(HOST),
         extra_config={**TIMING, "handshake_timeout_ms": 10000},
         failure_policy=policy,
-        extra_args=("--kv-cache-dtype", CACHE_DTYPE),
+        extra_args=("--kv-cache-dtype", cache_dtype),
     )
 
 
@@ -163,15 +169,21 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         log_dir=log_dir,
         python=python,
     )
-    servers = [prefill, decode]
+    other = VllmServer(
+        _spec("decode-e5m2", "kv_consumer", cache_dtype=OTHER_CACHE_DTYPE),
+        model=model,
+        log_dir=log_dir,
+        python=python,
+    )
+    servers = [prefill, decode, other]
     try:
-        for server in servers:  # both at once: a start is mostly waiting
+        for server in servers:  # all at once: a start is mostly waiting
             server.start()
         for server in servers:
             server.wait_ready()
-        _warm_up(str(model), servers)
+        _warm_up(str(model), [prefill, decode])
         reference = _reference(str(model), prefill)
-        yield Pair(str(model), prefill, decode, reference)
+        yield Pair(str(model), prefill, decode, reference, other)
     finally:
         for server in servers:
             server.stop()
@@ -243,6 +255,47 @@ def test_each_side_channel_names_the_fp8_cache_with_its_scales(
         said = json.loads(capsys.readouterr().out)
         assert code == 0, said
         assert said["dtype"] == CACHE_NAMED, said
+
+
+def test_a_decode_of_another_fp8_format_is_refused_naming_both(pair: Pair) -> None:
+    """A decode server storing fp8_e5m2 asks the fp8_e4m3 prefill for a request's KV:
+    the handshake refuses the pair before anything is written, the decode's log naming
+    both caches, its transfer counted failed as an incompatible peer, and the request
+    fails (this decode's policy is vLLM's default, `fail`). The server is stopped
+    afterwards, before the kill test."""
+    other = pair.other_decode
+    prompt = PROMPTS[0]
+    tid = f"fp8-mismatch-{time.monotonic_ns()}"
+    name = "vllm:kvpush_transfers_total"
+    labels = {"side": "receiver", "outcome": "failed", "reason": "incompatible_peer"}
+
+    async def run() -> tuple[Outcome, float]:
+        async with client() as http:
+            params = {
+                "do_remote_prefill": True,
+                "remote_host": HOST,
+                "remote_port": pair.prefill.spec.side_channel_port,
+                "tp_size": 1,
+                "transfer_id": tid,
+            }
+            body = completion_body(prompt, pair.model, MAX_TOKENS, kv_transfer_params=params)
+            decode_leg = asyncio.ensure_future(complete(http, other.url, body))
+            prefill_leg = _prefill_leg(pair, http, prompt, tid)
+            assert (await prefill_leg).ok
+            outcome = await decode_leg
+            return outcome, await _counter(http, other.url, name, 1.0, **labels)
+
+    try:
+        outcome, refused = asyncio.run(run())
+        assert not outcome.ok, "a decode of another fp8 format was served the prefill's KV"
+        assert refused == 1.0
+        said = other.log_path.read_text(errors="replace")
+        ours = f"uint8 holding {OTHER_CACHE_DTYPE} (k_scale 1.0, v_scale 1.0 in every layer)"
+        assert f"differs in dtype: theirs {CACHE_NAMED!r}, ours {ours!r}" in said, servers_said(
+            [other]
+        )
+    finally:
+        other.stop()
 
 
 def test_prefill_killed_mid_batch_every_request_recomputed_right_then_shared_prefixes(
