@@ -47,7 +47,8 @@ import pytest
 from helpers.vllm_e2e import HOST, LIVENESS_BOUND_S, MAX_TOKENS, PROMPTS, TIMING
 from kvpush.cli import main as cli_main
 from kvpush.errors import ConfigError
-from kvpush.lab.vllm_servers import (
+from kvpush.procs.readiness import free_port
+from kvpush_lab.vllm_servers import (
     Outcome,
     ServerSpec,
     VllmServer,
@@ -63,7 +64,6 @@ from kvpush.lab.vllm_servers import (
     vllm_python,
     wait_quiescent,
 )
-from kvpush.procs.readiness import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
