@@ -88,6 +88,11 @@ def serve(options: ServeOptions) -> int:
         # gracefully: being stopped is this command's normal end.
         pass
     finally:
+        # No new legs come in now (HTTP stopped): the transfers held may still finish
+        # within the drain bound; closing the runtime then hands back the rest and
+        # tells each peer (Failed, Cancel, Reject), so nobody waits for a deadline.
+        if bridge is not None and server.started:
+            bridge.drain(options.drain_s)
         worker.close()
         if bridge is not None:
             bridge.close()
