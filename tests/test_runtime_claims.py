@@ -114,12 +114,14 @@ def test_an_unclaimed_transfer_is_given_up_at_the_window_well_before_the_deadlin
 def test_a_claimed_transfer_outlives_several_windows_and_its_bytes_arrive(pair: Pair) -> None:
     pair.sender.send("t1", [3, 4])
     pair.receiver.claim("t1", pair.sender_address)
+    assert pair.receiver.statistics().claimed == 1
     pair.run(3 * WINDOW)
     assert pair.sender.transfer_state("t1", "sender") is not None, "given up while claimed"
     pair.receiver.receive("t1", pair.sender_address, [9, 10])
     [sent] = wait_results(pair.sender)
     [received] = wait_results(pair.receiver)
     assert sent.ok and received.ok
+    assert pair.receiver.statistics().claimed == 0  # the Register speaks for it now
     p, d = pair.kv["p-1"], pair.kv["d-1"]
     for region in range(len(p.geometry.regions)):
         assert d.block(region, 9) == p.block(region, 3)

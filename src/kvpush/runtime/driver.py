@@ -847,5 +847,6 @@ class Driver:
             oldest_in_flight_s=max(0.0, now - min(began)) if began else None,
             sending_transfers=sending_ids,
             receiving_transfers=receiving_ids,
+            claimed=len(receiver.claimed()),
             **counters,  # type: ignore[arg-type]
         )

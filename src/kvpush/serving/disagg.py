@@ -799,6 +799,7 @@ class KVBridge:
                 "handshakes_in_flight": s.handshakes_in_flight,
                 "blocks_held_sending": s.blocks_held_sending,
                 "blocks_held_receiving": s.blocks_held_receiving,
+                "claimed": s.claimed,
                 "finished": s.finished,
                 "failed": s.failed,
                 "failures": s.failures,
