@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -87,6 +88,12 @@ def serve(options: ServeOptions) -> int:
         # gracefully: being stopped is this command's normal end.
         pass
     finally:
+        # No new legs come in now (HTTP stopped): the transfers held may still finish
+        # within the drain bound; closing the runtime then hands back the rest and
+        # tells each peer (Failed, Cancel, Reject), so nobody waits for a deadline.
+        if bridge is not None and server.started:
+            with contextlib.suppress(KeyboardInterrupt):  # a second ^C: close at once
+                bridge.drain(options.drain_s)
         worker.close()
         if bridge is not None:
             bridge.close()
