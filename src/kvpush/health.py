@@ -68,6 +68,7 @@ class TransferFigures(msgspec.Struct, frozen=True):
     handshakes_in_flight: Count = 0
     blocks_held_sending: Count = 0
     blocks_held_receiving: Count = 0
+    claimed: Count = 0  # queued requests whose senders our heartbeats claim them from
     finished: Count = 0
     failed: Count = 0
     failures: dict[str, Count] = {}  # by failure reason

@@ -1,5 +1,5 @@
 """A server's `/metrics` (the Prometheus text format), read once, by `prometheus_client`'s
-parser: the doctor and the demo take their figures from these samples, and neither
+parser: the diagnostics and the demo take their figures from these samples, and neither
 parses the format by hand."""
 
 from __future__ import annotations
