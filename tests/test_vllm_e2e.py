@@ -324,8 +324,11 @@ async def _nixl(http: httpx.AsyncClient, url: str) -> dict[str, float]:
     """One scrape of a server: what a dashboard reads from the vllm:nixl_* series (and
     whether each is there, of its type), beside kvpush's own transfer counts."""
     text = (await http.get(f"{url}/metrics", timeout=10)).text
+    # (The text format names a counter's family after its sample, `_total` included.)
     out = {
-        f"{name} is a {kind}": float(f"# TYPE {name} {kind}" in text)
+        f"{name} is a {kind}": float(
+            f"# TYPE {name}{'_total' if kind == 'counter' else ''} {kind}\n" in text
+        )
         for name, kind in NIXL_SERIES.items()
     }
     for name, kind in NIXL_SERIES.items():

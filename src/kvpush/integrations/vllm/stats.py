@@ -71,22 +71,8 @@ _SECONDS_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 _NIXL_POST_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0]
 _NIXL_XFER_BUCKETS = _NIXL_POST_BUCKETS[1:]
 _NIXL_BYTES_BUCKETS = [2 ** (10 + i) for i in range(1, 25, 2)]  # 2 KiB to 8 GiB
-_NIXL_DESCRIPTOR_BUCKETS = [
-    10,
-    20,
-    30,
-    50,
-    75,
-    100,
-    200,
-    400,
-    1000,
-    2000,
-    4000,
-    10000,
-    20000,
-    50000,
-]
+_NIXL_DESCRIPTOR_BUCKETS = [10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000]
+_NIXL_DESCRIPTOR_BUCKETS += [20000, 50000]
 # Per finished sending part that wrote, as vLLM's `NixlKVConnectorStats` keeps them per
 # NIXL transfer: its lists, under its keys.
 _NIXL_LISTS = ("transfer_duration", "post_duration", "bytes_transferred", "num_descriptors")
