@@ -28,8 +28,8 @@ from helpers.vllm_venv import SRC, run_in_vllm_venv
 from kvpush.cli import build_parser
 from kvpush.errors import ConfigError
 from kvpush.integrations.vllm.params import EXTRA_CONFIG_KEYS
-from kvpush.lab.vllm_servers import KVPUSH_MODULE, vllm_python
 from kvpush.procs.readiness import free_port
+from kvpush_lab.vllm_servers import KVPUSH_MODULE, vllm_python
 
 MANIFEST = Path(__file__).resolve().parents[1] / "docs" / "deploy" / "llm-d.yaml"
 # The oldest and newest Kubernetes releases whose schemas kubernetes-validate ships.

@@ -10,9 +10,10 @@ import torch
 
 from kvpush.errors import ConfigError
 from kvpush.serving.checkpoint import LoadedModel, load_model, make_model
-from kvpush.serving.engine import Engine, RequestRejected, SamplingParams, SpecConfig
+from kvpush.serving.engine import Engine
 from kvpush.serving.model import SeqSlice
 from kvpush.serving.paged import BlockAllocator, OutOfBlocks, PagedKVCache
+from kvpush.serving.sampling import RequestRejected, SamplingParams, SpecConfig
 
 TEXTS = [
     "Hello world, this is kvpush.",

@@ -1,4 +1,4 @@
-"""The idle-CPU accounting of `scripts/vllm-compare` (`kvpush.lab.proc_cpu`) on real
+"""The idle-CPU accounting of `scripts/vllm-compare` (`kvpush_lab.proc_cpu`) on real
 processes: a tree whose members burn known amounts of CPU (counted by the burners
 themselves, so the host's load does not move the expected figures), a sleeper, an
 orphaned grandchild that only the process group still ties to the tree, and a window
@@ -19,7 +19,7 @@ from typing import TextIO
 
 import pytest
 
-from kvpush.lab.proc_cpu import cpu_used, process_tree, snapshot
+from kvpush_lab.proc_cpu import cpu_used, process_tree, snapshot
 
 # On "burn S", burn S CPU seconds of its own (process_time), then answer "burnt".
 _BURNER = """

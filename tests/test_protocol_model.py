@@ -128,6 +128,7 @@ CAUGHT_IN = {
     "counterpart": "counterparts",
     "incarnation": "incarnations",
     "layer-after-end": "layerwise-stall",
+    "claim-ignored": "claims",
 }
 
 

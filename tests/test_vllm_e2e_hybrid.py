@@ -39,7 +39,9 @@ from helpers.vllm_e2e import HOST, LIVENESS_BOUND_S, MAX_TOKENS, TIMING
 from helpers.vllm_e2e import PROMPTS as COMMON_PROMPTS
 from kvpush.cli import main as cli_main
 from kvpush.errors import ConfigError
-from kvpush.lab.vllm_servers import (
+from kvpush.procs.readiness import free_port
+from kvpush.topology import rank_pairs
+from kvpush_lab.vllm_servers import (
     HYBRID_SLIDING_WINDOW,
     MAMBA_SERVER_ARGS,
     Outcome,
@@ -58,8 +60,6 @@ from kvpush.lab.vllm_servers import (
     vllm_python,
     wait_quiescent,
 )
-from kvpush.procs.readiness import free_port
-from kvpush.topology import rank_pairs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -37,7 +37,9 @@ import pytest
 from helpers.vllm_e2e import HOST, LIVENESS_BOUND_S, MAX_TOKENS, PROMPTS, TIMING
 from kvpush.cli import main as cli_main
 from kvpush.errors import ConfigError
-from kvpush.lab.vllm_servers import (
+from kvpush.procs.readiness import free_port
+from kvpush.topology import rank_pairs
+from kvpush_lab.vllm_servers import (
     MLA_BLOCK_SIZE,
     MLA_SERVER_ARGS,
     Outcome,
@@ -56,8 +58,6 @@ from kvpush.lab.vllm_servers import (
     vllm_python,
     wait_quiescent,
 )
-from kvpush.procs.readiness import free_port
-from kvpush.topology import rank_pairs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

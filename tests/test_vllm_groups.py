@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from kvpush.errors import ConfigError
-from kvpush.lab.vllm_servers import DEFAULT_VLLM_VENV, vllm_python
+from kvpush_lab.vllm_servers import DEFAULT_VLLM_VENV, vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 

@@ -8,7 +8,7 @@ instance, token for token.
   `remote_request_id`), dropping `transfer_id`: 24 requests at once, several rounds;
   at TP 1 into 1, TP 2 into 1 and TP 1 into 2, no leg naming the decode's TP size.
 - Behind a router that sends both legs at once in that dialect, as llm-d's routing
-  sidecar does with a push connector's "push identity" (`kvpush.lab.routers`): the
+  sidecar does with a push connector's "push identity" (`kvpush_lab.routers`): the
   decode registers while the prefill computes, which the prefill counts
   (`vllm:kvpush_sends_registered_first_total`).
 - Two requests under one `X-Request-Id` (a router bug, or a replay), dispatched at once:
@@ -35,8 +35,9 @@ import pytest
 
 from helpers.vllm_e2e import HOST, MAX_TOKENS, PROMPTS, TIMING
 from kvpush.errors import ConfigError
-from kvpush.lab.routers import concurrent_legs, push_identity, start_vllm_router
-from kvpush.lab.vllm_servers import (
+from kvpush.procs.readiness import free_port
+from kvpush_lab.routers import concurrent_legs, push_identity, start_vllm_router
+from kvpush_lab.vllm_servers import (
     Outcome,
     ServerSpec,
     VllmServer,
@@ -51,7 +52,6 @@ from kvpush.lab.vllm_servers import (
     vllm_python,
     wait_quiescent,
 )
-from kvpush.procs.readiness import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

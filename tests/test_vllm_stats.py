@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from helpers.vllm_venv import SRC, run_in_vllm_venv
-from kvpush.lab.vllm_servers import KVPUSH_MODULE
+from kvpush_lab.vllm_servers import KVPUSH_MODULE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 

@@ -26,12 +26,24 @@ class TimingConfig:
     lease_s: float = 5.0
     # A transfer not finished by then fails with DEADLINE_EXCEEDED.
     transfer_deadline_s: float = 60.0
+    # How long a sender holds a submitted transfer that no receiver has registered for:
+    # from submit, and from each receiver heartbeat that claims it (a receiver that has
+    # the request queued, blocks not allocated yet: `PushRuntime.claim`). Then it fails
+    # with PEER_TIMEOUT, so a receiver that died before registering costs the sender its
+    # blocks for this long, not for the deadline. None: such transfers wait for the
+    # deadline, for receivers that do not claim (`kvpush.protocol.state`, "Claims").
+    claim_window_s: float | None = None
 
     def __post_init__(self) -> None:
         names = ("heartbeat_interval_s", "liveness_timeout_s", "lease_s", "transfer_deadline_s")
         for name in names:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.claim_window_s is not None and self.claim_window_s <= self.heartbeat_interval_s:
+            raise ConfigError(
+                f"claim_window_s ({self.claim_window_s}) must be above heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}): a receiver claims once per heartbeat interval"
+            )
         if self.heartbeat_interval_s >= self.liveness_timeout_s:
             raise ConfigError(
                 f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be below "

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvpush.errors import ConfigError
-from kvpush.lab.vllm_servers import vllm_python
+from kvpush_lab.vllm_servers import vllm_python
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 

@@ -81,6 +81,10 @@ KINDS = {
         "a receiver handed back blocks that a write may still land in (the write's latest "
         "landing, issued + write bound, is not before the hand-back: the fence's end)"
     ),
+    "claim-lost": (
+        "a sender gave up a transfer as unclaimed less than a claim window after it read "
+        "its receiver's claim of it"
+    ),
 }
 
 # A model engine named `ENGINE.RANK` is rank RANK of engine ENGINE: the same side
@@ -199,6 +203,10 @@ class Scope:
     # that counterpart's, as far as anyone without the token can tell:
     # docs/protocol-checking.md, "What the model leaves to the unit tests".)
     impostors: tuple[str, ...] = ()
+    # Claims (issue 39): the receiver's engine may claim each transfer, once, at any
+    # step before it expects it (a request queued, no blocks yet). Give `timing` a
+    # `claim_window_s`, so that the sender gives up what nobody registered or claimed.
+    claims: bool = False
 
     @property
     def write_bound(self) -> float:
@@ -258,6 +266,10 @@ class Tx:
     i_agent: str | None = None
     i_blocks: tuple[int, ...] = ()
     i_ended: list[str] = field(default_factory=list)
+    # Claims: whether the receiver's engine claimed it, and when (global clock) its
+    # sender last read a claim of it from that receiver after its submit.
+    claimed: bool = False
+    claim_read_at: float = float("-inf")
 
 
 @dataclass
@@ -554,6 +566,13 @@ class Model:
                 if not self.spent(w, "rejects"):
                     out.append(("reject", t.tid))
             if (
+                self.scope.claims
+                and not tx.claimed
+                and tx.r_agent is None
+                and self.running(w, rv.agent)
+            ):
+                out.append(("claim", t.tid))
+            if (
                 tx.s_agent is None
                 and not self.spent(w, "refusals")
                 and self.running(w, sender_agent)
@@ -743,6 +762,39 @@ class Model:
     def _do_expect(self, w: World, tid: str) -> str:
         return self._expect(w, tid, w.ends[w.current[self.specs[tid].receiver]], "receiver")
 
+    def _do_claim(self, w: World, tid: str) -> str:
+        """The receiver's engine holds `tid`'s request queued: it claims it."""
+        t = self.specs[tid]
+        rv = w.ends[w.current[t.receiver]]
+        w.tx[tid].claimed = True
+        address = self.api.address(t.sender)
+        effects = self._call(w, rv.agent, lambda now: rv.proto.receiver.claim(now, tid, address))
+        return f"receiver {rv.agent}: claim {tid}" + self._apply(w, rv.agent, effects)
+
+    def _note_claims(self, w: World, src: str, dst: str, payload: bytes) -> None:
+        """A sender reads a heartbeat of the receiver that claims transfers it submitted:
+        when, for the `[claim-lost]` invariant."""
+        if not self.scope.claims:
+            return
+        # Read only from an agent its side channel vouched for; until then the gate
+        # keeps it unread (and reads it when the handshake back is done, unrecorded).
+        peer = w.ends[dst].proto.sender._peers.get(src)
+        if peer is None or not peer.verified:
+            return
+        try:
+            msg = self.api.messages.decode(payload)
+        except Exception:
+            return
+        for tid in getattr(msg, "claimed", ()):
+            tx = w.tx.get(tid)
+            if (
+                tx is not None
+                and tx.s_agent == dst
+                and w.current.get(self.specs[tid].receiver) == src
+            ):
+                tx.claim_read_at = w.now
+                self.note(w, f"{tid} claimed")
+
     def _do_insider_expect(self, w: World, tid: str) -> str:
         return self._expect(w, tid, w.ends[w.current[INSIDER]], "insider")
 
@@ -926,6 +978,7 @@ class Model:
             w.net.remove(m)
         what = self._describe(payload)
         self._note_forged(w, m, keep)
+        self._note_claims(w, src, dst, payload)
         effects = self._call(
             w, dst, lambda now: w.ends[dst].proto.receive_message(now, src, payload)
         )
@@ -1119,6 +1172,7 @@ class Model:
         if item[0] == "message":
             m = item[1]
             self._note_forged(w, m)
+            self._note_claims(w, m[0], agent, m[2])
             effects = self._call(w, agent, lambda now: e.proto.receive_message(now, m[0], m[2]))
             line = f"{agent} handles queued {self._describe(m[2])} from {m[0]}"
         else:
@@ -1244,6 +1298,19 @@ class Model:
             )
         ended.append(outcome)
         self.note(w, f"{tid} {'ok' if eff.reason is None else eff.reason.value} on the {side}")
+        window = self.scope.timing.claim_window_s
+        if (
+            side == "sender"
+            and window is not None
+            and "no receiver registered or claimed" in eff.detail
+            and w.now < tx.claim_read_at + window - 1e-9
+        ):
+            raise Violation(
+                "claim-lost",
+                f"{agent} gives up {tid} as unclaimed ({eff.detail}), "
+                f"{w.now - tx.claim_read_at:g}s after it read its receiver's claim of it: "
+                f"a claim keeps it for {window}s",
+            )
         if self.scope.budget.forgeries and (
             eff.reason in self._forgery_reasons() or "forged" in eff.detail
         ):

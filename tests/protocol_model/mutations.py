@@ -53,6 +53,9 @@ and two in the checks of who sent a message, which only real peers misbehaving
 
 The `refused-call` invariant's:
 
+* `claim-ignored` (issue 39): the sender reads a receiver's heartbeat without the
+  transfers it claims, so it gives up a queued request's transfer one claim window after
+  submit, however often its living receiver claimed it.
 * `layer-after-end`: the sender refuses (`LocalProtocolError`) a layer made ready for a
   transfer it has ended, as if the engine could know: one whose end the engine has not
   heard yet (a call queued while the process was stopped) is a legal call.
@@ -98,6 +101,7 @@ MUTATIONS: dict[str, str] = {
     "fence-short-liveness": "fence-margin",
     "fence-lease-only": "fence-margin",
     "counterpart": "wrong-bytes",
+    "claim-ignored": "claim-lost",
     "incarnation": "late-write",
     "layer-after-end": "refused-call",
 }
@@ -147,6 +151,7 @@ def apply(state: ModuleType, mutation: str | None) -> tuple[type, Any]:
         "wrong-receiver": _wrong_receiver_sender,
         "incarnation": _incarnation_sender,
         "layer-after-end": _layer_after_end_sender,
+        "claim-ignored": _claim_ignored_sender,
     }
     receivers = {
         "twice": _twice_receiver,
@@ -352,6 +357,15 @@ def _layer_after_end_sender(state: ModuleType) -> type:
 
     _register(LayerAfterEndSender)
     return LayerAfterEndSender
+
+
+def _claim_ignored_sender(state: ModuleType) -> type:
+    class ClaimIgnoredSender(state.SenderProtocol):  # type: ignore[name-defined,misc]
+        def _on_heartbeat(self, now: float, peer: str, hb: Any) -> list[Any]:
+            return list(super()._on_heartbeat(now, peer, msgspec.structs.replace(hb, claimed=())))
+
+    _register(ClaimIgnoredSender)
+    return ClaimIgnoredSender
 
 
 def _phantom_sender(state: ModuleType) -> type:

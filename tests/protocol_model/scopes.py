@@ -444,6 +444,31 @@ CI = (
     ),
 )
 
+# Claims (issue 39): the receiver may claim T1 (its request queued, no blocks yet) at
+# any step before it expects it, and may stall; the sender gives up what nobody
+# registered or claimed for its claim window (2 s, half the deadline). A claim read
+# must keep the transfer for a window (`[claim-lost]`), and the transfer still ends
+# once on each side with nothing written after (every other invariant).
+CLAIMS = _ci(
+    "claims",
+    (T("T1", "S1", 1),),
+    Budget(stalls=1),
+    stallable=("receiver",),
+    claims=True,
+    timing=TimingConfig(
+        heartbeat_interval_s=1.0,
+        liveness_timeout_s=2.0,
+        lease_s=2.0,
+        transfer_deadline_s=4.0,
+        claim_window_s=2.0,
+    ),
+    script=("submit T1", "claim T1", "handshake_ok R#1 S1"),
+    max_depth=10,
+    goals=(*_ok("T1"), "T1 peer_timeout on the sender", "T1 claimed"),
+    scenario=("T1 claimed",),
+)
+CI = (*CI, CLAIMS)
+
 # A receiver whose runtime thread is stuck while its side channel still answers: finds
 # a late write in the current protocol (see docs/protocol-checking.md, "Findings").
 STUCK_RECEIVER = _ci(

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpush.config import load_token
     from kvpush.errors import ConfigError
     from kvpush.net import check_port, parse_host_port
-    from kvpush.serving.proxy import run_proxy
+    from kvpush.serving.proxy import ProxySettings, run_proxy
 
     for url in [*args.prefill, *args.decode]:
         if not url.startswith(("http://", "https://")):
@@ -83,14 +83,13 @@ def run(args: argparse.Namespace) -> int:
             )
         return [parse_host_port(text) for text in given]
 
-    return run_proxy(
-        args.prefill,
-        args.decode,
-        args.host,
-        check_port(args.port),
+    settings = ProxySettings(
+        prefill_urls=args.prefill,
+        decode_urls=args.decode,
         prefill_side_channels=side_channels("prefill"),
         decode_side_channels=side_channels("decode"),
         token=load_token(args.token_file),
         prefill_dp=args.prefill_dp,
         decode_dp=args.decode_dp,
     )
+    return run_proxy(settings, args.host, check_port(args.port))

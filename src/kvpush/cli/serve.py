@@ -95,6 +95,21 @@ def add_parser(subparsers: Any) -> None:
         help="a KV transfer not finished by then fails (default 60); keep it above the "
         "decode servers' --queue-timeout-s",
     )
+    p.add_argument(
+        "--claim-window-s",
+        type=float,
+        default=10.0,
+        help="a prefill gives up a KV transfer that no decode registered for or claimed "
+        "(decodes claim the requests they hold queued) for this long (default 10): the "
+        "bound on holding blocks for a decode that died before registering",
+    )
+    p.add_argument(
+        "--drain-s",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, after HTTP stopped, how long held KV transfers may still finish "
+        "before the rest are handed back and their peers told (default 10)",
+    )
     p.set_defaults(run=run)
 
 
@@ -133,5 +148,7 @@ def run(args: argparse.Namespace) -> int:
             queue_timeout_s=args.queue_timeout_s,
             max_body_bytes=args.max_body_bytes,
             transfer_deadline_s=args.transfer_deadline_s,
+            claim_window_s=args.claim_window_s,
+            drain_s=args.drain_s,
         )
     )

@@ -5,6 +5,6 @@
 - `server_process`: one `kvpush` subcommand as a child process (`ServerProcess`): start,
   wait until ready, stop, show its log.
 
-The bottom of the tools layer: `kvpush.demo`, `kvpush.lab` and the CLI use it; the library
-core, serving and the integrations do not.
+The bottom of the tools layer: `kvpush.demo`, the CLI and, from outside the package, the lab
+(`tools/kvpush_lab`) use it; the library core, serving and the integrations do not.
 """

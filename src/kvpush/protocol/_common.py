@@ -99,6 +99,11 @@ class _Outgoing:
     # until submit says which receiver the transfer is for.
     receiver: tuple[str, int] | None = None
     held: list[tuple[str, Register]] = field(default_factory=list)
+    # Submitted and not registered: it ends at this time of our clock unless a Register
+    # or a receiver's claim comes first (`TimingConfig.claim_window_s`; inf: no window);
+    # `claimer`: the agent whose heartbeat claimed it last.
+    claim_until: float = float("inf")
+    claimer: str | None = None
 
 
 @dataclass(slots=True)

@@ -59,12 +59,17 @@ def strip_message_key(key: bytes, payload: bytes) -> bytes | None:
 
 
 def _named_address(message: Message) -> PeerAddress | None:
-    """The side channel a message names as its sender's (Register, and Reject from a
-    peer that fills it in), to ask whether it vouches for the agent that sent it."""
+    """The side channel a message names as its sender's (Register, and Reject or a
+    claiming Heartbeat from a peer that fills it in), to ask whether it vouches for the
+    agent that sent it."""
     match message:
         case Register(receiver_host=host, receiver_port=port, receiver_rank=rank):
             return PeerAddress(host, port, rank)
         case Reject(receiver_host=host, receiver_port=port, receiver_rank=rank) if host:
+            return PeerAddress(host, port, rank)
+        case Heartbeat(
+            role="receiver", receiver_host=host, receiver_port=port, receiver_rank=rank
+        ) if host:
             return PeerAddress(host, port, rank)
     return None
 
@@ -86,8 +91,10 @@ def _claims(p: _Peer, message: Message) -> bool:
                 p.incarnation,
                 p.address,
             )
-        case Heartbeat(engine_id=engine, incarnation=inc):
-            return (engine, inc) == (p.engine_id, p.incarnation)
+        case Heartbeat(engine_id=engine, incarnation=inc, receiver_host=host):
+            if (engine, inc) != (p.engine_id, p.incarnation):
+                return False
+            return not host or _named_address(message) == p.address
     return True
 
 
@@ -138,7 +145,13 @@ class SenderGate(_Side[_Outgoing]):
         What the message claims is not believed: nothing is bound to `peer` until the
         side channel names it, and a new incarnation of a known engine is recognised only
         when the side channel that vouched for the old one says so."""
-        engine = msg.receiver_engine_id if isinstance(msg, Register | Reject) else ""
+        match msg:
+            case Register(receiver_engine_id=engine) | Reject(receiver_engine_id=engine):
+                pass
+            case Heartbeat(engine_id=engine):
+                pass
+            case _:
+                engine = ""
         self._peers[peer] = _Peer(
             peer,
             engine,

@@ -63,6 +63,7 @@ class SenderLeases(_Side[_Outgoing]):
             tell: bool = True,
         ) -> list[Effect]: ...
         def _send(self, peer: str, message: Message) -> list[Effect]: ...
+        def _is_for(self, rec: _Outgoing, peer: str) -> bool: ...
 
     # ----- leases
 
@@ -97,6 +98,19 @@ class SenderLeases(_Side[_Outgoing]):
             p.skew_lb = hb.echo - hb.sent_at
             p.skew_round_trip = now - hb.echo
         granted = self._granted(hb.sent_at)
+        window = self._timing.claim_window_s
+        for tid in hb.claimed:
+            rec = self._transfers.get(tid)
+            if (
+                window is not None
+                and rec is not None
+                and rec.register is None
+                and rec.blocks is not None
+                and rec.state is not SenderState.ENDING
+                and self._is_for(rec, peer)
+            ):
+                rec.claim_until = max(rec.claim_until, now + window)
+                rec.claimer = peer
         for tid in hb.transfer_ids:
             rec = self._transfers.get(tid)
             if rec is not None and rec.peer == peer:
@@ -185,6 +199,12 @@ class SenderLeases(_Side[_Outgoing]):
             elif now >= rec.deadline:
                 detail = f"not finished within {t.transfer_deadline_s}s"
                 out += self._timeout(now, rec, FailureReason.DEADLINE_EXCEEDED, detail)
+            elif rec.register is None and now >= rec.claim_until:
+                detail = (
+                    f"no receiver registered or claimed it for {t.claim_window_s}s "
+                    "(its receiver died before registering, or never got the request)"
+                )
+                out += self._timeout(now, rec, FailureReason.PEER_TIMEOUT, detail)
             elif self._lease_expired(now, rec):
                 detail = f"lease of {t.lease_s}s not renewed by receiver {rec.peer}"
                 out += self._lapsed(now, rec, detail)
@@ -225,6 +245,8 @@ class SenderLeases(_Side[_Outgoing]):
             if rec.state is SenderState.ENDING:
                 continue
             times.append(rec.deadline)
+            if rec.register is None and rec.claim_until != float("inf"):
+                times.append(rec.claim_until)
             if rec.peer is not None:
                 live.add(rec.peer)
                 p = self._peers.get(rec.peer)

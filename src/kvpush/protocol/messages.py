@@ -153,6 +153,13 @@ class Heartbeat(msgspec.Struct, frozen=True, tag_field="type", tag="heartbeat"):
     newest sender `sent_at` the receiver had read when it sent this one. The sender's
     lease arithmetic rests on the pair: the receiver's clock read `sent_at` only after
     the sender's clock had passed `echo`.
+
+    `claimed` (from a receiver only): transfers whose request the receiver holds, queued,
+    without blocks to register yet; each keeps the sender's transfer alive for its
+    `claim_window_s` more (see `kvpush.protocol.state`, "Claims"). Such a heartbeat may
+    be the first message a sender hears from the receiver, so it names the receiver's
+    side channel as a `Register` does (`receiver_host` empty: it names none, and is read
+    only from an agent the sender already believes). An older peer ignores both.
     """
 
     role: Literal["sender", "receiver"]
@@ -161,6 +168,10 @@ class Heartbeat(msgspec.Struct, frozen=True, tag_field="type", tag="heartbeat"):
     transfer_ids: tuple[TransferId, ...] = ()
     sent_at: float | None = None
     echo: float | None = None
+    claimed: tuple[TransferId, ...] = ()
+    receiver_host: str = ""
+    receiver_port: Port = 0
+    receiver_rank: Count = 0
 
 
 Message = Register | Reject | Done | Failed | Cancel | CancelAck | Heartbeat

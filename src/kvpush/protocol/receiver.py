@@ -68,6 +68,18 @@ class _Incoming:
 
 
 @dataclass(slots=True)
+class _Claim:
+    """A request we hold, queued, before we have blocks for it (`claim`)."""
+
+    address: PeerAddress  # the sender's side channel
+    until: float  # forgotten then (`transfer_deadline_s` after the claim), if still here
+
+
+# How many ids one claiming heartbeat lists at most (more go in the next ones).
+_MAX_CLAIMED_PER_HEARTBEAT = 1024
+
+
+@dataclass(slots=True)
 class _Known:
     info: PeerInfo
     handshaken_at: float
@@ -106,6 +118,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
         self._known: dict[PeerAddress, _Known] = {}
         self._lookups: dict[PeerAddress, _Lookup] = {}
         self._heard_at: dict[str, float] = {}  # agent -> when it last sent us anything
+        self._claims: dict[str, _Claim] = {}  # transfer id -> its claim, in claim order
         self.ignored_messages = 0
         self.forged = collections.Counter()
 
@@ -123,6 +136,10 @@ class ReceiverProtocol(_Side["_Incoming"]):
 
     def states(self) -> dict[str, ReceiverState]:
         return {t: r.state for t, r in self._transfers.items()}
+
+    def claimed(self) -> list[str]:
+        """The ids we claim (`claim`) and have not expected, rejected or dropped yet."""
+        return list(self._claims)
 
     def known_peers(self) -> int:
         """Side-channel addresses with a usable (compatible) handshake result cached."""
@@ -158,6 +175,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
             raise LocalProtocolError(f"sender_offset must be >= 0, got {sender_offset}")
         if transfer_id in self._transfers:
             raise LocalProtocolError(f"transfer id {transfer_id!r} is in flight already")
+        self._claims.pop(transfer_id, None)  # the Register speaks for it from now on
         if transfer_id in self._ended:
             # The engine cannot know how long ended ids are remembered: an outcome.
             detail = (
@@ -183,6 +201,64 @@ class ReceiverProtocol(_Side["_Incoming"]):
             return self._register(now, rec, known.info)
         return self._await_lookup(sender, transfer_id)
 
+    def claim(self, now: float, transfer_id: str, sender: PeerAddress) -> list[Effect]:
+        """We hold `transfer_id`'s request, queued, without blocks for it yet: keep the
+        sender whose side channel is `sender` from giving its transfer up meanwhile.
+
+        Every heartbeat to that sender lists it (`Heartbeat.claimed`, naming our side
+        channel), once its side channel was looked up (a `Handshake` first if it is not
+        known), until `expect` (its Register speaks for it then), `reject` or `abort` of
+        the id, or `transfer_deadline_s` after the claim. Nothing is reported for a claim,
+        and no blocks are held. A sender that hears no claim nor Register for
+        `claim_window_s` gives its transfer up (`TimingConfig.claim_window_s`)."""
+        now = self._clock.advance(now)
+        if not isinstance(transfer_id, str) or not transfer_id:
+            raise LocalProtocolError("transfer id must be a non-empty string")
+        if transfer_id in self._transfers or transfer_id in self._claims:
+            return []
+        self._claims[transfer_id] = _Claim(sender, now + self._timing.transfer_deadline_s)
+        known = self._known.get(sender)
+        if known is not None:
+            return self._heartbeat(now, self._peer_of(now, sender, known.info))
+        if sender in self._lookups:
+            return []
+        self._lookups[sender] = _Lookup()
+        return [Handshake(sender)]
+
+    def release_claims(self, now: float, detail: str) -> list[Effect]:
+        """Drop every claim, telling each sender whose side channel we know with a
+        Reject, so that it hands its blocks back now (a receiver that is stopping and
+        will never serve those requests). Nothing is reported: claims hold nothing."""
+        self._clock.advance(now)
+        out: list[Effect] = []
+        for tid, c in self._claims.items():
+            known = self._known.get(c.address)
+            if known is not None:
+                out.append(SendMessage(known.info.agent, self._reject(tid, detail)))
+        self._claims.clear()
+        return out
+
+    def _peer_of(self, now: float, address: PeerAddress, info: PeerInfo) -> _Peer:
+        p = self._peers.get(info.agent)
+        if p is None:
+            p = self._peers[info.agent] = _Peer(
+                info.agent,
+                info.engine_id,
+                last_heard=now,
+                incarnation=info.incarnation,
+                address=address,
+            )
+        return p
+
+    def _claimed_from(self, agent: str) -> list[str]:
+        """The ids we claim from the sender agent `agent` (its side channel looked up)."""
+        out = []
+        for tid, c in self._claims.items():
+            known = self._known.get(c.address)
+            if known is not None and known.info.agent == agent:
+                out.append(tid)
+        return out
+
     def reject(
         self, now: float, transfer_id: str, sender: PeerAddress, detail: str
     ) -> list[Effect]:
@@ -195,6 +271,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
         `expect`: a refused request may come again. The Reject goes once `sender` is
         known (a lookup of it goes first if it is not)."""
         self._clock.advance(now)
+        self._claims.pop(transfer_id, None)
         why = f"rejected by this engine: {detail}" if detail else "rejected by this engine"
         ended: list[Effect] = []
         if transfer_id not in self._transfers:
@@ -228,6 +305,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
         detail: str = "aborted by the receiving engine",
     ) -> list[Effect]:
         now = self._clock.advance(now)
+        self._claims.pop(transfer_id, None)
         rec = self._transfers.get(transfer_id)
         if rec is None or rec.state is ReceiverState.FENCING:
             return []
@@ -299,6 +377,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
         self._lookups.clear()
         self._peers.clear()
         self._known.clear()
+        self._claims.clear()
         return out
 
     # ----- handshakes
@@ -316,6 +395,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
             )
         problem = self._compat.problem(info.compat)
         if problem is not None:
+            self._drop_claims(address)  # its expect fails as incompatible
             self._known.pop(address, None)
             # Tell the sender, so that it frees its blocks now, not at its deadline:
             # nothing was registered, so a Reject is the whole truth.
@@ -341,7 +421,13 @@ class ReceiverProtocol(_Side["_Incoming"]):
             rec = self._transfers.get(tid)
             if rec is not None and rec.state is ReceiverState.HANDSHAKING:
                 out += self._register(now, rec, info)
+        if any(c.address == address for c in self._claims.values()):
+            out += self._heartbeat(now, self._peer_of(now, address, info))
         return out
+
+    def _drop_claims(self, address: PeerAddress) -> None:
+        for tid in [t for t, c in self._claims.items() if c.address == address]:
+            del self._claims[tid]
 
     def handshake_failed(
         self, now: float, address: PeerAddress, reason: FailureReason, detail: str
@@ -353,6 +439,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
         if lookup is None:
             return []
         self._known.pop(address, None)
+        self._drop_claims(address)  # unreachable: its expect finds out again
         return self._lookup_failed(now, address, lookup, reason, detail)
 
     def _lookup_failed(
@@ -533,22 +620,55 @@ class ReceiverProtocol(_Side["_Incoming"]):
             if now < ended[oldest]:
                 break
             del ended[oldest]
+        out += self._tick_claims(now)
         for p in self._peers.values():
             out += self._resend_registers(now, p.agent)
             if now >= p.last_heartbeat_sent + t.heartbeat_interval_s:
                 out += self._heartbeat(now, p, only_if_live=True)
         return out
 
+    def _tick_claims(self, now: float) -> list[Effect]:
+        """Claims past their time are dropped; one whose sender is not known (its peer
+        was lost, or its cached handshake forgotten) has it looked up again."""
+        out: list[Effect] = []
+        for tid in [t for t, c in self._claims.items() if now >= c.until]:
+            del self._claims[tid]
+        for c in self._claims.values():
+            known = self._known.get(c.address)
+            if known is not None:
+                self._peer_of(now, c.address, known.info)
+            elif c.address not in self._lookups:
+                self._lookups[c.address] = _Lookup()
+                out.append(Handshake(c.address))
+        return out
+
     def _heartbeat(self, now: float, p: _Peer, *, only_if_live: bool = False) -> list[Effect]:
         live = [r for r in self._transfers.values() if r.peer == p.agent]
-        if only_if_live and not live:
+        claimed = self._claimed_from(p.agent) if self._claims else []
+        if only_if_live and not live and not claimed:
             return []
         p.last_heartbeat_sent = now
         ids = tuple(r.transfer_id for r in live if r.state is ReceiverState.WAITING)
-        hb = Heartbeat(
-            "receiver", self._me.engine_id, self._me.incarnation, ids, sent_at=now, echo=p.echo
-        )
-        return [SendMessage(p.agent, hb)]
+        me = self._me
+        if not claimed:
+            hb = Heartbeat("receiver", me.engine_id, me.incarnation, ids, sent_at=now, echo=p.echo)
+            return [SendMessage(p.agent, hb)]
+        out: list[Effect] = []
+        for i in range(0, len(claimed), _MAX_CLAIMED_PER_HEARTBEAT):
+            hb = Heartbeat(
+                "receiver",
+                me.engine_id,
+                me.incarnation,
+                ids if i == 0 else (),
+                sent_at=now,
+                echo=p.echo,
+                claimed=tuple(claimed[i : i + _MAX_CLAIMED_PER_HEARTBEAT]),
+                receiver_host=me.host,
+                receiver_port=me.port,
+                receiver_rank=me.rank,
+            )
+            out.append(SendMessage(p.agent, hb))
+        return out
 
     def next_deadline(self) -> float | None:
         t = self._timing
@@ -564,6 +684,10 @@ class ReceiverProtocol(_Side["_Incoming"]):
             if any(r.peer == p.agent for r in self._transfers.values()):
                 times.append(p.last_heard + t.liveness_timeout_s)
                 times.append(p.last_heartbeat_sent + t.heartbeat_interval_s)
+            elif self._claims and self._claimed_from(p.agent):
+                times.append(p.last_heartbeat_sent + t.heartbeat_interval_s)
+        if self._claims:
+            times.append(min(c.until for c in self._claims.values()))
         if self._ended and not times:
             times.append(next(iter(self._ended.values())))
         return min(times) if times else None

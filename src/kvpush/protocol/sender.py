@@ -197,6 +197,8 @@ class SenderProtocol(SenderGate, SenderLeases):
         rec.ready_layers = layers
         if receiver is not None:
             rec.receiver = _server(receiver)
+        if self._timing.claim_window_s is not None:
+            rec.claim_until = now + self._timing.claim_window_s
         out, started = self._choose_receiver(now, rec)
         if started or rec.register is None:
             return out
@@ -341,6 +343,21 @@ class SenderProtocol(SenderGate, SenderLeases):
         self, now: float, rec: _Outgoing, reason: FailureReason, detail: str
     ) -> list[Effect]:
         return self._abandon(now, rec, reason, detail)
+
+    def peer_lost(self, now: float, peer: str, reason: FailureReason, detail: str) -> list[Effect]:
+        """`peer` is certainly gone: its transfers end now, and so do the unregistered
+        ones it was the last to claim (it held their requests, and they died with it;
+        nothing was written for them, so nothing to drain)."""
+        now = self._clock.advance(now)
+        known = peer in self._peers
+        out = super().peer_lost(now, peer, reason, detail)
+        if not known:
+            return out
+        why = f"the receiver that claimed it is gone ({detail})"
+        for rec in list(self._transfers.values()):
+            if rec.claimer == peer and rec.register is None and rec.state is not SenderState.ENDING:
+                out += self._timeout(now, rec, reason, why)
+        return out
 
     def write_done(self, now: float, write_id: int) -> list[Effect]:
         now = self._clock.advance(now)

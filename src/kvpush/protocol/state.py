@@ -226,6 +226,30 @@ only over an idle spell before the next echo, far below the margin at common rat
 ppm is 0.36 s an hour). On one host both ends read the same monotonic clock: no drift at
 all.
 
+Claims
+------
+
+A submitted transfer that no receiver registered for names no receiver whose silence
+could end it: until claims, it waited for its deadline (60 s by default), holding its
+blocks, when its receiver died before registering. With `TimingConfig.claim_window_s`
+set, it lives that window from submit, and each receiver heartbeat that claims it
+(`Heartbeat.claimed`: the receiver holds the request, queued, with no blocks to register
+yet; `ReceiverProtocol.claim`) keeps it a window more from when the claim is read; then
+it ends as PEER_TIMEOUT. A claiming heartbeat names the receiver's side channel, as a
+Register does, so that a sender that never heard from that receiver vouches for it
+first (`SenderGate`); a claim of a transfer named for another receiver (`submit(
+receiver=)`) keeps nothing. The claimer certainly gone ends what it claimed at once.
+
+A claim only keeps or ends a transfer nothing was written for (it has no Register), so
+it cannot touch the fencing rules; what it bounds is liveness. A receiver that died
+costs the sender the blocks of a transfer it never registered for at most the window
+after its last claim (or the submit), and of one it registered for the liveness timeout
+(silence) or less; a receiver stopped for less than the window (and, once registered,
+less than the liveness timeout) keeps its transfers. The window is off by default
+(None: the deadline): a sender cannot know whether its receivers claim, and one that
+does not would lose a request queued longer than the window. The exhaustive checker
+explores claims, stalls of the claiming receiver and the window (scope `claims`).
+
 One exception to "a lost peer ends its transfers": a receiver's first `Register` sent
 from a cached `PeerInfo` that certainly reached no live sender (the runtime saw the data
 plane lose the peer in the same pass that sent it, and nothing was heard from the peer

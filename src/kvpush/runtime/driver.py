@@ -131,6 +131,12 @@ class Abort:
 
 
 @dataclass(frozen=True, slots=True)
+class Claim:
+    transfer_id: str
+    sender: PeerAddress
+
+
+@dataclass(frozen=True, slots=True)
 class RefuseRegistration:
     transfer_id: str
     detail: str
@@ -198,6 +204,7 @@ Command = (
     | Receive
     | RejectRequest
     | Abort
+    | Claim
     | RefuseRegistration
     | _LookupResult
     | _ProbeLookup
@@ -651,6 +658,8 @@ class Driver:
             case Abort(transfer_id=tid):
                 self._apply(sender.abort(now, tid))
                 self._apply(receiver.abort(now, tid))
+            case Claim(transfer_id=tid, sender=address):
+                self._apply(receiver.claim(now, tid, address))
             case RefuseRegistration(transfer_id=tid, detail=detail):
                 self._apply(sender.refuse(now, tid, detail))
             case _LookupResult():
@@ -680,10 +689,16 @@ class Driver:
         self._drain_until = until
         self._acks_until = min(until, time.monotonic() + _CANCEL_ACK_WAIT_S)
         detail = "the push runtime was closed with the transfer in flight"
-        for tid in list(self._protocol.sender.states()):
-            self._apply(self._protocol.sender.abort(now, tid, FailureReason.SHUTDOWN, detail))
-        for tid in list(self._protocol.receiver.states()):
-            self._apply(self._protocol.receiver.abort(now, tid, FailureReason.SHUTDOWN, detail))
+        sender, receiver = self._protocol.sender, self._protocol.receiver
+        for tid, state in list(sender.states().items()):
+            if state is SenderState.REGISTERED:  # never sent: its receiver is told now
+                self._apply(sender.refuse(now, tid, "the sender is shutting down"))
+            else:
+                self._apply(sender.abort(now, tid, FailureReason.SHUTDOWN, detail))
+        for tid in list(receiver.states()):
+            self._apply(receiver.abort(now, tid, FailureReason.SHUTDOWN, detail))
+        # Requests we held queued: their senders hand their blocks back now.
+        self._apply(receiver.release_claims(now, "the receiver is shutting down"))
 
     # ----------------------------------------------------------------- handshakes
 
@@ -888,5 +903,6 @@ class Driver:
             oldest_in_flight_s=max(0.0, now - min(began)) if began else None,
             sending_transfers=sending_ids,
             receiving_transfers=receiving_ids,
+            claimed=len(receiver.claimed()),
             **counters,  # type: ignore[arg-type]
         )

@@ -36,6 +36,7 @@ from kvpush.protocol.auth import MessageAuth
 from kvpush.runtime.directory import PeerDirectory
 from kvpush.runtime.driver import (
     Abort,
+    Claim,
     Command,
     Driver,
     LayersReady,
@@ -311,6 +312,17 @@ class PushRuntime:
                 f"or a whole fraction of them"
             )
         return ours // sender_block_tokens
+
+    def claim(self, transfer_id: str, sender: PeerAddress) -> None:
+        """Receiver side: we hold `transfer_id`'s request, queued, and will `receive` or
+        `reject` it once it has blocks. Until then our heartbeats to `sender` claim it, so
+        a sender with a claim window (`TimingConfig.claim_window_s`) keeps it instead of
+        giving it up as a receiver that died before registering. Nothing is reported for
+        a claim; `receive`, `reject` or `abort` of the id ends it, and so does `close()`,
+        which tells the sender with a Reject."""
+        self._check_id(transfer_id)
+        self._check_address(sender)
+        self._submit(None, Claim(transfer_id, sender))
 
     def reject(self, transfer_id: str, sender: PeerAddress, detail: str = "") -> None:
         """Refuse `transfer_id` before allocating: the sender frees its blocks at once.

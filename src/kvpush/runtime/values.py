@@ -114,6 +114,9 @@ class RuntimeStatistics:
     thread_cpu_s: float | None = None
     # How long ago the oldest transfer in flight (either side) began; None: none in flight.
     oldest_in_flight_s: float | None = None
+    # Receiving: requests held queued whose senders our heartbeats claim them from
+    # (`PushRuntime.claim`), not received, rejected or aborted yet.
+    claimed: int = 0
 
     @property
     def in_flight(self) -> int:

@@ -4,17 +4,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
 from kvpush.config import load_token
 from kvpush.net import unbracket_host
 from kvpush.serving.checkpoint import load_model
-from kvpush.serving.engine import Engine, SpecConfig
+from kvpush.serving.engine import Engine
 from kvpush.serving.http import Terminated, stopped_by_sigterm
 from kvpush.serving.metrics import serving_registry
 from kvpush.serving.options import ServeOptions
-from kvpush.serving.server import create_app
+from kvpush.serving.sampling import SpecConfig
+from kvpush.serving.server import ServerSettings, create_app
 from kvpush.serving.worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -55,10 +57,7 @@ def serve(options: ServeOptions) -> int:
         worker, bridge, prepare, health_extra = build_role(options, engine, registry, token)
     else:
         worker = EngineWorker(engine, admission=options.admission())
-    app = create_app(
-        worker,
-        loaded.tokenizer,
-        registry,
+    settings = ServerSettings(
         model_name=name,
         role=options.role,
         vocab_size=loaded.config.vocab_size,
@@ -70,6 +69,7 @@ def serve(options: ServeOptions) -> int:
         internal_token=token,
         metrics_extra=None if bridge is None else lambda: bridge.update_metrics(registry),
     )
+    app = create_app(worker, loaded.tokenizer, registry, settings)
     config = uvicorn.Config(
         app,
         host=unbracket_host(options.host),
@@ -88,6 +88,12 @@ def serve(options: ServeOptions) -> int:
         # gracefully: being stopped is this command's normal end.
         pass
     finally:
+        # No new legs come in now (HTTP stopped): the transfers held may still finish
+        # within the drain bound; closing the runtime then hands back the rest and
+        # tells each peer (Failed, Cancel, Reject), so nobody waits for a deadline.
+        if bridge is not None and server.started:
+            with contextlib.suppress(KeyboardInterrupt):  # a second ^C: close at once
+                bridge.drain(options.drain_s)
         worker.close()
         if bridge is not None:
             bridge.close()

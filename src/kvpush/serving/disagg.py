@@ -35,15 +35,12 @@ from kvpush.config import TimingConfig
 from kvpush.errors import FailureReason, KVPushError
 from kvpush.kvcache import KVLayout, register_kv_cache
 from kvpush.node import Node, NodeIdentity, RankSettings, TransportFactory, nixl_transport
-from kvpush.serving.engine import (
-    Engine,
-    FinishReason,
-    RequestRejected,
-    SamplingParams,
-)
+from kvpush.serving.engine import Engine, FinishReason
 from kvpush.serving.metrics import Registry, RegistryTransferMetrics
+from kvpush.serving.openai_request import BadRequest, CompletionRequest
 from kvpush.serving.paged import KV_LAYOUT
-from kvpush.serving.server import BadRequest, CompletionRequest, Prepare
+from kvpush.serving.sampling import RequestRejected, SamplingParams
+from kvpush.serving.server import Prepare
 from kvpush.serving.worker import Accepted, AdmissionConfig, Done, EngineWorker, Job, Rejected
 from kvpush.transfer_metrics import record_ended
 from kvpush.transfer_params import (
@@ -558,6 +555,8 @@ class DecodeWorker(_TransferWorker):
         self._queued.append(_Queued(tid, sender, job))
         self._queued_ids.add(tid)
         self._jobs[job.request_id] = job
+        # Queued for blocks: the prefill keeps its transfer while we claim it.
+        self.runtime.claim(tid, sender)
 
     def _refuse(self, job: Job, tid: str, sender: PeerAddress, why: Rejected) -> None:
         """Refuse before allocating: the sender frees its blocks at once."""
@@ -719,7 +718,10 @@ class KVBridge:
             bind_host=opts.host,
             settings=RankSettings(
                 token=self.token,
-                timing=TimingConfig(transfer_deadline_s=opts.transfer_deadline_s),
+                timing=TimingConfig(
+                    transfer_deadline_s=opts.transfer_deadline_s,
+                    claim_window_s=opts.claim_window_s,
+                ),
                 idle_poll_s=opts.idle_poll_ms / 1000,
                 scratch=self.token is not None or opts.allow_doctor_writes,
             ),
@@ -727,6 +729,24 @@ class KVBridge:
         )
         self.node.start()
         return self.node.runtime
+
+    def drain(self, timeout_s: float, poll_s: float = 0.05) -> bool:
+        """Told to stop, with no new legs coming in: wait up to `timeout_s` for the
+        transfers in flight to end (a decode registering for what we hold, KV arriving
+        for what we wait for). True if none is left; `close()` ends the rest, telling
+        each peer. Returns at once when the runtime is not running."""
+        runtime = self.runtime
+        until = time.monotonic() + timeout_s
+        while runtime is not None and runtime.failure is None:
+            stats = runtime.statistics()
+            left = len(stats.sending_transfers) + len(stats.receiving_transfers)
+            if left == 0:
+                return True
+            if time.monotonic() >= until:
+                log.info("drain: %d transfers still in flight after %.1fs", left, timeout_s)
+                return False
+            time.sleep(poll_s)
+        return True
 
     def close(self) -> None:
         if self.node is not None:
@@ -776,6 +796,7 @@ class KVBridge:
                 "handshakes_in_flight": s.handshakes_in_flight,
                 "blocks_held_sending": s.blocks_held_sending,
                 "blocks_held_receiving": s.blocks_held_receiving,
+                "claimed": s.claimed,
                 "finished": s.finished,
                 "failed": s.failed,
                 "failures": s.failures,

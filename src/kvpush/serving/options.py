@@ -45,6 +45,13 @@ class ServeOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
     # A transfer not finished by then fails; keep it above the other side's queue timeout.
     transfer_deadline_s: float = TimingConfig().transfer_deadline_s
+    # A prefill gives up a transfer that no decode registered for, nor claimed (a decode
+    # claims the requests it holds queued), for this long: a decode that died before
+    # registering costs it its blocks for this long, not for the deadline.
+    claim_window_s: float = 10.0
+    # Told to stop (SIGTERM): once HTTP stopped, how long the transfers held may still
+    # finish before the runtime closes and hands back what is left, telling each peer.
+    drain_s: float = 10.0
 
     @property
     def side_channel_host(self) -> str:
@@ -78,6 +85,11 @@ class ServeOptions:
             )
         if self.idle_poll_ms <= 0:
             raise ConfigError(f"idle_poll_ms must be positive, got {self.idle_poll_ms}")
+        if self.drain_s < 0:
+            raise ConfigError(f"drain_s must be 0 or more, got {self.drain_s}")
+        TimingConfig(  # the claim window's own checks, now rather than at start
+            transfer_deadline_s=self.transfer_deadline_s, claim_window_s=self.claim_window_s
+        )
         if self.speculative_tokens < 0:
             raise ConfigError("speculative_tokens must be 0 (off) or positive")
         if self.speculative_tokens and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

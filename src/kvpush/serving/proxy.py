@@ -122,9 +122,9 @@ def _error_text(resp: httpx.Response) -> str:
 
 def proxy_registry() -> Registry:
     r = Registry()
-    r.counter("kvpush_proxy_requests_total", "Client requests by outcome.")
+    r.counter("kvpush_proxy_requests_total", "Client requests by outcome.", ["outcome"])
     r.counter("kvpush_proxy_prefill_aborts_total", "Prefill legs cancelled: the decode leg failed.")
-    r.gauge("kvpush_proxy_in_flight", "Requests in flight per backend.")
+    r.gauge("kvpush_proxy_in_flight", "Requests in flight per backend.", ["pool", "url"])
     r.counter(
         "kvpush_proxy_body_disconnects_total",
         "Clients that went away while their body was read.",
@@ -152,24 +152,32 @@ class _Lease:
             self._instances.remove(inst)
 
 
-def create_proxy_app(
-    prefill_urls: Sequence[str],
-    decode_urls: Sequence[str],
-    *,
-    timeout_s: float = 300.0,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    prefill_side_channels: Sequence[tuple[str, int]] | None = None,
-    decode_side_channels: Sequence[tuple[str, int]] | None = None,
-    token: str | None = None,
-    prefill_dp: int = 1,
-    decode_dp: int = 1,
-) -> FastAPI:
-    if not prefill_urls or not decode_urls:
+@dataclass(frozen=True, slots=True)
+class ProxySettings:
+    """What a proxy is given: its prefill and decode servers, and how it talks to them.
+    Side channels, when given, are one per server in the same order; with them, a
+    data-parallel server (`*_dp` above 1) counts as one instance per engine."""
+
+    prefill_urls: Sequence[str]
+    decode_urls: Sequence[str]
+    timeout_s: float = 300.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    prefill_side_channels: Sequence[tuple[str, int]] | None = None
+    decode_side_channels: Sequence[tuple[str, int]] | None = None
+    # The servers' shared secret, sent with the proxy's cancels.
+    token: str | None = None
+    prefill_dp: int = 1
+    decode_dp: int = 1
+
+
+def create_proxy_app(settings: ProxySettings) -> FastAPI:
+    s = settings
+    if not s.prefill_urls or not s.decode_urls:
         raise ValueError("a proxy needs at least one prefill and one decode server")
-    prefill = _pool("prefill", prefill_urls, prefill_side_channels, prefill_dp)
-    decode = _pool("decode", decode_urls, decode_side_channels, decode_dp)
+    prefill = _pool("prefill", s.prefill_urls, s.prefill_side_channels, s.prefill_dp)
+    decode = _pool("decode", s.decode_urls, s.decode_side_channels, s.decode_dp)
     routes = ProxyRoutes(
-        prefill, decode, timeout_s=timeout_s, max_body_bytes=max_body_bytes, token=token
+        prefill, decode, timeout_s=s.timeout_s, max_body_bytes=s.max_body_bytes, token=s.token
     )
     app = FastAPI(title="kvpush proxy", docs_url=None, redoc_url=None, lifespan=routes.lifespan)
     install_error_handlers(app)
@@ -719,31 +727,12 @@ class _LegFailed(Exception):
         self.message = message
 
 
-def run_proxy(
-    prefill_urls: Sequence[str],
-    decode_urls: Sequence[str],
-    host: str,
-    port: int,
-    *,
-    prefill_side_channels: Sequence[tuple[str, int]] | None = None,
-    decode_side_channels: Sequence[tuple[str, int]] | None = None,
-    token: str | None = None,
-    prefill_dp: int = 1,
-    decode_dp: int = 1,
-) -> int:
+def run_proxy(settings: ProxySettings, host: str, port: int) -> int:
     import uvicorn
 
     from kvpush.net import unbracket_host
 
-    app = create_proxy_app(
-        prefill_urls,
-        decode_urls,
-        prefill_side_channels=prefill_side_channels,
-        decode_side_channels=decode_side_channels,
-        token=token,
-        prefill_dp=prefill_dp,
-        decode_dp=decode_dp,
-    )
+    app = create_proxy_app(settings)
     server = uvicorn.Server(
         uvicorn.Config(app, host=unbracket_host(host), port=port, log_config=None, access_log=False)
     )

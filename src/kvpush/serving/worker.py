@@ -27,14 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from kvpush.errors import ClosedError
-from kvpush.serving.engine import (
-    Engine,
-    EngineStats,
-    FinishReason,
-    RequestRejected,
-    RequestStats,
-    SamplingParams,
-)
+from kvpush.serving.engine import Engine, EngineStats, FinishReason, RequestStats
+from kvpush.serving.sampling import RequestRejected, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -176,7 +176,7 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
     # ----------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._work().register_kv_caches(kv_caches)
+        self._work().register_kv_caches(kv_caches, kv_scales(self._vllm_config, kv_caches))
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         meta = self._worker.handshake_metadata() if self._worker is not None else None
@@ -216,6 +216,20 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
         out.failed_recving |= ended.failed_recving
         out.finished_sending |= ended.finished_sending
         return out
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """None, ever: a failed receive fails its whole request, in `failed_recving`.
+
+        That alone keeps every block a failed transfer touched out of vLLM's prefix
+        cache: a request loading asynchronously holds blocks allocated uncached
+        (`delay_cache_blocks`), and vLLM caches them only when the load ended without
+        failure; a failed one, under `kv_load_failure_policy: "recompute"`, restarts
+        from no computed token and frees its blocks unhashed, so nothing can match
+        them (docs/vllm.md, "Failures and vLLM's failure policy"). Naming the blocks
+        here as well would add nothing (its computed tokens are already none), and
+        vLLM refuses block-level errors outright for a model of several KV-cache
+        groups (a RuntimeError in its scheduler)."""
+        return set()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self._worker.take_stats() if self._worker is not None else None
@@ -299,6 +313,22 @@ def _state(spec: Any, config: ConnectorConfig) -> str:
         for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)
     )
     return f"{spec.mamba_type.name.lower()} {tensors} per rank of TP {config.tp_size}"
+
+
+def kv_scales(
+    vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor]
+) -> dict[str, tuple[float, float]]:
+    """Each cache layer's (k_scale, v_scale), where its attention layer keeps them:
+    what a quantized (fp8) cache's bytes were scaled by, static in vLLM 0.32 (from the
+    checkpoint, else 1.0), and part of what a peer must have alike."""
+    layers = vllm_config.compilation_config.static_forward_context
+    out: dict[str, tuple[float, float]] = {}
+    for name in kv_caches:
+        layer = layers.get(name)
+        k, v = getattr(layer, "_k_scale_float", None), getattr(layer, "_v_scale_float", None)
+        if k is not None and v is not None:
+            out[name] = (float(k), float(v))
+    return out
 
 
 def state_layers(kv_cache_config: KVCacheConfig) -> frozenset[str]:

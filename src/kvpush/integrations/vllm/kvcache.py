@@ -23,7 +23,8 @@ dtype and device, the way `kvpush.kvcache.register_kv_cache` names them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -38,6 +39,35 @@ if TYPE_CHECKING:
 # Logical axis letters of one packed layer view, in vLLM's own naming (RFC 42082).
 _AXES = "BHNC"
 LAYOUT_PREFIX = PACKED_PREFIX
+
+
+# vLLM's cache dtypes (`--kv-cache-dtype`) whose bytes the tensors' dtype names fully:
+# "auto" is the model's dtype, the others float types of their own.
+PLAIN_CACHE_DTYPES = frozenset({"auto", "float", "float16", "half", "bfloat16", "float32"})
+
+
+def cache_dtype_name(
+    tensor_dtype: str, vllm_cache_dtype: str, kv_scales: Sequence[tuple[float, float]]
+) -> str:
+    """What the cache's bytes are, as the geometry's `dtype` names them for the
+    compatibility check: the tensors' dtype for a plain cache; for a quantized one
+    (`--kv-cache-dtype fp8`, `fp8_e4m3`, `fp8_e5m2`, ...) also vLLM's format and the
+    scales every layer quantized with (`kv_scales`, (k_scale, v_scale) per layer).
+    vLLM stores every fp8 format in uint8 tensors and keeps its scales on the layers,
+    so the tensors alone cannot tell e4m3 from e5m2, nor bytes quantized with other
+    scales: a peer holding any of those would read ours as other numbers."""
+    if vllm_cache_dtype in PLAIN_CACHE_DTYPES:
+        return tensor_dtype
+    distinct = sorted(set(kv_scales))
+    if not distinct:
+        scales = "no per-layer scales"
+    elif len(distinct) == 1:
+        k, v = distinct[0]
+        scales = f"k_scale {k!r}, v_scale {v!r} in every layer"
+    else:
+        digest = hashlib.sha256(repr(list(kv_scales)).encode()).hexdigest()[:16]
+        scales = f"k/v scales of their own per layer, digest {digest}"
+    return f"{tensor_dtype} holding {vllm_cache_dtype} ({scales})"
 
 
 def register_vllm_kv_caches(

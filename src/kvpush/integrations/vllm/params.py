@@ -80,6 +80,9 @@ class ConnectorConfig:
     pp_size: int
     dcp_size: int
     block_size_tokens: int
+    # vLLM's `--kv-cache-dtype` ("auto": the model's dtype). A quantized one (fp8*) is
+    # named in the compatibility check with its scales (`kvcache.cache_dtype_name`).
+    cache_dtype: str = "auto"
     # How long an idle engine step (nothing scheduled, a transfer in flight) may wait
     # for a transfer to end. It returns as soon as one ends, so transfers lose nothing;
     # a request arriving meanwhile waits up to this long. Without it vLLM's loop comes
@@ -167,6 +170,7 @@ class ConnectorConfig:
             pp_size=pp_size,
             dcp_size=int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
             block_size_tokens=int(vllm_config.cache_config.block_size),
+            cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
             idle_wait_s=float(extra.get("idle_wait_s", 0.02)),
             handshake_timeout_ms=int(extra.get("handshake_timeout_ms", 5000)),
             idle_poll_ms=float(extra.get("idle_poll_ms", 5.0)),

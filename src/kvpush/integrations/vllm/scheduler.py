@@ -248,12 +248,19 @@ class SchedulerSide:
         local_hits = self._local_hits.pop(rid, 0)
         num_tokens = self._tokens_moved(request)
         if num_external_tokens <= 0:
-            self._refuse(
-                remote,
-                "the decode server had every block in its prefix cache"
-                if num_tokens
-                else "a one-token prompt of a model with a Mamba state: the decode computes it",
-            )
+            if not num_tokens:
+                why = "a one-token prompt of a model with a Mamba state: the decode computes it"
+            elif local_hits >= num_tokens:
+                why = "the decode server had every block in its prefix cache"
+            else:
+                # We asked for tokens, vLLM allocated none for us: under a MultiConnector,
+                # another child (an offload tier) took the request and loads them.
+                why = (
+                    f"the decode server loads this prompt's KV otherwise: it asked for "
+                    f"{num_tokens - local_hits} tokens and vLLM gave this connector none "
+                    "(another connector of a MultiConnector took the request)"
+                )
+            self._refuse(remote, why)
             return
         ours = received_blocks(self._groups, blocks.get_block_ids(), num_tokens, local_hits)
         nulls = {b.block_id for group in blocks.blocks for b in group if b.is_null}

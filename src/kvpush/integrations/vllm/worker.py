@@ -54,7 +54,7 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import msgspec
@@ -62,7 +62,11 @@ import msgspec
 from kvpush.errors import FailureReason, KVPushError
 from kvpush.geometry import KVCacheGroup, KVHeads
 from kvpush.integrations.vllm.groups import group_part_id
-from kvpush.integrations.vllm.kvcache import layer_slots, register_vllm_kv_caches
+from kvpush.integrations.vllm.kvcache import (
+    cache_dtype_name,
+    layer_slots,
+    register_vllm_kv_caches,
+)
 from kvpush.integrations.vllm.plan import (
     GroupBlocks,
     Receive,
@@ -206,7 +210,13 @@ class WorkerSide(Generic[S]):
 
     # ----------------------------------------------------------------- lifecycle
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        kv_scales: Mapping[str, tuple[float, float]] | None = None,
+    ) -> None:
+        """`kv_scales`: each layer's (k_scale, v_scale), which a quantized cache's bytes
+        were computed with (vLLM keeps them on its attention layers)."""
         cfg = self._config
         held = rank_heads(self._rank, cfg.tp_size, cfg.total_kv_heads, cfg.use_mla)
         heads = KVHeads(
@@ -221,6 +231,11 @@ class WorkerSide(Generic[S]):
         )
         if self._groups:
             geometry = msgspec.structs.replace(geometry, groups=self._groups)
+        scales = kv_scales or {}
+        dtype = cache_dtype_name(
+            geometry.dtype, cfg.cache_dtype, [scales[n] for n in kv_caches if n in scales]
+        )
+        geometry = msgspec.structs.replace(geometry, dtype=dtype)
         if cfg.switch_interval_ms is not None:
             sys.setswitchinterval(cfg.switch_interval_ms / 1000)
         self._bytes_per_block = geometry.bytes_per_block

@@ -30,9 +30,9 @@ from typing import Any
 import httpx
 
 from kvpush.errors import ConfigError
-from kvpush.lab.vllm_servers import Outcome, VllmServer, answer_outcome
 from kvpush.net import http_url
 from kvpush.procs.readiness import free_port, wait_ready
+from kvpush_lab.vllm_servers import Outcome, VllmServer, answer_outcome
 
 # The fields of a prefill's answer that llm-d's sidecar caches as its push identity.
 PUSH_IDENTITY = ("remote_engine_id", "remote_host", "remote_port", "tp_size")

@@ -2,7 +2,7 @@
 
 It does what kvpush's runtime thread does when idle (a timed wait on a lock, then Python
 code) and records, per wake-up, how late it ran: (wall-clock time, seconds late) as
-pairs of doubles appended to a file. `kvpush.lab.vllm_gil_probe` runs it inside vLLM's
+pairs of doubles appended to a file. `kvpush_lab.vllm_gil_probe` runs it inside vLLM's
 workers; `scripts/vllm-gil-probe` also runs it in a process of its own, for comparison.
 """
 

@@ -1,8 +1,8 @@
 """Lab only: `KvpushConnector` with a probe thread in each vLLM worker that measures
 how long a thread of that process waits to run (the GIL, and the OS's scheduling):
-`kvpush.lab.gil_probe`, recording to `$KVPUSH_GIL_PROBE_OUT.<pid>`.
+`kvpush_lab.gil_probe`, recording to `$KVPUSH_GIL_PROBE_OUT.<pid>`.
 `scripts/vllm-gil-probe` runs servers with it (`kv_connector: GilProbeConnector`,
-`kv_connector_module_path: kvpush.lab.vllm_gil_probe`) and compares with the same
+`kv_connector_module_path: kvpush_lab.vllm_gil_probe`) and compares with the same
 probe in a process of its own.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvpush.integrations.vllm.connector import KvpushConnector
-from kvpush.lab.gil_probe import probe
+from kvpush_lab.gil_probe import probe
 
 if TYPE_CHECKING:
     import torch

@@ -36,8 +36,10 @@ from kvpush.errors import ConfigError
 from kvpush.net import http_url
 from kvpush.procs.readiness import free_port, wait_ready
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-DEFAULT_VLLM_VENV = REPO_ROOT / ".venv-vllm"
+# The lab lives in a checkout's tools/, never in an installed kvpush: the checkout's vLLM
+# venv sits beside it, unless KVPUSH_VLLM_VENV names another.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_VLLM_VENV = Path(os.environ.get("KVPUSH_VLLM_VENV", REPO_ROOT / ".venv-vllm"))
 KVPUSH_MODULE = "kvpush.integrations.vllm"
 
 
@@ -506,8 +508,8 @@ class VllmServer:
 
     def pids(self) -> list[int]:
         """The server's live processes: its leader and every descendant (API server,
-        engine core, workers, their helpers), for `kvpush.lab.proc_cpu`."""
-        from kvpush.lab.proc_cpu import process_tree
+        engine core, workers, their helpers), for `kvpush_lab.proc_cpu`."""
+        from kvpush_lab.proc_cpu import process_tree
 
         return [] if self._process is None else process_tree(self._process.pid)
 
