@@ -177,6 +177,51 @@ def test_partial_prefix_hit_and_layer_by_layer(cluster: Cluster) -> None:
     assert not same_block(a, 10, b, 7)
 
 
+def test_a_sending_result_says_what_its_writes_measured(cluster: Cluster) -> None:
+    """What vLLM's NIXL metrics read (`result.writes`): a whole push is one write, a
+    layer-wise one a write per announcement; bytes and contiguous copies are the data
+    plane's, times real and bounded. The receiving side measures nothing."""
+    p, p_addr = cluster.add("p-1", "engine-p")
+    d, _ = cluster.add("d-1", "engine-d")
+    geometry = cluster.kv["p-1"].geometry
+    regions = len(geometry.regions)
+    started = time.perf_counter()
+    p.send("whole", [1, 2, 3])
+    d.receive("whole", p_addr, [9, 4, 5])  # 1 -> 9, then 2-3 -> 4-5: two runs per region
+    [rd] = wait_results(d)
+    [rp] = wait_results(p)
+    took = time.perf_counter() - started
+    assert rp.ok and rd.ok and rd.writes is None
+    w = rp.writes
+    assert w is not None
+    assert (w.writes, w.nbytes, w.descriptors) == (1, 3 * geometry.bytes_per_block, 2 * regions)
+    assert 0 < w.post_s <= w.busy_s < took
+    d.receive("layers", p_addr, [7, 8], sender_offset=2)
+    p.send("layers", [10, 11, 12, 13], ready_layers=[])
+    p.layers_ready("layers", [1])
+    wait_until(lambda: p.statistics().bytes_written > w.nbytes)
+    p.layers_ready("layers", [0])
+    assert wait_results(d)[0].ok
+    [rp] = wait_results(p)
+    lw = rp.writes
+    assert lw is not None
+    # Two writes of one layer's regions each, blocks 12-13 -> 7-8: one run per region.
+    assert (lw.writes, lw.nbytes, lw.descriptors) == (2, 2 * geometry.bytes_per_block, regions)
+    assert 0 < lw.post_s <= lw.busy_s
+    # A failed write is a write posted that moved nothing.
+    cluster.fabric.fail_writes("p-1", "d-1")
+    p.send("failed", [1])
+    d.receive("failed", p_addr, [2])
+    [rp] = wait_results(p)
+    assert rp.reason is FailureReason.WRITE_ERROR and wait_results(d)[0].writes is None
+    assert rp.writes is not None and (rp.writes.writes, rp.writes.nbytes) == (1, 0)
+    # A full prefix hit at the receiver: finished, nothing written, nothing measured.
+    p.send("hit", [1, 2])
+    d.receive("hit", p_addr, [], sender_offset=2)
+    [rp] = wait_results(p)
+    assert rp.ok and rp.writes is None and wait_results(d)[0].ok
+
+
 def test_full_prefix_hit_frees_the_sender_without_a_write(cluster: Cluster) -> None:
     p, p_addr = cluster.add("p-1", "engine-p")
     d, _ = cluster.add("d-1", "engine-d")

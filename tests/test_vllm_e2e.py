@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -50,6 +51,7 @@ from kvpush_lab.vllm_servers import (
     completion_body,
     make_tiny_model,
     metric,
+    metric_in,
     ngram_speculation,
     sequential,
     speculation,
@@ -292,6 +294,144 @@ def test_rounds_through_kvpush_proxy_match_a_single_instance(family: Family) -> 
         assert d["by_layer"] == d["by_step"] == 0, f"layers announced: {d}"
 
 
+# The series of vLLM's NixlPromMetrics that dashboards for its NIXL connectors read, and
+# their types (docs/vllm.md, "Metrics").
+NIXL_SERIES = {
+    "vllm:nixl_xfer_time_seconds": "histogram",
+    "vllm:nixl_post_time_seconds": "histogram",
+    "vllm:nixl_bytes_transferred": "histogram",
+    "vllm:nixl_num_descriptors": "histogram",
+    "vllm:nixl_num_failed_transfers": "counter",
+    "vllm:nixl_num_kv_expired_reqs": "counter",
+}
+# vLLM's NixlKVConnectorStats.reduce() fields, in its order, less "Num notifs after
+# expiry" (no kvpush counterpart).
+KV_TRANSFER_FIELDS = [
+    "Num successful transfers",
+    "Avg xfer time (ms)",
+    "P90 xfer time (ms)",
+    "Avg post time (ms)",
+    "P90 post time (ms)",
+    "Avg MB per transfer",
+    "Throughput (MB/s)",
+    "Avg number of descriptors",
+    "Num failed transfers",
+    "Num KV expired reqs",
+]
+
+
+async def _nixl(http: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """One scrape of a server: what a dashboard reads from the vllm:nixl_* series (and
+    whether each is there, of its type), beside kvpush's own transfer counts."""
+    text = (await http.get(f"{url}/metrics", timeout=10)).text
+    # (The text format names a counter's family after its sample, `_total` included.)
+    out = {
+        f"{name} is a {kind}": float(
+            f"# TYPE {name}{'_total' if kind == 'counter' else ''} {kind}\n" in text
+        )
+        for name, kind in NIXL_SERIES.items()
+    }
+    for name, kind in NIXL_SERIES.items():
+        short = name.removeprefix("vllm:nixl_")
+        if kind == "histogram":
+            out[f"{short} count"] = metric_in(text, f"{name}_count")
+            out[f"{short} sum"] = metric_in(text, f"{name}_sum")
+        else:
+            out[short] = metric_in(text, f"{name}_total")
+    out["xfer under 5 s"] = metric_in(text, "vllm:nixl_xfer_time_seconds_bucket", le="5.0")
+    out["sends ended"] = metric_in(text, "vllm:kvpush_transfers_total", side="sender")
+    out["sends finished"] = metric_in(
+        text, "vllm:kvpush_transfers_total", side="sender", outcome="finished"
+    )
+    for side in ("sender", "receiver"):
+        out[f"{side} bytes"] = metric_in(text, "vllm:kvpush_transfer_bytes_total", side=side)
+    return out
+
+
+def _geometry(server: VllmServer) -> tuple[int, int]:
+    """(bytes per block, regions) of rank 0's registered cache, from its log."""
+    found = re.search(
+        r"kvpush rank 0: \d+ layers in (\d+) regions, \d+ blocks of (\d+) bytes",
+        server.log_path.read_text(errors="replace"),
+    )
+    assert found, f"no registration line in {server.log_path}"
+    return int(found[2]), int(found[1])
+
+
+def _kv_transfer_lines(server: VllmServer) -> list[dict[str, str]]:
+    """vLLM's periodic "KV Transfer metrics" lines in a server's log, as fields."""
+    out = []
+    for line in server.log_path.read_text(errors="replace").splitlines():
+        _, sep, fields = line.partition("KV Transfer metrics: ")
+        if sep:
+            out.append(dict(f.split("=", 1) for f in fields.split(", ")))
+    return out
+
+
+def test_the_nixl_series_a_dashboard_reads_count_the_transfers_run(family: Family) -> None:
+    """A dashboard built for vLLM's NixlConnector reads vllm:nixl_*. After one round
+    through the proxy, each is on both servers' /metrics, of vLLM's type, with the
+    round's transfers: one observation per send the prefill finished (it posts the
+    writes; the decode posts none), bytes that are whole blocks and what the decode's
+    blocks received, times positive and each under 5 s, no failure; and the prefill's
+    log gets vLLM's "KV Transfer metrics" line with vLLM's fields."""
+    bytes_per_block, regions = _geometry(family.prefill)
+    servers = {"prefill": family.prefill.url, "decode": family.decode.url}
+    lines_before = len(_kv_transfer_lines(family.prefill))
+
+    async def run() -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]], float]:
+        async with client() as http:
+            before = {role: await _nixl(http, url) for role, url in servers.items()}
+            started = time.monotonic()
+            outcomes = await batch([complete(http, family.proxy_url, b) for b in _bodies(family)])
+            took = time.monotonic() - started
+            _check_identical(family, outcomes, "the round the nixl series count")
+            # vLLM exports a step's connector stats with the transfers it reports: the
+            # prefill's last sends end just after the decode answered.
+            deadline = time.monotonic() + 30
+            while True:
+                after = {role: await _nixl(http, url) for role, url in servers.items()}
+                ended = after["prefill"]["sends ended"] - before["prefill"]["sends ended"]
+                if ended >= len(PROMPTS) or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
+            return before, after, took
+
+    before, after, took = asyncio.run(run())
+    for role in servers:
+        missing = [k for k, v in after[role].items() if " is a " in k and not v]
+        assert not missing, f"the {role} server's /metrics lacks: {missing}"
+    d = {r: {k: after[r][k] - before[r][k] for k in after[r]} for r in servers}
+    p, dec = d["prefill"], d["decode"]
+    assert p["sends ended"] == len(PROMPTS), p
+    n = p["sends finished"]
+    assert n > 0, p
+    assert n == p["xfer_time_seconds count"] == p["post_time_seconds count"], p
+    assert n == p["bytes_transferred count"] == p["num_descriptors count"], p
+    # Bytes the prefill's data plane moved = its blocks moved x bytes per block = what
+    # the decode's registered blocks received.
+    assert p["bytes_transferred sum"] == p["sender bytes"] == dec["receiver bytes"], d
+    assert p["bytes_transferred sum"] % bytes_per_block == 0
+    blocks = p["bytes_transferred sum"] // bytes_per_block
+    assert n <= blocks and n <= p["num_descriptors sum"] <= blocks * regions, p
+    # Each in flight for a while, but none longer than 5 s (histogram buckets); the
+    # round took `took` seconds.
+    assert 0 < p["post_time_seconds sum"] <= p["xfer_time_seconds sum"], p
+    assert p["xfer under 5 s"] == n, (took, p)
+    assert p["num_failed_transfers"] == p["num_kv_expired_reqs"] == 0, p
+    assert dec["xfer_time_seconds count"] == dec["num_failed_transfers"] == 0, dec
+    assert dec["num_kv_expired_reqs"] == 0, dec
+    # vLLM logs every 10 s what its interval saw.
+    deadline = time.monotonic() + 15
+    while len(new := _kv_transfer_lines(family.prefill)[lines_before:]) == 0:
+        assert time.monotonic() < deadline, "no KV Transfer metrics line in the prefill's log"
+        time.sleep(0.5)
+    fields = new[-1]
+    assert list(fields)[: len(KV_TRANSFER_FIELDS)] == KV_TRANSFER_FIELDS, fields
+    assert int(fields["Num successful transfers"]) > 0 and float(fields["Avg xfer time (ms)"]) > 0
+    assert fields["Num failed transfers"] == fields["Num KV expired reqs"] == "0", fields
+
+
 def _doctor(
     family: Family, capsys: pytest.CaptureFixture[str], swap: bool = False
 ) -> tuple[int, dict[str, Any], str]:
@@ -428,8 +568,9 @@ def test_prefill_killed_mid_batch_fails_the_waiting_requests_in_bound_then_recov
     bodies = _bodies(family)
     half = len(bodies) // 2
 
-    async def run() -> tuple[list[Outcome], float]:
+    async def run() -> tuple[list[Outcome], float, dict[str, float]]:
         async with client() as http:
+            decode_nixl = await _nixl(http, family.decode.url)
             decode_legs = []
             prefill_legs = []
             for i, body in enumerate(bodies):
@@ -459,9 +600,9 @@ def test_prefill_killed_mid_batch_fails_the_waiting_requests_in_bound_then_recov
             await asyncio.to_thread(family.prefill.kill)
             killed_at = time.monotonic()
             rest = await batch(decode_legs[half:])
-            return rest, time.monotonic() - killed_at
+            return rest, time.monotonic() - killed_at, decode_nixl
 
-    rest, waited = asyncio.run(run())
+    rest, waited, decode_nixl = asyncio.run(run())
     for outcome in rest:
         assert not outcome.ok, f"{outcome.prompt!r} succeeded without its prefill"
     assert waited < LIVENESS_BOUND_S, f"the waiting requests took {waited:.1f}s to fail"
@@ -472,6 +613,21 @@ def test_prefill_killed_mid_batch_fails_the_waiting_requests_in_bound_then_recov
 
     m = asyncio.run(decode_drained())
     assert m["waiting"] + m["running"] == 0, f"decode server still holds requests: {m}"
+
+    async def decode_failures() -> dict[str, float]:
+        """What a dashboard reads on the decode: exactly the transfers the kill failed
+        (each a request's one part here); none expired, a prefill's count."""
+        async with client() as http:
+            deadline = time.monotonic() + 15
+            while True:
+                now = await _nixl(http, family.decode.url)
+                failed = now["num_failed_transfers"] - decode_nixl["num_failed_transfers"]
+                if failed >= len(rest) or time.monotonic() > deadline:
+                    return {k: now[k] - decode_nixl[k] for k in now}
+                await asyncio.sleep(0.2)
+
+    f = asyncio.run(decode_failures())
+    assert (f["num_failed_transfers"], f["num_kv_expired_reqs"]) == (len(rest), 0), f
 
     family.prefill.start()
     family.prefill.wait_ready()

@@ -245,6 +245,20 @@ class TransportConformance:
             for b in (1, 2, 3, 4):
                 assert pair.receiver_kv.block(r, b) == zero
 
+    def test_a_completed_write_says_what_it_moved(self, pair: Pair) -> None:
+        """`WriteDone` carries the bytes the write moved and the contiguous copies it
+        took: blocks 1-3 go to 5-7 as one run per region, block 6 as one more; the
+        one-block write takes one per region. Regions are tensors of their own, never
+        contiguous with the blocks of the next here, so nothing merges across them."""
+        geometry = pair.sender_kv.geometry
+        regions = len(geometry.regions)
+        pair.sender.write_blocks(pair.receiver.agent_name, 1, [1, 2, 3, 6], [5, 6, 7, 0], b"a")
+        pair.sender.write_blocks(pair.receiver.agent_name, 2, [4], [4], b"b")
+        ev = pump([pair.sender, pair.receiver], lambda ev: len(write_results(ev[0])) == 2)
+        done = {e.write_id: e for e in write_results(ev[0]) if isinstance(e, WriteDone)}
+        assert (done[1].nbytes, done[1].descriptors) == (4 * geometry.bytes_per_block, 2 * regions)
+        assert (done[2].nbytes, done[2].descriptors) == (geometry.bytes_per_block, regions)
+
     def test_write_without_notification_sends_no_message(self, pair: Pair) -> None:
         pair.sender.write_blocks(pair.receiver.agent_name, 1, [0, 1], [2, 3], None)
         ev = pump([pair.sender, pair.receiver], lambda ev: WriteDone(1) in ev[0])

@@ -53,10 +53,39 @@ def record_failed_at_once(sink: TransferMetricsSink, side: str) -> None:
     sink.count_ended(side, FAILED, FailureReason.LOCAL_ERROR.value)
 
 
+# How vLLM's NIXL connector metrics (`vllm:nixl_num_failed_transfers`,
+# `vllm:nixl_num_kv_expired_reqs`) count a transfer that failed.
+NIXL_FAILED = "failed"
+NIXL_EXPIRED = "expired"
+# Ended by a decision of the engines, not by the data plane or a peer: the engine's
+# abort, its own shutdown, a decode that refused the transfer (it needed nothing, its
+# prefix cache holding every block; or it cannot take it, which it counts itself).
+_NOT_FAILURES = frozenset({FailureReason.CANCELLED, FailureReason.SHUTDOWN, FailureReason.REJECTED})
+# A sender that held its blocks for a receiver which did not take them in time: vLLM's
+# "KV expired" (the prefill's lease on its blocks ran out, the decode never read them).
+_EXPIRED = frozenset({FailureReason.DEADLINE_EXCEEDED, FailureReason.PEER_TIMEOUT})
+
+
+def nixl_failure(side: str, reason: FailureReason | None) -> str | None:
+    """How a failed transfer on `side` counts in vLLM's NIXL metrics: `NIXL_EXPIRED` (a
+    sender whose receiver did not take its blocks before its deadline or lease ran out,
+    or went silent), `NIXL_FAILED` (anything else the data plane, a peer or the
+    protocol ended), or None (finished, or ended by the engines' own decision: cancelled,
+    shut down, rejected)."""
+    if reason is None or reason in _NOT_FAILURES:
+        return None
+    if side == "sender" and reason in _EXPIRED:
+        return NIXL_EXPIRED
+    return NIXL_FAILED
+
+
 __all__ = [
     "FAILED",
     "FINISHED",
+    "NIXL_EXPIRED",
+    "NIXL_FAILED",
     "TransferMetricsSink",
+    "nixl_failure",
     "outcome_of",
     "record_ended",
     "record_failed_at_once",

@@ -709,9 +709,14 @@ async def metric(client: httpx.AsyncClient, url: str, name: str, **labels: str) 
     """The sum of a Prometheus metric's samples on a vLLM server: of every label set,
     or of those with each of `labels` (`push="layerwise"`)."""
     resp = await client.get(f"{url}/metrics", timeout=10)
+    return metric_in(resp.text, name, **labels)
+
+
+def metric_in(text: str, name: str, **labels: str) -> float:
+    """`metric`, read from one scrape's `text` (several read from the same instant)."""
     wanted = [f'{k}="{v}"' for k, v in labels.items()]
     total = 0.0
-    for line in resp.text.splitlines():
+    for line in text.splitlines():
         if not (line.startswith(name + "{") or line.startswith(name + " ")):
             continue
         label_set = line[len(name) :].rsplit(" ", 1)[0]

@@ -44,7 +44,9 @@ an exception on the background thread) is queued as a result, never handled wher
 found. Every result is a `TransferEnded` built by the protocol (`kvpush.protocol`: its
 machines, the receiver's handshake included, and `ended_unreported` for what they did not
 end before the runtime stopped); the runtime only carries out effects and passes results
-on.
+on, as `TransferResult`s: a sending transfer's with what its writes measured
+(`result.writes`, a `WritesMeasured`: writes posted, descriptors and bytes the data
+plane moved, time spent posting and time with a write in flight).
 
 When a result arrives, kvpush no longer touches its blocks: the engine may free or reuse
 them at once (on the receiving side, a finished transfer's blocks hold the KV data).
@@ -122,7 +124,8 @@ Layout of this package, along its seams:
   machines; they are touched only inside a pass, under the driver's lock.
 * `directory` — the `PeerDirectory` port (`InMemoryPeerDirectory`,
   `SideChannelPeerDirectory`) and the `LookupPool` of threads that runs lookups.
-* `values` — `RuntimeIdentity`, `RuntimeStatistics`, `TransferResult`, `PeerAddress`.
+* `values` — `RuntimeIdentity`, `RuntimeStatistics`, `TransferResult`, `WritesMeasured`,
+  `PeerAddress`.
 
 Threads, and who touches what: the transport and the protocol machines are touched only
 inside a pass, and a pass runs only under the driver's lock, one thread at a time: the
@@ -215,6 +218,7 @@ from kvpush.runtime.values import (
     RuntimeIdentity,
     RuntimeStatistics,
     TransferResult,
+    WritesMeasured,
 )
 
 __all__ = [
@@ -231,4 +235,5 @@ __all__ = [
     "ServiceHost",
     "SideChannelPeerDirectory",
     "TransferResult",
+    "WritesMeasured",
 ]

@@ -8,8 +8,10 @@ A pass takes the queued commands, polls the transport once, feeds what arrived t
 protocol, ticks it, and carries out the effects it returns. The runtime's thread loops
 over passes; an engine thread runs one in-step (`Driver.drive`) when no other thread
 holds the lock, else it only queues its command. Every result is a `TransferEnded` built
-by the protocol, handed to `Sink.report`; the driver builds none (what the protocol did
-not end when the thread stopped, the facade ends with `kvpush.protocol.ended_unreported`).
+by the protocol, handed to `Sink.report` with what a sending transfer's writes measured
+(`WritesMeasured`, timed around each `write_blocks` call and each write's end as a poll
+saw it); the driver builds none (what the protocol did not end when the thread stopped,
+the facade ends with `kvpush.protocol.ended_unreported`).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from kvpush.protocol import (
 )
 from kvpush.runtime.directory import LookupPool, PeerDirectory, handshake_reason
 from kvpush.runtime.services import RuntimeService
-from kvpush.runtime.values import RuntimeStatistics
+from kvpush.runtime.values import RuntimeStatistics, WritesMeasured
 from kvpush.sidechannel import PeerMetadata
 from kvpush.topology import UnsupportedShape
 from kvpush.transports.base import (
@@ -205,11 +207,44 @@ Command = (
 )
 
 
+@dataclass(slots=True)
+class _WriteTally:
+    """One sending transfer's writes so far, for its `WritesMeasured`."""
+
+    writes: int = 0
+    descriptors: int = 0
+    nbytes: int = 0
+    post_s: float = 0.0
+    busy_s: float = 0.0
+    in_flight: int = 0
+    busy_since: float = 0.0
+
+    def posted(self, began: float, returned: float) -> None:
+        """A write was handed to the data plane between `began` and `returned`."""
+        self.writes += 1
+        self.post_s += returned - began
+        if not self.in_flight:
+            self.busy_since = began
+        self.in_flight += 1
+
+    def ended(self, at: float, nbytes: int = 0, descriptors: int = 0) -> None:
+        """One of its writes was seen to end at `at` (what it moved, if it completed)."""
+        self.nbytes += nbytes
+        self.descriptors += descriptors
+        self.in_flight -= 1
+        if not self.in_flight:
+            self.busy_s += at - self.busy_since
+
+    def measured(self) -> WritesMeasured:
+        return WritesMeasured(self.writes, self.descriptors, self.nbytes, self.post_s, self.busy_s)
+
+
 @dataclass(frozen=True, slots=True)
 class Sink:
-    """Where the driver's outcomes go (the facade's result queue and counters)."""
+    """Where the driver's outcomes go (the facade's result queue and counters): each
+    result with what its writes measured, if it wrote."""
 
-    report: Callable[[TransferEnded], None]
+    report: Callable[[TransferEnded, WritesMeasured | None], None]
     counters: Callable[[], dict[str, object]]  # the facade's part of a statistics snapshot
     # Last resort after the thread stopped: fail whatever the engine still waits for
     # (only if the protocol could not end it, its state broken by a crash).
@@ -287,6 +322,11 @@ class Driver:
         self._unconfirmed: list[str] = []
         self._register_retries = 0
         self._write_bytes: dict[int, int] = {}
+        # Sending transfers' writes, measured (`WritesMeasured`): per transfer id, and
+        # the tally of each write in flight (kept by the write, so that one ending after
+        # its transfer did, the peer gone, counts into no later transfer of that id).
+        self._tallies: dict[str, _WriteTally] = {}
+        self._write_of: dict[int, _WriteTally] = {}
         self._bytes_written = 0
         self._malformed = 0
         self._polls = 0
@@ -372,7 +412,7 @@ class Driver:
     def _end_everything(self, reason: FailureReason, detail: str) -> None:
         for eff in self._protocol.shutdown(self._clock(), reason, detail):
             if isinstance(eff, TransferEnded):
-                self._sink.report(eff)
+                self._report(eff)
 
     # ----------------------------------------------------------------- the loop
 
@@ -537,9 +577,11 @@ class Driver:
                     continue
                 case WriteDone(write_id=wid):
                     self._bytes_written += self._write_bytes.pop(wid, 0)
+                    self._write_ended(wid, ev.nbytes, ev.descriptors)
                     effects = protocol.sender.write_done(now, wid)
                 case WriteFailed(write_id=wid, reason=reason, detail=detail):
                     self._write_bytes.pop(wid, None)
+                    self._write_ended(wid)
                     effects = protocol.sender.write_failed(now, wid, reason, detail)
                 case PeerLost(peer=peer, reason=reason, detail=detail):
                     retry: list[Effect] = []
@@ -760,7 +802,17 @@ class Driver:
                     self._infos.pop(agent, None)
                     self._id_maps.pop(agent, None)
                 case TransferEnded():
-                    self._sink.report(eff)
+                    self._report(eff)
+
+    def _report(self, ended: TransferEnded) -> None:
+        """Hand a result on, with what its writes measured (a sending one's)."""
+        tally = self._tallies.pop(ended.transfer_id, None) if ended.side == "sender" else None
+        self._sink.report(ended, None if tally is None else tally.measured())
+
+    def _write_ended(self, write_id: int, nbytes: int = 0, descriptors: int = 0) -> None:
+        tally = self._write_of.pop(write_id, None)
+        if tally is not None:
+            tally.ended(time.perf_counter(), nbytes, descriptors)
 
     def _write(self, now: float, w: WriteBlocks) -> None:
         if w.layers is None:
@@ -776,18 +828,22 @@ class Driver:
             ours, theirs = maps
             our_blocks = ours.view_ids(our_blocks) if ours is not None else our_blocks
             their_blocks = theirs.view_ids(their_blocks) if theirs is not None else their_blocks
+        notification = (
+            None if w.notification is None else self._protocol.wire(w.peer, w.notification)
+        )
+        began = time.perf_counter()
         try:
             self._transport.write_blocks(
-                w.peer,
-                w.write_id,
-                our_blocks,
-                their_blocks,
-                None if w.notification is None else self._protocol.wire(w.peer, w.notification),
-                regions,
+                w.peer, w.write_id, our_blocks, their_blocks, notification, regions
             )
         except TransportError as exc:
             self._apply(self._protocol.sender.write_failed(now, w.write_id, exc.reason, exc.detail))
             return
+        tally = self._tallies.get(w.transfer_id)
+        if tally is None:
+            tally = self._tallies[w.transfer_id] = _WriteTally()
+        tally.posted(began, time.perf_counter())
+        self._write_of[w.write_id] = tally
         self._active = True
         self._write_bytes[w.write_id] = nbytes
 

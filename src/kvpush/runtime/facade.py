@@ -51,7 +51,12 @@ from kvpush.runtime.driver import (
     StatsRequest,
 )
 from kvpush.runtime.services import RuntimeService, ServiceHost
-from kvpush.runtime.values import RuntimeIdentity, RuntimeStatistics, TransferResult
+from kvpush.runtime.values import (
+    RuntimeIdentity,
+    RuntimeStatistics,
+    TransferResult,
+    WritesMeasured,
+)
 from kvpush.sidechannel import ROLES, PeerMetadata
 from kvpush.transports.base import Transport
 
@@ -538,7 +543,7 @@ class PushRuntime:
 
     # ----------------------------------------------------------------- the driver's sink
 
-    def _report(self, result: TransferEnded) -> None:
+    def _report(self, result: TransferEnded, writes: WritesMeasured | None = None) -> None:
         key = (result.side, result.transfer_id)
         with self._results_cv:
             if key not in self._live:
@@ -546,7 +551,7 @@ class PushRuntime:
                 log.error("suppressed a second result for %s: %s", key, result)
                 return
             self._live.discard(key)
-            self._results.append(result)
+            self._results.append(TransferResult.of(result, writes))
             if result.side == "sender":
                 self._queued_sending.add(result.transfer_id)
             if result.reason is None:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from kvpush.protocol import PeerAddress, TransferEnded
 
-__all__ = ["PeerAddress", "RuntimeIdentity", "RuntimeStatistics", "TransferResult"]
+__all__ = [
+    "PeerAddress",
+    "RuntimeIdentity",
+    "RuntimeStatistics",
+    "TransferResult",
+    "WritesMeasured",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,9 +32,42 @@ class RuntimeIdentity:
     role: str = "both"  # "sender" | "receiver" | "both", as published
 
 
-# How one transfer ended, on one side: the protocol's own record, reported exactly once
-# by `poll()`/`wait()` (`.ok`, `.reason`, `.detail`, `.blocks`, `.raise_for_failure()`).
-TransferResult = TransferEnded
+@dataclass(frozen=True, slots=True)
+class WritesMeasured:
+    """What the data plane did for one sending transfer, measured while it ran.
+
+    `writes` posted (one for a whole push; one per batch of layers announced for a
+    layer-wise one), and of those that completed, the `nbytes` they moved in
+    `descriptors` contiguous copies (`kvpush.transports.base.WriteDone`). `post_s`: time
+    spent in the transport's `write_blocks` calls, handing the writes over. `busy_s`:
+    time during which at least one of its writes was in flight, from the start of its
+    post to the poll that saw it end; a layer-wise transfer's gaps between layers (no
+    write in flight, the engine computing) are not in it, so `nbytes / busy_s` is the
+    rate at which the data plane moved it. Real time (`time.perf_counter`), whatever
+    clock drives the protocol."""
+
+    writes: int
+    descriptors: int
+    nbytes: int
+    post_s: float
+    busy_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult(TransferEnded):
+    """How one transfer ended, on one side, reported exactly once by `poll()`/`wait()`
+    (`.ok`, `.reason`, `.detail`, `.blocks`, `.raise_for_failure()`): the protocol's own
+    record (`TransferEnded`), with what its writes measured (`writes`: a sending
+    transfer that posted at least one write; None on the receiving side, and for a send
+    that wrote nothing)."""
+
+    writes: WritesMeasured | None = None
+
+    @classmethod
+    def of(cls, ended: TransferEnded, writes: WritesMeasured | None = None) -> TransferResult:
+        """`ended` as the protocol built it, with `writes`."""
+        fields = {f.name: getattr(ended, f.name) for f in dataclasses.fields(TransferEnded)}
+        return cls(**fields, writes=writes)
 
 
 @dataclass(frozen=True, slots=True)

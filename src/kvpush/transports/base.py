@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpush.errors import FailureReason
 from kvpush.geometry import CacheGeometry, ScratchRegion
@@ -32,9 +32,15 @@ class MessageReceived:
 
 @dataclass(frozen=True, slots=True)
 class WriteDone:
-    """All blocks of write `write_id` landed; its notification, if any, was sent after them."""
+    """All blocks of write `write_id` landed; its notification, if any, was sent after them.
+
+    What the data plane did for it, as it did it: `nbytes` moved, in `descriptors`
+    contiguous copies (NIXL's descriptors after it merged neighbours; 0 for a write that
+    moved nothing). Events are told apart by `write_id` alone: these do not compare."""
 
     write_id: int
+    nbytes: int = field(default=0, compare=False)
+    descriptors: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,7 +103,8 @@ def _runs(our: Sequence[int], their: Sequence[int]) -> list[tuple[int, int, int]
     return runs
 
 
-def _copy_run(ours: Region, theirs: Region, run: tuple[int, int, int]) -> int:
+def _copy_run(ours: Region, theirs: Region, run: tuple[int, int, int]) -> tuple[int, int]:
+    """Copy one run of blocks of one region: (bytes copied, copies made)."""
     o, t, n = run
     size = ours.block_bytes
     if ours.block_stride == size and theirs.block_stride == size:
@@ -112,14 +113,14 @@ def _copy_run(ours: Region, theirs: Region, run: tuple[int, int, int]) -> int:
             ours.base_addr + o * ours.block_stride,
             n * size,
         )
-    else:
-        for i in range(n):
-            ctypes.memmove(
-                theirs.base_addr + (t + i) * theirs.block_stride,
-                ours.base_addr + (o + i) * ours.block_stride,
-                size,
-            )
-    return n * size
+        return n * size, 1
+    for i in range(n):
+        ctypes.memmove(
+            theirs.base_addr + (t + i) * theirs.block_stride,
+            ours.base_addr + (o + i) * ours.block_stride,
+            size,
+        )
+    return n * size, n
 
 
 def _region_inside(region: Region, registered: CacheGeometry) -> bool:
@@ -391,11 +392,13 @@ class LoopbackTransport(Transport):
             runs = _runs(
                 w.our_blocks[: len(w.our_blocks) // 2], w.their_blocks[: len(w.their_blocks) // 2]
             )
-        nbytes = 0
+        nbytes = copies = 0
         for r in w.regions:
             ours, theirs = peer.source.regions[r], peer.geometry.regions[r]
             for run in runs:
-                nbytes += _copy_run(ours, theirs, run)
+                moved, made = _copy_run(ours, theirs, run)
+                nbytes += moved
+                copies += made
         if fault is not None:
             self._fabric._count_failed_write()
             return WriteFailed(w.write_id, fault.reason, "injected write failure")
@@ -404,7 +407,7 @@ class LoopbackTransport(Transport):
         )
         if why is not None:
             return WriteFailed(w.write_id, FailureReason.PEER_GONE, why)
-        return WriteDone(w.write_id)
+        return WriteDone(w.write_id, nbytes, copies)
 
     def _perform_scratch(self, w: _PendingScratch, fault: WriteFault | None) -> TransportEvent:
         peer = w.peer
@@ -430,4 +433,4 @@ class LoopbackTransport(Transport):
         why = self._fabric._finish_write(self._name, peer.name, peer.incarnation, nbytes, None)
         if why is not None:
             return WriteFailed(w.write_id, FailureReason.PEER_GONE, why)
-        return WriteDone(w.write_id)
+        return WriteDone(w.write_id, nbytes, 1)

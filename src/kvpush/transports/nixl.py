@@ -220,6 +220,8 @@ class _InFlight:
     write_id: int
     peer: str
     handle: Any  # nixl_xfer_handle
+    nbytes: int = 0  # what it moves, and in how many descriptors (`WriteDone`)
+    descriptors: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -645,9 +647,10 @@ class NixlTransport(Transport):
         rb = target.region_bytes
         nb = self._num_blocks if target.source is None else target.source.num_blocks
         if len(our_index) == len(rb) * num_blocks:
-            self._bytes_posted += target.bytes_per_block * num_blocks
+            nbytes = target.bytes_per_block * num_blocks
         else:
-            self._bytes_posted += sum(rb[int(i) // nb] for i in our_index)
+            nbytes = sum(rb[int(i) // nb] for i in our_index)
+        self._bytes_posted += nbytes
         self._last_block_descriptors = len(our_index)
         # Descriptors of one block are in separate allocations unless regions touch: a
         # one-block write merges nothing then, and skips the count.
@@ -669,7 +672,7 @@ class NixlTransport(Transport):
                 WriteFailed(write_id, FailureReason.WRITE_ERROR, "NIXL failed to post the write")
             )
             return
-        self._in_flight[write_id] = _InFlight(write_id, target.name, handle)
+        self._in_flight[write_id] = _InFlight(write_id, target.name, handle, nbytes, merged)
 
     def write_scratch(self, peer: str, write_id: int, nbytes: int, theirs: ScratchRegion) -> None:
         agent = self._live_agent()
@@ -712,7 +715,7 @@ class NixlTransport(Transport):
             self._events.append(WriteFailed(write_id, FailureReason.WRITE_ERROR, detail))
             return
         self._bytes_posted += nbytes
-        self._in_flight[write_id] = _InFlight(write_id, peer, handle)
+        self._in_flight[write_id] = _InFlight(write_id, peer, handle, nbytes, 1)
 
     def _not_prepared(self, write_id: int, exc: BaseException) -> None:
         """NIXL could not prepare a write (counted as posted already): it fails."""
@@ -772,7 +775,7 @@ class NixlTransport(Transport):
             _release_quietly(w.handle)
             if state == "DONE":
                 self._writes_done += 1
-                events.append(WriteDone(write_id))
+                events.append(WriteDone(write_id, w.nbytes, w.descriptors))
             else:
                 self._writes_failed += 1
                 events.append(WriteFailed(write_id, reason, f"write to {w.peer}: {detail}"))
