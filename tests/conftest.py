@@ -170,4 +170,3 @@ def wire() -> Wire:
 
 def lines_of(result: subprocess.CompletedProcess[str]) -> Sequence[str]:
     return (result.stdout + result.stderr).strip().splitlines()
-
