@@ -2,8 +2,9 @@
 either side, saying what was found, what runs and what to do instead.
 
 The connector names a worker rank by its tensor-parallel rank, which every pipeline
-stage shares, and offers a stage's slice of the layers as the whole model: a PP prefill
-would answer twice for one rank and push half a cache. Until stages are paired by
+stage shares, and registers a stage's slice of the layers as if it were the model: a
+PP prefill's stages would answer for one rank twice, and a PP 1 decode's compatibility
+check would refuse either stage's regions. Until stages are paired by
 (pp, tp) rank and each pushes its own layers (docs/vllm.md, "Pipeline parallelism"),
 a server at `--pipeline-parallel-size` > 1 must not start. This test builds vLLM's own
 `VllmConfig` (a tiny local model, `ParallelConfig` at PP 2) in the vLLM venv and asks

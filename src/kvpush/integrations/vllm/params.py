@@ -68,8 +68,9 @@ def pipeline_refusal(kv_role: str, pp_size: int, tp_size: int) -> str:
 
     A pipeline stage holds a contiguous slice of the model's layers, but the connector
     names a worker rank by its tensor-parallel rank alone, which every stage shares:
-    two stages would answer for one rank in the side channel, and each would offer its
-    slice as if it were the whole model (docs/vllm.md, "Pipeline parallelism")."""
+    two stages would answer for one rank in the side channel, and each registers its
+    slice as if it were the model, whose regions a PP 1 decode's compatibility check
+    refuses (docs/vllm.md, "Pipeline parallelism", says what carrying it needs)."""
     workers = pp_size * tp_size
     if kv_role == "kv_consumer":
         elsewhere = (
