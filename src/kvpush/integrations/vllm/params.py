@@ -62,6 +62,41 @@ EXTRA_CONFIG_KEYS = frozenset(
 )
 
 
+def pipeline_refusal(kv_role: str, pp_size: int, tp_size: int) -> str:
+    """Why a server at pipeline parallelism `pp_size` cannot run KvpushConnector, what
+    does run, and what to do instead (raised at start-up, on either side).
+
+    A pipeline stage holds a contiguous slice of the model's layers, but the connector
+    names a worker rank by its tensor-parallel rank alone, which every stage shares:
+    two stages would answer for one rank in the side channel, and each registers its
+    slice as if it were the model, whose regions a PP 1 decode's compatibility check
+    refuses (docs/vllm.md, "Pipeline parallelism", says what carrying it needs)."""
+    workers = pp_size * tp_size
+    if kv_role == "kv_consumer":
+        elsewhere = (
+            "a decode with pipeline stages is carried by none of vLLM's NIXL connectors "
+            "either (its NixlPushConnector refuses a kv_consumer at "
+            "pipeline_parallel_size > 1)"
+        )
+    else:
+        elsewhere = (
+            "for a pipeline-parallel prefill, vLLM's own NixlPushConnector on both "
+            "servers carries it into a decode at pipeline_parallel_size 1"
+        )
+    return (
+        f"pipeline_parallel_size is {pp_size}: KvpushConnector pairs ranks by their "
+        "tensor-parallel rank, which the stages of a pipeline share; expected 1 "
+        "(pipeline parallelism is not supported yet). "
+        f"Found: kv_role {kv_role!r}, {pp_size} pipeline stages of "
+        f"tensor_parallel_size {tp_size} ({workers} workers). "
+        "Supported: pipeline_parallel_size 1 on both servers, with any tensor-parallel "
+        'sizes docs/vllm.md lists under "Deployment shapes". '
+        f"Next: start this server with --pipeline-parallel-size 1 (to keep {workers} "
+        f"workers: --tensor-parallel-size {workers}, if the model's attention heads "
+        f"divide by {workers}); {elsewhere}."
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
     """Everything the connector reads from vLLM's `KVTransferConfig`, checked once."""
@@ -143,11 +178,7 @@ class ConnectorConfig:
         parallel = vllm_config.parallel_config
         pp_size = int(parallel.pipeline_parallel_size)
         if pp_size > 1:
-            raise ConfigError(
-                f"pipeline_parallel_size is {pp_size}: KvpushConnector pairs ranks by their "
-                "tensor-parallel rank, which the stages of a pipeline share; expected 1 "
-                "(pipeline parallelism is not supported yet)"
-            )
+            raise ConfigError(pipeline_refusal(kv.kv_role, pp_size, parallel.tensor_parallel_size))
         # vLLM's NIXL connectors take the side channel from these variables; so do we,
         # so a deployment keeps its ports when it switches connector. Each data-parallel
         # engine gets its own port, as there: base + data_parallel_index, never the rank,
@@ -317,6 +348,7 @@ __all__ = [
     "PrefillTransfer",
     "client_request_id",
     "pairing_id",
+    "pipeline_refusal",
     "prefill_answer",
     "prefill_transfer",
 ]
