@@ -10,10 +10,12 @@ Two halves:
   line when the app answers, then obeys one command per line of its stdin, answering
   each with one JSON line (marked, `ANSWER`): `replicas` (each live replica actor's
   deployment, id and pid), `running` (each deployment's replicas that serve, as Serve
-  counts them), `kill PID` (SIGKILL a replica and every process under it: its vLLM
-  engine core and workers, as a crashed host would), `metric NAME` (a metric from Ray's
-  metrics endpoint, in all and per replica). End of input shuts the app and the
-  cluster down.
+  counts them), `stall PID` (SIGSTOP every process under a replica actor, its vLLM
+  engine core and workers, leaving the actor itself taking requests: a hung engine),
+  `ongoing NAME` (the requests a replica actor holds, as Serve's router counts them),
+  `kill PID` (SIGKILL a replica and every process under it, as a crashed host would),
+  `metric NAME` (a metric from Ray's metrics endpoint, in all and per replica). End of
+  input shuts the app and the cluster down.
 - `RayServeApp`, which the caller (any venv) starts the driver with, in a process group
   of its own so that `stop()` takes the whole cluster down whatever happened; one
   thread of its own reads the driver's output (answers, and Ray's notices to the log).
@@ -219,6 +221,18 @@ def _command(words: list[str], args: argparse.Namespace) -> dict[str, Any]:  # p
 
         deployments = serve.status().applications["pd"].deployments
         return {name: int(d.replica_states.get("RUNNING", 0)) for name, d in deployments.items()}
+    if words[0] == "stall":
+        root = int(words[1])
+        pids = [pid for pid in process_tree(root) if pid != root]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        return {"stalled": pids}
+    if words[0] == "ongoing":
+        import ray
+
+        replica = ray.get_actor(words[1], namespace="serve")
+        return {"ongoing": ray.get(replica.get_num_ongoing_requests.remote(), timeout=30)}
     if words[0] == "kill":
         pids = process_tree(int(words[1]))
         for pid in pids:
@@ -232,7 +246,8 @@ def _command(words: list[str], args: argparse.Namespace) -> dict[str, Any]:  # p
         by_replica = metric_by_replica(httpx.get(url, timeout=10).text, words[1])
         return {"value": sum(by_replica.values()), "by_replica": by_replica}
     raise ValueError(
-        f"unknown command {words[0]!r}: expected replicas, running, kill PID or metric NAME"
+        f"unknown command {words[0]!r}: expected replicas, running, stall PID, ongoing NAME, "
+        "kill PID or metric NAME"
     )
 
 
