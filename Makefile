@@ -42,7 +42,7 @@ typecheck: $(STAMP)
 
 # Two pytest runs side by side: the tests that start vLLM servers (marker `vllm`), one
 # after another as before (a pair takes ~6 GB and most of a core to start), and the rest
-# beside them; each prints its output whole when it ends (-O), and either failing fails
+# beside them, those that only run code in the vLLM venv (marker `vllm_venv`) included; each prints its output whole when it ends (-O), and either failing fails
 # the target. The slowest tests of each are listed at the end.
 PYTEST_ARGS := -p no:cacheprovider --durations=15
 
@@ -52,7 +52,7 @@ pytest: $(STAMP) $(VLLM_STAMP)
 pytest-vllm: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/pytest $(PYTEST_ARGS) -m vllm
 
-pytest-rest: $(STAMP)
+pytest-rest: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/pytest $(PYTEST_ARGS) -m "not vllm"
 
 test: lint typecheck pytest

@@ -150,7 +150,7 @@ def test_the_probes_are_kvpush_wait_ready_on_this_pods_server(role: str, probe: 
     assert args.timeout < container[probe]["timeoutSeconds"]
 
 
-@pytest.mark.vllm
+@pytest.mark.vllm_venv
 @pytest.mark.timeout(120)
 def test_the_probe_runs_in_vllms_environment_and_says_what_is_not_ready(tmp_path: Path) -> None:
     """The probe's command line, run with the vLLM venv's Python (kvpush installed as in
@@ -206,7 +206,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.vllm
+@pytest.mark.vllm_venv
 @pytest.mark.timeout(300)
 def test_vllms_own_parser_takes_each_roles_arguments() -> None:
     containers = {role: vllm_container(d) for role, d in deployments().items()}

@@ -30,7 +30,7 @@ import pytest
 from helpers.vllm_venv import SRC, run_in_vllm_venv
 from kvpush_lab.vllm_servers import DEFAULT_VLLM_VENV, KVPUSH_MODULE
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.vllm_venv, pytest.mark.timeout(300)]
 
 # Where scripts/setup-vllm-venv installs ai-dynamo: beside the venv's packages, not in
 # them, so its vLLM plugin and pytest plugins never load in the vLLM servers.

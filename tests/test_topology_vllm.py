@@ -26,7 +26,7 @@ from kvpush.errors import ConfigError
 from kvpush.topology import EngineShape, TransferPlan, plan_transfer
 from kvpush_lab.vllm_servers import DEFAULT_VLLM_VENV, vllm_python
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.vllm_venv, pytest.mark.timeout(600)]
 
 SCRIPT = Path(__file__).with_name("vllm_tp_mapping.py")
 MAX_TP, MAX_HEADS = 16, 64

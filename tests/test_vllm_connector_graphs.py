@@ -17,7 +17,7 @@ import pytest
 from helpers.vllm_venv import SRC, run_in_vllm_venv
 from kvpush_lab.vllm_servers import KVPUSH_MODULE
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.vllm_venv, pytest.mark.timeout(300)]
 
 
 ASK_AS_VLLM_DOES = """

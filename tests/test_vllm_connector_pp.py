@@ -25,7 +25,7 @@ import pytest
 from helpers.vllm_venv import SRC, run_in_vllm_venv
 from kvpush_lab.vllm_servers import KVPUSH_MODULE, make_tiny_model
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.vllm_venv, pytest.mark.timeout(300)]
 
 AS_VLLM_STARTS = """
 import json, os, sys

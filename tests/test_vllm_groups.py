@@ -16,7 +16,7 @@ import pytest
 from kvpush.errors import ConfigError
 from kvpush_lab.vllm_servers import DEFAULT_VLLM_VENV, vllm_python
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.vllm_venv, pytest.mark.timeout(300)]
 
 SCRIPT = r"""
 import json

@@ -26,7 +26,7 @@ import pytest
 from helpers.vllm_venv import SRC, run_in_vllm_venv
 from kvpush_lab.vllm_servers import KVPUSH_MODULE
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.vllm_venv, pytest.mark.timeout(400)]
 
 AS_VLLM_DOES = r"""
 import functools, json, sys
