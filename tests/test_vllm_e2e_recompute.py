@@ -14,6 +14,12 @@ fp8_e4m3`, which vLLM-CPU runs on x86 with AVX-512 or AMX).
   (docs/vllm.md, "Failures and vLLM's failure policy"); after a restart of the
   prefill, a round with shared prefixes matches again, and neither server holds a
   request or a KV block at the end.
+- Drain (issue 39): the prefill, run with vLLM's `--shutdown-timeout`, is stopped with
+  SIGTERM while it holds sends no decode has asked for yet and while the decode waits on
+  registrations it has not prefilled. vLLM's engine takes no new request and keeps
+  stepping while its connector holds blocks for a transfer: the decodes that register
+  during the drain are pushed their KV, the rest hear that the prefill is shutting down
+  (and recompute), within seconds, not at a deadline; the prefill then exits on its own.
 
 No reference server: the reference answers come from the prefill server before anything
 moves, each prompt alone and without `kv_transfer_params`, so it computes the whole
@@ -36,6 +42,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -82,6 +90,10 @@ assert len(KILL_ROUND) == AT_ONCE and len(AFTER_ROUND) == AT_ONCE
 PREFIX_BLOCKS = (1 + len(RECOMPUTED_PREFIX.encode())) // 32
 # vLLM's stats reach /metrics a step or so after a transfer ended.
 METRICS_WAIT_S = 15.0
+# The prefill's `--shutdown-timeout`: how long vLLM's engine may drain after SIGTERM.
+DRAIN_S = 20
+HELD = 4  # the drain test's held sends, and its registrations never prefilled
+TRANSFERS = "vllm:kvpush_transfers_total"
 
 
 @dataclass
@@ -106,7 +118,13 @@ CACHE_NAMED = f"uint8 holding {CACHE_DTYPE} (k_scale 1.0, v_scale 1.0 in every l
 OTHER_CACHE_DTYPE = "fp8_e5m2"
 
 
-def _spec(name: str, role: str, policy: str = "fail", cache_dtype: str = CACHE_DTYPE) -> ServerSpec:
+def _spec(
+    name: str,
+    role: str,
+    policy: str = "fail",
+    cache_dtype: str = CACHE_DTYPE,
+    extra_args: tuple[str, ...] = (),
+) -> ServerSpec:
     return ServerSpec(
         name=name,
         host=HOST,
@@ -116,7 +134,7 @@ def _spec(name: str, role: str, policy: str = "fail", cache_dtype: str = CACHE_D
         side_channel_port=free_port(HOST),
         extra_config={**TIMING, "handshake_timeout_ms": 10000},
         failure_policy=policy,
-        extra_args=("--kv-cache-dtype", cache_dtype),
+        extra_args=("--kv-cache-dtype", cache_dtype, *extra_args),
     )
 
 
@@ -161,7 +179,10 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     model = make_tiny_model(tmp_path_factory.mktemp("vllm-model") / "tiny-llama")
     log_dir = tmp_path_factory.mktemp("vllm-recompute")
     prefill = VllmServer(
-        _spec("prefill", "kv_producer"), model=model, log_dir=log_dir, python=python
+        _spec("prefill", "kv_producer", extra_args=("--shutdown-timeout", str(DRAIN_S))),
+        model=model,
+        log_dir=log_dir,
+        python=python,
     )
     decode = VllmServer(
         _spec("decode", "kv_consumer", policy="recompute"),
@@ -384,3 +405,74 @@ def test_prefill_killed_mid_batch_every_request_recomputed_right_then_shared_pre
         f"requests or KV blocks still held after {waited:.0f}s: {state}\n"
         f"{servers_said(pair.servers)}"
     )
+
+
+def test_prefill_stopped_with_sigterm_drains_its_held_transfers(pair: Pair) -> None:
+    """The drain (see the module), after the restart above: `HELD` sends held (their
+    prefill legs answered, no decode asked yet) and `HELD` decode legs registered with
+    the prefill, never prefilled. SIGTERM to the prefill's server process, as an
+    orchestrator stops it; then the held sends' decode legs. Those are pushed their KV
+    (the decode's receives finished); the never-prefilled ones fail over to a recompute,
+    the decode told at the prefill's close rather than at a deadline or its liveness
+    bound; all 2 x `HELD` answer the single instance's tokens; the prefill exits within
+    its drain bound, its engine having drained; the decode holds nothing."""
+    held, waiting = PROMPTS[:HELD], RECOMPUTED[:HELD]
+
+    refused = {"side": "receiver", "outcome": "failed", "reason": "rejected"}
+
+    async def drain() -> tuple[list[Outcome], float, float, dict[str, float]]:
+        async with client() as http:
+            before = await _receives(http, pair.decode.url)
+            before["refused"] = await metric(http, pair.decode.url, TRANSFERS, **refused)
+            stamp = time.monotonic_ns()
+            held_tids = [f"drain-held-{i}-{stamp}" for i in range(HELD)]
+            waiting_legs = [
+                _decode_leg(pair, http, p, f"drain-waiting-{i}-{stamp}")
+                for i, p in enumerate(waiting)
+            ]
+            for outcome in await batch(
+                [_prefill_leg(pair, http, p, t) for p, t in zip(held, held_tids, strict=True)]
+            ):
+                assert outcome.ok, f"a prefill leg before the drain failed: {outcome.error}"
+            # The waiting legs are queued on the decode (registered with the prefill).
+            deadline = time.monotonic() + METRICS_WAIT_S
+            while await metric(http, pair.decode.url, "vllm:num_requests_waiting") < HELD:
+                assert time.monotonic() < deadline, "the decode never queued the waiting legs"
+                await asyncio.sleep(0.2)
+            assert pair.prefill.pid is not None
+            os.kill(pair.prefill.pid, signal.SIGTERM)
+            stopped_at = time.monotonic()
+            held_legs = [
+                _decode_leg(pair, http, p, t) for p, t in zip(held, held_tids, strict=True)
+            ]
+            outcomes = await batch([*held_legs, *waiting_legs])
+            answered = time.monotonic() - stopped_at
+            while pair.prefill.alive():
+                assert time.monotonic() - stopped_at < DRAIN_S + 30, (
+                    f"the prefill still runs {DRAIN_S + 30} s after SIGTERM"
+                )
+                await asyncio.sleep(0.2)
+            exited = time.monotonic() - stopped_at
+            after = await _receives(http, pair.decode.url, at_least=before["total"] + 2 * HELD)
+            after["refused"] = await metric(http, pair.decode.url, TRANSFERS, **refused)
+            return outcomes, answered, exited, {k: after[k] - before[k] for k in after}
+
+    outcomes, answered, exited, receives = asyncio.run(drain())
+    check_identical(outcomes, pair.reference, "legs around the drain", pair.servers)
+    said = servers_said(pair.servers)
+    # The never-prefilled ones refused by the closing prefill, as its side channel says.
+    assert receives == {"finished": HELD, "failed": HELD, "total": 2 * HELD, "refused": HELD}, (
+        f"decode receives around the drain: {receives}\n{said}"
+    )
+    # Told at the close, not by silence: well inside the liveness bound.
+    assert answered < DRAIN_S, f"the legs took {answered:.1f} s after SIGTERM to answer"
+    assert exited < DRAIN_S + 30, exited
+    log = pair.prefill.log_path.read_text(errors="replace")
+    assert "[shutdown] EngineCore: start mode=drain" in log, said
+
+    async def quiet() -> tuple[bool, float, dict[str, dict[str, float]]]:
+        async with client() as http:
+            return await wait_quiescent(http, [pair.decode.url], timeout_s=60)
+
+    drained, waited, state = asyncio.run(quiet())
+    assert drained, f"the decode still holds work {waited:.0f} s on: {state}\n{said}"
