@@ -10,6 +10,9 @@ the same tokens, and one test compares each request's drafts and accepted tokens
 not pad a request's first step with placeholder drafts, and they must be equal; on ::1
 the plain config, where vLLM pads it, and they must differ by exactly that step.
 
+The decode servers run with vLLM's `--shutdown-timeout`: each family's last test stops
+its decode with SIGTERM while requests wait on it for their KV, and it must drain them.
+
 Servers come from the vLLM venv (`make vllm-venv`; `make test` builds it). Its absence
 is a failure, never a skip: this file is the only proof that the connector works. Each
 vLLM server costs ~3 GB and 35-70 s to start on this kind of host, so servers are shared
@@ -21,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -57,6 +62,7 @@ from kvpush_lab.vllm_servers import (
     speculation,
     start_kvpush_proxy,
     vllm_python,
+    wait_quiescent,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -73,6 +79,8 @@ PROMPTS = [
 PUSH = {"127.0.0.1": None, "::1": "whole"}
 # Whether the decode server's speculation is unpadded, per address family (ditto).
 UNPADDED = {"127.0.0.1": True, "::1": False}
+# The decode's `--shutdown-timeout`: how long vLLM's engine may drain after SIGTERM.
+DRAIN_S = 20
 
 
 @dataclass
@@ -185,7 +193,14 @@ def family(
     )
     decode = VllmServer(
         _kvpush_spec(
-            "decode", host, "kv_consumer", extra_args=ngram_speculation(unpadded=UNPADDED[host])
+            "decode",
+            host,
+            "kv_consumer",
+            extra_args=(
+                *ngram_speculation(unpadded=UNPADDED[host]),
+                "--shutdown-timeout",
+                str(DRAIN_S),
+            ),
         ),
         model=model,
         log_dir=log_dir,
@@ -646,3 +661,73 @@ def test_prefill_killed_mid_batch_fails_the_waiting_requests_in_bound_then_recov
             _check_identical(family, outcomes, "sequential round after the restart")
 
     asyncio.run(after_restart())
+
+
+def test_decode_stopped_with_sigterm_drains_the_requests_waiting_for_their_kv(
+    family: Family,
+) -> None:
+    """The family's last test (its decode stays down). Decode legs of four requests
+    queued on the decode, registered with the prefill, their prefill legs not sent yet;
+    SIGTERM to the decode's server process, as an orchestrator stops it; then their
+    prefill legs. vLLM's engine drains (`--shutdown-timeout`): the decode takes the KV
+    pushed into it and answers each with the single instance's tokens, the prefill holds
+    nothing afterwards, and the decode exits on its own within its drain bound."""
+    host, sc_port = family.prefill_side_channel()
+    bodies = _bodies(family)[:4]
+
+    async def run() -> tuple[list[Outcome], float]:
+        async with client() as http:
+            stamp = time.monotonic_ns()
+            tids = [f"drain-{i}-{stamp}" for i in range(len(bodies))]
+            decode_legs = []
+            for body, tid in zip(bodies, tids, strict=True):
+                params = {
+                    "do_remote_prefill": True,
+                    "remote_host": host,
+                    "remote_port": sc_port,
+                    "tp_size": 1,
+                    "transfer_id": tid,
+                }
+                d_body = {**body, "kv_transfer_params": params}
+                decode_legs.append(asyncio.ensure_future(complete(http, family.decode.url, d_body)))
+            deadline = time.monotonic() + 30
+            while await metric(http, family.decode.url, "vllm:num_requests_waiting") < len(bodies):
+                assert time.monotonic() < deadline, "the decode never queued the legs"
+                await asyncio.sleep(0.2)
+            assert family.decode.pid is not None
+            os.kill(family.decode.pid, signal.SIGTERM)
+            stopped_at = time.monotonic()
+            prefill_legs = [
+                complete(
+                    http,
+                    family.prefill.url,
+                    {
+                        **body,
+                        "max_tokens": 1,
+                        "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid},
+                    },
+                )
+                for body, tid in zip(bodies, tids, strict=True)
+            ]
+            for p in await batch(prefill_legs):
+                assert p.ok, f"a prefill leg during the decode's drain failed: {p.error}"
+            outcomes = await batch(decode_legs)
+            while family.decode.alive():
+                assert time.monotonic() - stopped_at < DRAIN_S + 30, (
+                    f"the decode still runs {DRAIN_S + 30} s after SIGTERM"
+                )
+                await asyncio.sleep(0.2)
+            return outcomes, time.monotonic() - stopped_at
+
+    outcomes, exited = asyncio.run(run())
+    _check_identical(family, outcomes, "requests the decode drained")
+    assert exited < DRAIN_S + 30, exited
+    log = family.decode.log_path.read_text(errors="replace")
+    assert "[shutdown] EngineCore: start mode=drain" in log
+
+    async def prefill_quiet() -> tuple[bool, float, dict[str, dict[str, float]]]:
+        async with client() as http:
+            return await wait_quiescent(http, [family.prefill.url], timeout_s=60)
+
+    quiet, waited, state = asyncio.run(prefill_quiet())
+    assert quiet, f"the prefill still holds work {waited:.0f} s on: {state}"
