@@ -6,18 +6,21 @@ One prefill and one decode server with KvpushConnector, the legs sent straight t
 (as a router does). Two decode legs are sent first, alone: they get blocks and register
 at once; their prefill legs are sent just after the kill, so the prefill computes
 requests that a decode which died had registered for. The decode runs two requests at
-most (`--max-num-seqs 2`); plain long requests fill those slots (six, queued), so the
-decode legs sent after them wait in its queue without blocks: they never register, the
-decode claims them, and the prefill computes and holds them. The prefill runs the vLLM
-default claim window (10 s), the heartbeat timing of the other end-to-end modules
-(liveness 8 s) and a transfer deadline of 120 s, so a transfer held until its deadline
-cannot pass for one freed in time.
+most (`--max-num-seqs 2`); plain long requests fill those slots (sixteen, queued), so
+the decode legs sent after them wait in its queue without blocks: they never register,
+the decode claims them, and the prefill computes and holds them. Before the kill the
+decode is stopped (SIGSTOP) for 4 s and resumed: a window after the stop began, the
+prefill still holds every block (a slow decode keeps its transfers). The prefill runs
+the vLLM default claim window (10 s), the heartbeat timing of the other end-to-end
+modules (liveness 8 s) and a transfer deadline of 120 s, so a transfer held until its
+deadline cannot pass for one freed in time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from typing import Any
 
@@ -54,6 +57,9 @@ DEADLINE_S = 120.0
 # loaded 2-core host.
 BOUND_S = max(DEFAULT_CLAIM_WINDOW_S, TIMING["liveness_timeout_s"]) + 15.0
 REGISTERED = ["registered first " + "alpha " * 40, "registered second " + "beta " * 40]
+# How long the decode is stopped (SIGSTOP) before the kill: under the window and the
+# liveness timeout, with seconds to spare for a loaded host to resume it.
+STALL_S = 4.0
 QUEUED = [f"queued {i} " + "gamma delta " * 30 for i in range(6)]
 
 
@@ -158,20 +164,31 @@ async def _crash(prefill: VllmServer, decode: VllmServer, model: str) -> dict[st
         queued = [_legs(prefill, p, model, "queued") for p in QUEUED]
         # Decode legs that get blocks at once and register (their prefill legs wait).
         tasks = [asyncio.ensure_future(complete(http, decode.url, d)) for d, _ in registered]
-        await _until(http, decode.url, lambda s: s["waiting"] >= len(REGISTERED), 60)
+        await _until(http, decode.url, lambda s: s["fetching"] >= len(REGISTERED), 60)
         # Plain long requests fill the decode's two running slots, and queue for them.
         long_body = completion_body("fill the decode", model, 900, ignore_eos=True)
-        tasks += [asyncio.ensure_future(complete(http, decode.url, long_body)) for _ in range(6)]
+        tasks += [asyncio.ensure_future(complete(http, decode.url, long_body)) for _ in range(16)]
         await _until(http, decode.url, lambda s: s["running"] >= 2, 60)
         # Queued legs: computed by the prefill, held there, never given blocks here.
         tasks += [asyncio.ensure_future(complete(http, decode.url, d)) for d, _ in queued]
         for outcome in await batch([complete(http, prefill.url, p) for _, p in queued]):
             assert outcome.ok, f"prefill leg failed: {outcome.error}"
-        at_kill = await busy(http, decode.url)
         held = await busy(http, prefill.url)
-        assert at_kill["running"] == 2, at_kill
-        assert at_kill["waiting"] >= len(REGISTERED) + len(QUEUED), at_kill
         assert held["kv_cache_usage"] > 0, held
+        # A slow decode keeps its transfers: stopped for less than the window (and the
+        # liveness timeout), then resumed; a window after the stop began, had its
+        # claims not resumed, the prefill would have freed the queued ones' blocks.
+        stopped = time.monotonic()
+        decode.signal(signal.SIGSTOP)
+        await asyncio.sleep(STALL_S)
+        decode.signal(signal.SIGCONT)
+        await asyncio.sleep(max(0.0, stopped + DEFAULT_CLAIM_WINDOW_S + 3 - time.monotonic()))
+        after_stall = await busy(http, prefill.url)
+        at_kill = await _decode_state(http, decode.url)
+        assert after_stall["kv_cache_usage"] == held["kv_cache_usage"], (held, after_stall)
+        assert at_kill["running"] == 2, at_kill
+        assert at_kill["fetching"] == len(REGISTERED), at_kill
+        assert at_kill["waiting"] >= len(REGISTERED) + len(QUEUED), at_kill
         decode.kill()
         killed = time.monotonic()
         # The prefill legs of the registered requests: computed after the decode died.
@@ -201,8 +218,17 @@ async def _crash(prefill: VllmServer, decode: VllmServer, model: str) -> dict[st
         "freed_since_kill_s": freed_at,
         "prefill_legs_after_kill_s": offered - killed,
         "decode_at_kill": at_kill,
-        "prefill_at_kill": held,
+        "prefill_before_stall": held,
+        "prefill_after_stall": after_stall,
         **{k: after[k] - before[k] for k in after},
+    }
+
+
+async def _decode_state(http: httpx.AsyncClient, url: str) -> dict[str, float]:
+    return await busy(http, url) | {
+        "fetching": await metric(
+            http, url, "vllm:num_requests_kv_fetch_by_stage", stage="in_progress"
+        )
     }
 
 
@@ -210,7 +236,8 @@ async def _until(http: httpx.AsyncClient, url: str, ok: object, timeout_s: float
     assert callable(ok)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if ok(await busy(http, url)):
+        if ok(await _decode_state(http, url)):
             return
         await asyncio.sleep(0.25)
-    raise AssertionError(f"{url} did not get there in {timeout_s}s: {await busy(http, url)}")
+    state = await _decode_state(http, url)
+    raise AssertionError(f"{url} did not get there in {timeout_s}s: {state}")
