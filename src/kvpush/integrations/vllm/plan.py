@@ -1,9 +1,10 @@
 """What the connector's halves hand each other, as plain values (no vLLM needed).
 
 - `StepPlan` (scheduler -> every worker, once per engine step): the transfers to start,
-  refuse, abort or claim on this step. Each worker rank carries out the same plan with its own
-  runtime, towards the ranks of the peer it pairs with (`kvpush.topology.rank_pairs`:
-  the rank of the same number where the TP sizes are equal), one part per pair.
+  refuse, abort or claim on this step. Each worker rank carries out the same plan with
+  its own runtime, towards the ranks of the peer it pairs with
+  (`kvpush.topology.rank_pairs`: the rank of the same number where the TP sizes are
+  equal), one part per pair.
 - `StepResults` (worker -> vLLM, every step): the requests whose transfers ended.
 
 `kvpush.integrations.vllm.metadata` wraps the plan into vLLM's own connector metadata
