@@ -268,3 +268,35 @@ def test_a_decode_killed_while_claiming_costs_the_prefill_its_blocks_for_the_win
         assert time.monotonic() - start < WINDOW + 5, prefill.ended
         prefill.step()
         time.sleep(0.01)
+
+
+def test_a_send_whose_decode_tp_nobody_named_is_split_as_the_claims_say_and_kept(
+    stack: ExitStack,
+) -> None:
+    """vLLM's push dialect: neither leg names the decode's TP. The prefill holds the
+    send unsplit; the queued decode's claims name its parts (and so its TP), so the
+    prefill offers it split for TP 2 and keeps it past the window until it registers."""
+    _fabric, prefill, decode = pair(stack, 1, 2)
+    prefill.step(StepPlan(sends=[Send("req-p", TID, SENT)]))
+    decode.step(StepPlan(claims=[Claim(TID, HOST, prefill.server.port, 1, None)]))
+    step_both_for(prefill, decode, 1.75 * WINDOW)
+    assert not any(e.finished_sending for e in prefill.ended)
+    assert decode.claimed() == [1, 1]
+    held = prefill.workers[0].statistics()
+    # Offered, split for the decode's TP: one part per decode rank, its blocks held.
+    assert held is not None and sum(held.sending.values()) == 2, held
+    assert held.blocks_held_sending == 2 * len(SENT), held
+    unnamed = Receive("req-d", TID, HOST, prefill.server.port, INTO, 0, 1, None)
+    decode.step(StepPlan(receives=[unnamed]))
+    step_until(prefill, decode, "both", 20)
+    assert not any(e.failed_recving for e in decode.ended)
+    assert_every_decode_rank_holds_the_prefills_heads(prefill, decode)
+
+
+def test_a_send_whose_decode_tp_nobody_named_nor_claimed_ends_at_the_window(
+    stack: ExitStack,
+) -> None:
+    _fabric, prefill, decode = pair(stack, 1, 1)
+    prefill.step(StepPlan(sends=[Send("req-p", TID, SENT)]))
+    took = step_until(prefill, decode, "sent", WINDOW + 10)
+    assert WINDOW - 0.5 <= took <= WINDOW + 5, took

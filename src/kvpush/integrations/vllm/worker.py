@@ -30,11 +30,11 @@ step and turns what the runtime reports into vLLM's transfer results, once per r
   never registered (a registration refused at the call) has its claim aborted.
 
 Where nothing names the decode's TP size (vLLM's push dialect: vllm-router, llm-d,
-Dynamo), a send is split as the decode's registrations say: at once where the decode
-registered first (both legs sent together), else held until a step sees one
-(`kvpush.integrations.vllm.splits`). A send or receive whose transfer id another
-request of this rank holds (a router that reused a request id for the same prompt)
-ends at once: one transfer id, one request.
+Dynamo), a send is split as the decode's registrations or claims say: at once where the
+decode registered or claimed first (both legs sent together, or the decode leg queued
+there), else held until a step sees one (`kvpush.integrations.vllm.splits`). A send or
+receive whose transfer id another request of this rank holds (a router that reused a
+request id for the same prompt) ends at once: one transfer id, one request.
 
 Layer-wise push: a `Send(layerwise=True)` is opened with no layer ready on the step that
 computes the request's last prompt tokens, before its first layer is saved (vLLM may call
@@ -358,16 +358,25 @@ class WorkerSide(Generic[S]):
         for, as its params named it or as a decode rank that registered for (or
         rejected) one of its parts already said; and how many sends found their decode
         registered already (push running concurrently with the prefill)."""
+        runtime = self._require_runtime()
         tids = [snd.transfer_id for snd in plan.sends]
-        spoken = self._require_runtime().spoken_before_send(tids) if tids else []
+        spoken = runtime.spoken_before_send(tids) if tids else []
         self._splits = {}
         first = 0
+        unnamed = []
         for snd in plan.sends:
             named = split_spoken(snd.transfer_id, spoken, self._config.tp_size)
             first += named is not None and not snd.cancel
             self._splits[snd.transfer_id] = snd.decode_tp_size or named
+            if self._splits[snd.transfer_id] is None:
+                unnamed.append(snd.transfer_id)
         if first:
             self._stats.registered_first(first)
+        if unnamed:
+            # A decode that holds the request queued claims the parts it will register.
+            claimed = runtime.spoken_before_send(unnamed, claimed=True)
+            for tid in unnamed:
+                self._splits[tid] = split_spoken(tid, claimed, self._config.tp_size)
 
     def _open_unsplit(self, now: float) -> None:
         """Offer each held send whose decode has spoken since (its step is over: all
@@ -375,7 +384,9 @@ class WorkerSide(Generic[S]):
         freed."""
         if not self._unsplit:
             return
-        spoken = self._require_runtime().spoken_before_send(self._unsplit.transfer_ids())
+        spoken = self._require_runtime().spoken_before_send(
+            self._unsplit.transfer_ids(), claimed=True
+        )
         offers, ended = self._unsplit.settle(spoken, self._config.tp_size, now)
         for snd, detail in ended:
             self._end_at_once("sender", snd.request_id, detail)
