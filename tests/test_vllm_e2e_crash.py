@@ -6,7 +6,7 @@ One prefill and one decode server with KvpushConnector, the legs sent straight t
 (as a router does). Two decode legs are sent first, alone: they get blocks and register
 at once; their prefill legs are sent just after the kill, so the prefill computes
 requests that a decode which died had registered for. The decode runs two requests at
-most (`--max-num-seqs 2`); plain long requests fill those slots (sixteen, queued), so
+most (`--max-num-seqs 2`); plain long requests fill those slots (forty, queued), so
 the decode legs sent after them wait in its queue without blocks: they never register,
 the decode claims them, and the prefill computes and holds them. Before the kill the
 decode is stopped (SIGSTOP) for 4 s and resumed: a window after the stop began, the
@@ -167,7 +167,7 @@ async def _crash(prefill: VllmServer, decode: VllmServer, model: str) -> dict[st
         await _until(http, decode.url, lambda s: s["fetching"] >= len(REGISTERED), 60)
         # Plain long requests fill the decode's two running slots, and queue for them.
         long_body = completion_body("fill the decode", model, 900, ignore_eos=True)
-        tasks += [asyncio.ensure_future(complete(http, decode.url, long_body)) for _ in range(16)]
+        tasks += [asyncio.ensure_future(complete(http, decode.url, long_body)) for _ in range(40)]
         await _until(http, decode.url, lambda s: s["running"] >= 2, 60)
         # Queued legs: computed by the prefill, held there, never given blocks here.
         tasks += [asyncio.ensure_future(complete(http, decode.url, d)) for d, _ in queued]
@@ -189,8 +189,8 @@ async def _crash(prefill: VllmServer, decode: VllmServer, model: str) -> dict[st
         assert at_kill["running"] == 2, at_kill
         assert at_kill["fetching"] == len(REGISTERED), at_kill
         assert at_kill["waiting"] >= len(REGISTERED) + len(QUEUED), at_kill
-        decode.kill()
         killed = time.monotonic()
+        decode.kill()  # (it returns once the processes are reaped)
         # The prefill legs of the registered requests: computed after the decode died.
         for outcome in await batch([complete(http, prefill.url, p) for _, p in registered]):
             assert outcome.ok, f"prefill leg failed: {outcome.error}"
