@@ -22,6 +22,7 @@ import asyncio
 import logging
 import signal
 import time
+import uuid
 from typing import Any
 
 import httpx
@@ -80,7 +81,7 @@ def _legs(
     prefill: VllmServer, prompt: str, model: str, tag: str
 ) -> tuple[dict[str, object], dict[str, object]]:
     """The decode and prefill legs' bodies of one request."""
-    tid = f"{tag}-{time.monotonic_ns()}"
+    tid = f"{tag}-{uuid.uuid4().hex}"
     body = completion_body(prompt, model, 16)
     decode_params = {
         "do_remote_prefill": True,
