@@ -12,8 +12,9 @@ the decode claims them, and the prefill computes and holds them. Before the kill
 decode is stopped (SIGSTOP) for 4 s and resumed: a window after the stop began, the
 prefill still holds every block (a slow decode keeps its transfers). The prefill runs
 the vLLM default claim window (10 s), the heartbeat timing of the other end-to-end
-modules (liveness 8 s) and a transfer deadline of 120 s, so a transfer held until its
-deadline cannot pass for one freed in time.
+modules (liveness 8 s) and, as the decode, a transfer deadline of 120 s, so a transfer
+held until its deadline cannot pass for one freed in time, and the decode legs
+registered first outlive a slow set-up on a loaded host.
 """
 
 from __future__ import annotations
@@ -126,7 +127,9 @@ def test_a_decode_killed_with_registered_and_queued_requests_frees_the_prefill_i
         python=python,
     )
     decode = VllmServer(
-        _spec("decode", "kv_consumer", {}, ("--max-num-seqs", "2")),
+        _spec(
+            "decode", "kv_consumer", {"transfer_deadline_s": DEADLINE_S}, ("--max-num-seqs", "2")
+        ),
         model=model,
         log_dir=log_dir,
         python=python,
