@@ -163,6 +163,11 @@ def test_a_decode_killed_with_registered_and_queued_requests_frees_the_prefill_i
 
 async def _crash(prefill: VllmServer, decode: VllmServer, model: str) -> dict[str, Any]:
     async with client() as http:
+        # A server's first request pays for lazy set-up (seconds without heartbeats,
+        # as the other end-to-end modules found): not inside the test's transfers.
+        for server in (prefill, decode):
+            warm = await complete(http, server.url, completion_body("warm up", model, 2))
+            assert warm.ok, f"warm-up request failed: {warm.error}"
         before = await _sender_counts(http, prefill.url)
         registered = [_legs(prefill, p, model, "registered") for p in REGISTERED]
         queued = [_legs(prefill, p, model, "queued") for p in QUEUED]
