@@ -13,7 +13,7 @@ VLLM_STAMP := $(VLLM_VENV)/.kvpush-installed
 # libibverbs1 and libnuma1 for Mooncake's CPU build, which the benchmark compares against.
 DEB_PACKAGES := iproute2 libibverbs1 libnuma1
 
-.PHONY: all demo test lint typecheck pytest venv vllm-venv clean bench-full test-dp
+.PHONY: all demo test lint typecheck pytest pytest-vllm pytest-rest venv vllm-venv clean bench-full test-dp
 
 all: test
 
@@ -40,11 +40,20 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# Two workers: every test that starts vLLM servers runs on one of them, one after another
-# (tests/conftest.py groups them), while the other runs the rest; on this 2-core host that
-# takes the suite from ~33 to ~N minutes. The slowest tests are listed at the end.
+# Two pytest runs side by side: the tests that start vLLM servers (marker `vllm`), one
+# after another as before (a pair takes ~6 GB and most of a core to start), and the rest
+# beside them; each prints its output whole when it ends (-O), and either failing fails
+# the target. The slowest tests of each are listed at the end.
+PYTEST_ARGS := -p no:cacheprovider --durations=15
+
 pytest: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/pytest -n 2 --dist loadgroup --durations=25
+	$(MAKE) --no-print-directory -j2 -O pytest-vllm pytest-rest
+
+pytest-vllm: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/pytest $(PYTEST_ARGS) -m vllm
+
+pytest-rest: $(STAMP)
+	$(BIN)/pytest $(PYTEST_ARGS) -m "not vllm"
 
 test: lint typecheck pytest
 

@@ -170,17 +170,3 @@ def wire() -> Wire:
 
 def lines_of(result: subprocess.CompletedProcess[str]) -> Sequence[str]:
     return (result.stdout + result.stderr).strip().splitlines()
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`), every test
-    that starts vLLM servers runs on one worker, one after another, in file order: a pair
-    of servers takes ~6 GB and most of a core to start, so two pairs at once on this host
-    would only slow both (and test_vllm_router.py orders its shapes on purpose). The
-    other worker runs the rest meanwhile. The group comes first: xdist hands out work
-    in collection order, and the group is the longest unit, so started last it would run
-    alone after everything else. Without xdist only that order changes."""
-    vllm = [item for item in items if item.get_closest_marker("vllm") is not None]
-    for item in vllm:
-        item.add_marker(pytest.mark.xdist_group("vllm"))
-    items[:] = vllm + [item for item in items if item.get_closest_marker("vllm") is None]
