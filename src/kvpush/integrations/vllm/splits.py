@@ -7,10 +7,12 @@ runtime has a registration, a rejection or a claim (a decode holding the request
 queued claims the parts it will register) of one of the send's parts
 (`PushRuntime.spoken_before_send`), and then splits the transfer as that says
 (`split_spoken`). A held send ends, its blocks freed, if no decode speaks within the
-claim window (`claim_window_s`; the transfer deadline without one), as a sent transfer
-that no decode registered for nor claimed does; one liveness interval for a cancelled
-one, which has only a registered decode to tell. This object holds state and returns
-verdicts; the worker offers and ends what they name.
+claim window (`claim_window_s`; the transfer deadline without one) plus the handshake
+timeout: a router sends the decode leg only once the prefill answered, and a decode
+this prefill never met is heard only once the handshake that vouches for it is done.
+A cancelled one ends a liveness interval after, having only a registered decode to
+tell. This object holds state and returns verdicts; the worker offers and ends what
+they name.
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ def split_spoken(tid: str, spoken: Iterable[str], prefill_tp: int) -> int | None
 class HeldSends:
     """The held sends of one prefill rank, by transfer id."""
 
-    def __init__(self, timing: TimingConfig) -> None:
+    def __init__(self, timing: TimingConfig, vouch_s: float = 0.0) -> None:
         self._timing = timing
+        # How long a decode this prefill never met may take to be vouched for (the
+        # handshake timeout): its first claim or registration is read only after.
+        self._vouch_s = vouch_s
         self._held: dict[str, tuple[Send, float]] = {}  # the send, held until when
 
     def __bool__(self) -> bool:
@@ -49,7 +54,7 @@ class HeldSends:
         t = self._timing
         bound = t.transfer_deadline_s
         if t.claim_window_s is not None:
-            bound = min(bound, t.claim_window_s)
+            bound = min(bound, t.claim_window_s + self._vouch_s)
         if snd.cancel:
             bound = t.liveness_timeout_s
         self._held[snd.transfer_id] = (snd, now + bound)

@@ -201,7 +201,7 @@ class WorkerSide(Generic[S]):
         # or rejects it: the part's id says the decode's TP (`topology.part_id`). Per
         # transfer id: the send and until when it is held. And, for the current step's
         # sends, the decode TP each is split for (None: not known yet).
-        self._unsplit = HeldSends(config.timing)
+        self._unsplit = HeldSends(config.timing, config.handshake_timeout_ms / 1000)
         self._splits: dict[str, int | None] = {}
         # vLLM's layer name -> the geometry's layer (its region: the layers of a hybrid
         # model's groups share one), and each region's layer names.
