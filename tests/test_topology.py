@@ -382,6 +382,22 @@ def test_ranks_of_other_tp_sizes_are_compatible_and_what_differs_per_head_is_nam
     )
 
 
+def test_a_region_only_one_side_has_is_named() -> None:
+    """A prefill whose engine registered a draft model's layer beside the target's
+    (vLLM's draft_model speculation) and a decode without one: the refusal names it."""
+    from kvpush.geometry import Region, describe_compat_differences
+
+    target = _rank_geometry(KVHeads(total=4, per_rank=4, tp_size=1, tp_rank=0))
+    draft = Region("draft_model.model.layers.0.self_attn.attn.kv", 2, 0x90000, 1024, 1 << 20, 4)
+    with_draft = msgspec.structs.replace(target, regions=(*target.regions, draft))
+    assert describe_compat_differences(with_draft.compat_fields(), target.compat_fields()) == [
+        "regions: theirs 3, ours 2; only theirs: draft_model.model.layers.0.self_attn.attn.kv"
+    ]
+    assert describe_compat_differences(target.compat_fields(), with_draft.compat_fields()) == [
+        "regions: theirs 2, ours 3; only ours: draft_model.model.layers.0.self_attn.attn.kv"
+    ]
+
+
 def test_write_views_cut_blocks_to_the_planned_heads_and_refuse_what_cannot_be_cut() -> None:
     from kvpush.geometry import write_views
 

@@ -234,7 +234,20 @@ def describe_compat_differences(
 def _describe_region_difference(theirs: Any, ours: Any) -> str:
     theirs, ours = list(theirs or ()), list(ours or ())
     if len(theirs) != len(ours):
-        return f"regions: theirs {len(theirs)}, ours {len(ours)}"
+        # Name what one side has and the other lacks (a draft model's layers, say:
+        # vLLM registers them beside the target's), a few of each.
+        their_names = [str(r[0]) for r in theirs]
+        our_names = [str(r[0]) for r in ours]
+        said = f"regions: theirs {len(theirs)}, ours {len(ours)}"
+        for side, names, other in (
+            ("theirs", their_names, our_names),
+            ("ours", our_names, their_names),
+        ):
+            only = [n for n in names if n not in set(other)]
+            if only:
+                more = f" and {len(only) - 4} more" if len(only) > 4 else ""
+                said += f"; only {side}: {', '.join(only[:4])}{more}"
+        return said
     for i, (a, b) in enumerate(zip(theirs, ours, strict=True)):
         if tuple(a) != tuple(b):
             return (

@@ -63,6 +63,16 @@ def make_tiny_model(path: Path) -> Path:
     return path
 
 
+def make_tiny_draft_model(path: Path) -> Path:
+    """A draft for `make_tiny_model`'s target: the same seed, tokenizer, vocabulary and
+    widths with one layer (vLLM's draft_model speculation needs the target's vocab)."""
+    from kvpush.serving.checkpoint import make_model
+
+    if not (path / "config.json").exists():
+        make_model(path, num_layers=1, hidden_size=128, intermediate_size=256, num_heads=4)
+    return path
+
+
 # The tiny hybrid model's sliding window, in tokens: smaller than most test prompts and
 # not a whole number of 32-token blocks, so windows start inside a block.
 HYBRID_SLIDING_WINDOW = 48
@@ -802,6 +812,21 @@ def ngram_speculation(*, unpadded: bool = False) -> tuple[str, str]:
 
 
 NGRAM_SPECULATION = ngram_speculation()
+
+
+# Draft-model speculation's tokens a step.
+DRAFT_SPEC_TOKENS = 2
+
+
+def draft_speculation(draft: Path) -> tuple[str, str]:
+    """`--speculative-config` for speculation with a local draft model
+    (`"method": "draft_model"`), DRAFT_SPEC_TOKENS a step."""
+    config = {
+        "method": "draft_model",
+        "model": str(draft),
+        "num_speculative_tokens": DRAFT_SPEC_TOKENS,
+    }
+    return ("--speculative-config", json.dumps(config))
 
 
 def start_kvpush_proxy(
