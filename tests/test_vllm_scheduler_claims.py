@@ -17,7 +17,7 @@ import pytest
 
 from helpers.vllm_venv import run_in_vllm_venv
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.vllm_venv, pytest.mark.timeout(300)]
 
 SCRIPT = r"""
 import json
