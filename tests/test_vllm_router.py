@@ -24,6 +24,8 @@ the vLLM venv (`make vllm-venv`); its absence is a failure, never a skip.
 from __future__ import annotations
 
 import asyncio
+import json
+import secrets
 import subprocess
 import time
 import uuid
@@ -34,8 +36,13 @@ from pathlib import Path
 import pytest
 
 from helpers.vllm_e2e import HOST, MAX_TOKENS, PROMPTS, TIMING
-from kvpush.errors import ConfigError
+from kvpush.cli import main as cli_main
+from kvpush.config import load_token
+from kvpush.doctor_probe import DOCTOR_DIGEST, PROBE_TIMEOUT_S
+from kvpush.doctor_probe.scratch import LARGE_WRITE, SMALL_WRITE
+from kvpush.errors import AuthenticationRefused, ConfigError
 from kvpush.procs.readiness import free_port
+from kvpush.sidechannel import control_request, fetch_metadata
 from kvpush_lab.routers import concurrent_legs, push_identity, start_vllm_router
 from kvpush_lab.vllm_servers import (
     Outcome,
@@ -74,14 +81,16 @@ class Stack:
     decode: VllmServer
     router: subprocess.Popen[bytes]
     router_url: str
+    token_file: Path | None = None
 
     @property
     def servers(self) -> list[VllmServer]:
         return [self.prefill, self.decode]
 
 
-def _spec(name: str, role: str | None, tp: int = 1) -> ServerSpec:
+def _spec(name: str, role: str | None, tp: int = 1, token_file: Path | None = None) -> ServerSpec:
     tp_args = ("--tensor-parallel-size", str(tp)) if tp > 1 else ()
+    token = {} if token_file is None else {"token_file": str(token_file)}
     if role is None:
         return ServerSpec(name, HOST, free_port(HOST), extra_args=tp_args)
     return ServerSpec(
@@ -91,7 +100,7 @@ def _spec(name: str, role: str | None, tp: int = 1) -> ServerSpec:
         connector="KvpushConnector",
         kv_role=role,
         side_channel_port=free_port(HOST),
-        extra_config={**TIMING, "handshake_timeout_ms": 10000},
+        extra_config={**TIMING, "handshake_timeout_ms": 10000, **token},
         extra_args=tp_args,
     )
 
@@ -108,15 +117,23 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("vllm-model") / "tiny-llama")
 
 
-def _stack(model: Path, log_dir: Path, prefill_tp: int, decode_tp: int) -> Iterator[Stack]:
+def _stack(
+    model: Path, log_dir: Path, prefill_tp: int, decode_tp: int, token_file: Path | None = None
+) -> Iterator[Stack]:
     """A prefill and a decode server of these TP sizes behind vllm-router (and, the first
-    time, a single instance for the reference answers)."""
+    time, a single instance for the reference answers); `token_file`: both servers'."""
     python = _python()
     prefill = VllmServer(
-        _spec("prefill", "kv_producer", prefill_tp), model=model, log_dir=log_dir, python=python
+        _spec("prefill", "kv_producer", prefill_tp, token_file),
+        model=model,
+        log_dir=log_dir,
+        python=python,
     )
     decode = VllmServer(
-        _spec("decode", "kv_consumer", decode_tp), model=model, log_dir=log_dir, python=python
+        _spec("decode", "kv_consumer", decode_tp, token_file),
+        model=model,
+        log_dir=log_dir,
+        python=python,
     )
     servers = [prefill, decode]
     single = None
@@ -133,7 +150,7 @@ def _stack(model: Path, log_dir: Path, prefill_tp: int, decode_tp: int) -> Itera
             _reference(str(model), single)
             single.stop()
         router, router_url = start_vllm_router(prefill, decode, log_dir)
-        yield Stack(str(model), prefill, decode, router, router_url)
+        yield Stack(str(model), prefill, decode, router, router_url, token_file)
     finally:
         if router is not None:
             router.terminate()
@@ -144,8 +161,11 @@ def _stack(model: Path, log_dir: Path, prefill_tp: int, decode_tp: int) -> Itera
 
 @pytest.fixture(scope="module")
 def stack(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """TP 1 into TP 1."""
-    yield from _stack(model, tmp_path_factory.mktemp("vllm-router"), 1, 1)
+    """TP 1 into TP 1, with a token (so the doctor's test writes are served)."""
+    log_dir = tmp_path_factory.mktemp("vllm-router")
+    token_file = log_dir / "token"
+    token_file.write_text(secrets.token_hex(16))
+    yield from _stack(model, log_dir, 1, 1, token_file)
 
 
 def _reference(model: str, single: VllmServer) -> None:
@@ -313,3 +333,57 @@ def test_one_request_id_for_two_requests(stack: Stack) -> None:
         for o in outcomes:
             assert o.ok or (o.error is not None and "HTTP 500" in o.error), o.error
     _quiescent(stack)
+
+
+def test_the_doctor_measures_the_data_plane_between_the_two_vllm_servers(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvpush doctor` on the pair (its side channels and HTTP servers, and the token):
+    each worker rank serves the doctor's checks on a port of its own that it publishes
+    with its metadata, so the prefill's NIXL agent really writes into the decode's
+    scratch buffer; the bytes land intact and the figures are the writes' own. The check
+    ports take only what the token signs: a request without it is refused there."""
+    assert stack.token_file is not None
+    args = ["doctor", "--token-file", str(stack.token_file)]
+    for role, server in (("prefill", stack.prefill), ("decode", stack.decode)):
+        args += [
+            f"--{role}",
+            f"{HOST}:{server.spec.side_channel_port}",
+            f"--{role}-http",
+            server.url,
+        ]
+    started = time.monotonic()
+    code = cli_main([*args, "--json"])
+    took = time.monotonic() - started
+    report = json.loads(capsys.readouterr().out)
+    step = next(s for s in report["steps"] if s["name"] == "data plane")
+    texts = [f["text"] for s in report["steps"] for f in s["findings"]]
+    assert step["verdict"] == "ok", texts
+    assert code == report["exit_code"] == 0, texts
+    [finding] = step["findings"]
+    assert finding["text"].startswith("prefill rank 0 -> decode rank 0: "), finding
+    assert (
+        f"the {LARGE_WRITE // (1024 * 1024)} MiB landed intact (sha256 compared)"
+        in (finding["text"])
+    ), finding
+    figures = step["figures"]["prefill0->decode0"]
+    assert figures["verified_bytes"] == LARGE_WRITE, figures
+    for size in (SMALL_WRITE, LARGE_WRITE):
+        timed = figures["sizes"][str(size)]
+        assert timed["writes"] > 0 and 0 < timed["seconds"] < PROBE_TIMEOUT_S, figures
+        assert timed["gb_per_s"] > 0, figures
+    assert "UCX" in figures["transport"]["transport"], figures
+    # The checks are served where each rank says, behind the engine's token.
+    token = load_token(stack.token_file)
+    for server in stack.servers:
+        port = server.spec.side_channel_port
+        assert port is not None
+        meta = fetch_metadata(HOST, port, 0, token=token)
+        assert meta.scratch is not None and meta.doctor_port not in (None, port), meta
+        with pytest.raises(AuthenticationRefused):
+            control_request(HOST, meta.doctor_port, DOCTOR_DIGEST, {"rank": 0, "bytes": 16})
+        answer = control_request(
+            HOST, meta.doctor_port, DOCTOR_DIGEST, {"rank": 0, "bytes": 16}, token=token
+        )
+        assert isinstance(answer, dict) and len(answer["sha256"]) == 64, answer
+    print(f"doctor on the vLLM pair took {took:.1f} s")
