@@ -24,6 +24,8 @@ the vLLM venv (`make vllm-venv`); its absence is a failure, never a skip.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import secrets
 import subprocess
@@ -33,16 +35,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from helpers.vllm_e2e import HOST, MAX_TOKENS, PROMPTS, TIMING
 from kvpush.cli import main as cli_main
-from kvpush.config import load_token
+from kvpush.config import SideChannelConfig, load_token
 from kvpush.doctor_probe import DOCTOR_DIGEST, PROBE_TIMEOUT_S
 from kvpush.doctor_probe.scratch import LARGE_WRITE, SMALL_WRITE
 from kvpush.errors import AuthenticationRefused, ConfigError
 from kvpush.procs.readiness import free_port
-from kvpush.sidechannel import control_request, fetch_metadata
+from kvpush.sidechannel import MetadataServer, control_request, fetch_metadata
 from kvpush_lab.routers import concurrent_legs, push_identity, start_vllm_router
 from kvpush_lab.vllm_servers import (
     Outcome,
@@ -90,7 +93,8 @@ class Stack:
 
 def _spec(name: str, role: str | None, tp: int = 1, token_file: Path | None = None) -> ServerSpec:
     tp_args = ("--tensor-parallel-size", str(tp)) if tp > 1 else ()
-    token = {} if token_file is None else {"token_file": str(token_file)}
+    # Without a token, the doctor's test writes are allowed outright (its checks below).
+    token = {"allow_doctor_writes": True} if token_file is None else {"token_file": str(token_file)}
     if role is None:
         return ServerSpec(name, HOST, free_port(HOST), extra_args=tp_args)
     return ServerSpec(
@@ -248,8 +252,37 @@ def test_behind_vllm_router_across_tp_sizes(
     st = next(gen)
     try:
         _through_router(st, SHAPE_ROUNDS, f"vllm-router, TP {prefill_tp} into {decode_tp}")
+        _doctor_writes_across_ranks(st, prefill_tp, decode_tp)
     finally:
         gen.close()
+
+
+def _doctor_writes_across_ranks(st: Stack, prefill_tp: int, decode_tp: int) -> None:
+    """`kvpush doctor` on a pair of two TP sizes (no token; allow_doctor_writes): every
+    decode rank is written into by a prefill rank, each worker serving its checks on its
+    own port; the pair is said to work behind vLLM's routers."""
+    args = ["doctor", "--json"]
+    for role, server in (("prefill", st.prefill), ("decode", st.decode)):
+        args += [
+            f"--{role}",
+            f"{HOST}:{server.spec.side_channel_port}",
+            f"--{role}-http",
+            server.url,
+        ]
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        code = cli_main(args)
+    report = json.loads(out.getvalue())
+    texts = [f["text"] for s in report["steps"] for f in s["findings"]]
+    data = next(s for s in report["steps"] if s["name"] == "data plane")
+    assert data["verdict"] == "ok", texts
+    assert sorted(data["figures"]) == [f"prefill0->decode{d}" for d in range(decode_tp)], data
+    for figures in data["figures"].values():
+        assert figures["verified_bytes"] == LARGE_WRITE, figures
+    compat = next(s for s in report["steps"] if s["name"] == "compatibility")
+    assert compat["verdict"] == "ok", texts
+    assert "vllm-router" in compat["figures"]["pair"]["routers"], compat
+    # No token: the one warning (prefill_tp, decode_tp name the shape in the message).
+    assert code == 0, (prefill_tp, decode_tp, texts)
 
 
 def test_behind_vllm_router(stack: Stack) -> None:
@@ -386,4 +419,78 @@ def test_the_doctor_measures_the_data_plane_between_the_two_vllm_servers(
             HOST, meta.doctor_port, DOCTOR_DIGEST, {"rank": 0, "bytes": 16}, token=token
         )
         assert isinstance(answer, dict) and len(answer["sha256"]) == 64, answer
-    print(f"doctor on the vLLM pair took {took:.1f} s")
+    # vLLM's own series and the connector's, from each server's /metrics.
+    health = next(s for s in report["steps"] if s["name"] == "health")
+    for role in ("prefill", "decode"):
+        [line] = [
+            f["text"]
+            for f in health["findings"]
+            if f["side"] == role and f["text"].startswith("vLLM's /metrics: requests running")
+        ]
+        assert "kvpush transfers finished" in line, line
+        assert health["figures"][role]["transfer_failures"] == {}, health["figures"]
+    assert cli_main(args) == code
+    print(f"doctor on the vLLM pair took {took:.1f} s\n{capsys.readouterr().out}")
+
+
+def test_the_doctor_names_the_refusal_a_pair_of_two_block_sizes_meets_behind_routers(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A decode whose blocks are twice the prefill's: the caches are compatible (a
+    vLLM pair compares them per token), but behind routers that speak vLLM's push
+    dialect every request would be refused. The doctor, pointed at the real prefill and
+    at a side channel on loopback that publishes the real decode's rank as it would be
+    at that block size (the verdict reads the two ranks' published caches; a second vLLM
+    decode would cost minutes), warns with the refusal and the next action."""
+    assert stack.token_file is not None
+    token = load_token(stack.token_file)
+    port = stack.decode.spec.side_channel_port
+    assert port is not None
+    real = fetch_metadata(HOST, port, 0, token=token)
+    g = real.geometry
+    assert not g.groups, g
+    doubled = msgspec.structs.replace(
+        g,
+        block_size_tokens=2 * g.block_size_tokens,
+        regions=[
+            msgspec.structs.replace(
+                r, block_bytes=2 * r.block_bytes, block_stride=2 * r.block_stride,
+                num_blocks=r.num_blocks // 2,
+            )
+            for r in g.regions
+        ],
+    )  # fmt: skip
+    decode = MetadataServer(
+        HOST,
+        0,
+        SideChannelConfig(token=token),
+        {0: msgspec.structs.replace(real, geometry=doubled)},
+    )
+    with decode:
+        args = [
+            "doctor",
+            "--token-file",
+            str(stack.token_file),
+            "--prefill",
+            f"{HOST}:{stack.prefill.spec.side_channel_port}",
+            "--decode",
+            f"{HOST}:{decode.port}",
+            "--json",
+        ]
+        code = cli_main(args)
+    report = json.loads(capsys.readouterr().out)
+    step = next(s for s in report["steps"] if s["name"] == "compatibility")
+    texts = [f["text"] for f in step["findings"]]
+    assert step["verdict"] == "warn", texts
+    [warned] = [f for f in step["findings"] if f["verdict"] == "warn"]
+    p, d = g.block_size_tokens, 2 * g.block_size_tokens
+    assert warned["text"].startswith("behind vllm-router, "), warned
+    assert (
+        f"every request would fail: the decode would register in its own {d}-token"
+        in (warned["text"])
+    ), warned
+    assert f"count in its {p}-token blocks" in warned["text"], warned
+    assert (
+        warned["next_action"] == "give both servers one --block-size, or route through kvpush proxy"
+    ), warned
+    assert code == report["exit_code"] and report["verdict"] != "ok", report["verdict"]
