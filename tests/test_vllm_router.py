@@ -433,15 +433,17 @@ def test_the_doctor_measures_the_data_plane_between_the_two_vllm_servers(
     print(f"doctor on the vLLM pair took {took:.1f} s\n{capsys.readouterr().out}")
 
 
-def test_the_doctor_names_the_refusal_a_pair_of_two_block_sizes_meets_behind_routers(
+def test_the_doctor_names_the_refusal_a_pair_of_two_block_sizes_meets(
     stack: Stack, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A decode whose blocks are twice the prefill's: the caches are compatible (a
-    vLLM pair compares them per token), but behind routers that speak vLLM's push
-    dialect every request would be refused. The doctor, pointed at the real prefill and
-    at a side channel on loopback that publishes the real decode's rank as it would be
-    at that block size (the verdict reads the two ranks' published caches; a second vLLM
-    decode would cost minutes), warns with the refusal and the next action."""
+    """A decode whose blocks are twice the prefill's. vLLM-CPU's layout (each head's K
+    of a block transposed) cannot carry blocks of two sizes, so the prefill refuses every
+    request such a decode registers, behind any router: the doctor fails the pair with
+    that refusal and the next action. It is pointed at the real prefill and at a side
+    channel on loopback that publishes the real decode's rank as it would be at that
+    block size (the verdict reads the two ranks' published caches; a second vLLM decode
+    would cost minutes). Layouts that do carry them, and the routers' verdict there:
+    tests/test_doctor_routers.py."""
     assert stack.token_file is not None
     token = load_token(stack.token_file)
     port = stack.decode.spec.side_channel_port
@@ -481,16 +483,13 @@ def test_the_doctor_names_the_refusal_a_pair_of_two_block_sizes_meets_behind_rou
     report = json.loads(capsys.readouterr().out)
     step = next(s for s in report["steps"] if s["name"] == "compatibility")
     texts = [f["text"] for f in step["findings"]]
-    assert step["verdict"] == "warn", texts
-    [warned] = [f for f in step["findings"] if f["verdict"] == "warn"]
+    assert step["verdict"] == "fail", texts
+    [failed] = [f for f in step["findings"] if f["verdict"] == "fail"]
     p, d = g.block_size_tokens, 2 * g.block_size_tokens
-    assert warned["text"].startswith("behind vllm-router, "), warned
-    assert (
-        f"every request would fail: the decode would register in its own {d}-token"
-        in (warned["text"])
-    ), warned
-    assert f"count in its {p}-token blocks" in warned["text"], warned
-    assert (
-        warned["next_action"] == "give both servers one --block-size, or route through kvpush proxy"
-    ), warned
-    assert code == report["exit_code"] and report["verdict"] != "ok", report["verdict"]
+    assert failed["text"].startswith(
+        f"rank 0: TP 1 rank 0 ({p}-token blocks) and TP 1 rank 0 ({d}-token blocks): "
+        "vLLM-CPU's attention keeps each head's K of a block transposed"
+    ), failed
+    assert failed["next_action"].startswith("start both servers with the same --block-size"), failed
+    assert "behind any router or proxy" in failed["next_action"], failed
+    assert code == report["exit_code"] == 1, report["verdict"]

@@ -49,7 +49,7 @@ def _one_health(role: str, options: DoctorOptions, seen: Observed, step: StepRes
         http_failed(step, role, exc, f"check that --{role}-http is a kvpush server")
         step.figures[role] = figures
         return
-    if any(s.name.startswith(VLLM_PREFIX) for s in samples):
+    if any(s.name.startswith(VLLM_PREFIX) for s in samples):  # a vLLM server
         vllm_metrics(role, samples, step, figures)
         step.figures[role] = figures
         return

@@ -14,7 +14,8 @@ from kvpush.metrics_text import Sample, total
 
 __all__ = ["VLLM_PREFIX", "vllm_metrics"]
 
-VLLM_PREFIX = "vllm:kvpush_"
+# vLLM's series: the connector's appear with its first transfer, vLLM's own at once.
+VLLM_PREFIX = "vllm:"
 
 
 def vllm_metrics(
@@ -65,6 +66,10 @@ def vllm_metrics(
             f"; NIXL writes of {_n(parts)} transfer parts"
             + (f", {xfer * 1000:.2f} ms in flight on average" if xfer is not None else "")
             + f", failed parts {_n(failed_parts)}, expired {_n(expired)}"
+        )
+    if not any(s.name.startswith("vllm:kvpush_") for s in samples):
+        text += (
+            " (no vllm:kvpush_* series yet: none before the first transfer, or not KvpushConnector)"
         )
     step.add(Verdict.OK, text, side=role)
     if failures or failed_parts or expired:
