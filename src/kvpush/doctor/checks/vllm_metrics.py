@@ -22,7 +22,8 @@ def vllm_metrics(
     role: str, samples: list[Sample], step: StepResult, figures: dict[str, object]
 ) -> None:
     """Read a vLLM server's series into `figures` and `step` (one line, and a warning
-    with the next action where transfers failed or expired)."""
+    with the next action where transfers failed or expired for a reason other than
+    `_IN_COURSE`'s)."""
     running = total(samples, "vllm:num_requests_running")
     waiting = total(samples, "vllm:num_requests_waiting")
     usage = total(samples, "vllm:kv_cache_usage_perc")
@@ -72,8 +73,9 @@ def vllm_metrics(
             " (no vllm:kvpush_* series yet: none before the first transfer, or not KvpushConnector)"
         )
     step.add(Verdict.OK, text, side=role)
-    if failures or failed_parts or expired:
-        what = ", ".join(f"{k} {v:g}" for k, v in sorted(failures.items()))
+    faults = {k: v for k, v in failures.items() if k.rsplit("/", 1)[-1] not in _IN_COURSE}
+    if faults or failed_parts or expired:
+        what = ", ".join(f"{k} {v:g}" for k, v in sorted(faults.items()))
         if failed_parts or expired:
             what += ("; " if what else "") + (
                 f"NIXL parts failed {_n(failed_parts)}, expired {_n(expired)}"
@@ -87,6 +89,12 @@ def vllm_metrics(
             "long, so raise transfer_deadline_s or lease_s in kv_connector_extra_config, "
             "or find the stalled peer",
         )
+
+
+# Ends that are no fault of the pair, as vLLM's NIXL series count them (not in
+# vllm:nixl_num_failed_transfers): the engine aborted the request (its client went),
+# the decode refused it before allocating (it held every block), the server stopped.
+_IN_COURSE = frozenset({"cancelled", "rejected", "shutdown"})
 
 
 def _mean(samples: list[Sample], histogram: str) -> float | None:
