@@ -801,7 +801,8 @@ def test_without_a_token_only_an_operator_allows_test_writes(
     assert skipped["text"] == (
         "prefill rank 0 -> decode rank 0: not checked: the decode rank registers no scratch "
         "buffer for test writes (a kvpush serve without a token and without "
-        "--allow-doctor-writes, or a vLLM server: its connector has none yet)"
+        "--allow-doctor-writes, or a vLLM server without a token and without allow_doctor_writes "
+        "in its kv_connector_extra_config)"
     )
     assert refusals[0].endswith(
         "this rank has no scratch buffer: its server was started without a token and "

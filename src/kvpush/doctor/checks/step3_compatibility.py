@@ -21,6 +21,13 @@ _FIELD_ACTION = {
 }
 
 
+_ONE_BLOCK_SIZE = (
+    "start both servers with the same --block-size: this pair's KV cache layout cannot "
+    "carry blocks of two sizes, so every request would be refused, behind any router or "
+    "proxy (kvpush proxy included)"
+)
+
+
 def check_compatibility(options: DoctorOptions, seen: Observed, step: StepResult) -> None:
     p_ranks, d_ranks = seen.ranks["prefill"], seen.ranks["decode"]
     for p, d in _paired_ranks(p_ranks, d_ranks, step):
@@ -32,10 +39,17 @@ def check_compatibility(options: DoctorOptions, seen: Observed, step: StepResult
             try:
                 write_views(p.metadata.geometry, d.metadata.geometry)
             except UnsupportedShape as exc:
+                blocks = (
+                    p.metadata.geometry.block_size_tokens,
+                    d.metadata.geometry.block_size_tokens,
+                )
                 step.add(
                     Verdict.FAIL,
                     f"{pair}: {exc}",
-                    next_action="run TP sizes of which one is a whole multiple of the other "
+                    # Every request is refused with this, behind any router or proxy.
+                    next_action=_ONE_BLOCK_SIZE
+                    if blocks[0] != blocks[1]
+                    else "run TP sizes of which one is a whole multiple of the other "
                     "(and a decode block size a whole multiple of the prefill's), with a KV "
                     "cache layout that holds heads one after another (LBHNC)",
                 )

@@ -1,6 +1,6 @@
 """Step 6, health: each server's `/health` and `/metrics` (blocks held, transfers in
 flight, finished and failed, forged messages, refused requests) and its CPU share
-while idle."""
+while idle; a vLLM server's connector series (`vllm_metrics`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 import msgspec
 
 from kvpush.doctor.checks.options import ROLES, DoctorOptions, Observed, http_failed
+from kvpush.doctor.checks.vllm_metrics import VLLM_PREFIX, vllm_metrics
 from kvpush.doctor.http import HttpFailed, get_health, get_metrics
 from kvpush.doctor.report import StepResult, Verdict
 from kvpush.health import ServerHealth
@@ -46,6 +47,10 @@ def _one_health(role: str, options: DoctorOptions, seen: Observed, step: StepRes
         samples = get_metrics(base, options.timeout_s)
     except HttpFailed as exc:
         http_failed(step, role, exc, f"check that --{role}-http is a kvpush server")
+        step.figures[role] = figures
+        return
+    if any(s.name.startswith(VLLM_PREFIX) for s in samples):  # a vLLM server
+        vllm_metrics(role, samples, step, figures)
         step.figures[role] = figures
         return
     if not any(s.name.startswith("kvpush_") for s in samples):

@@ -71,6 +71,7 @@ EXTRA_CONFIG_KEYS = frozenset(
         "idle_poll_ms",
         "switch_interval_ms",
         "push",
+        "allow_doctor_writes",
         *TIMING_KEYS,
     }
 )
@@ -164,6 +165,14 @@ class ConnectorConfig:
     # Whether vLLM adds its random suffix to request ids (unless
     # VLLM_DISABLE_REQUEST_ID_RANDOMIZATION): `pairing_id` cuts it off.
     request_ids_randomized: bool = True
+    # Whether each rank takes `kvpush doctor`'s test writes (a scratch buffer beside its
+    # KV cache, `integrations.vllm.doctor`) without a token; with one it always does.
+    allow_doctor_writes: bool = False
+
+    @property
+    def doctor_writes(self) -> bool:
+        """Whether the ranks take the doctor's test writes."""
+        return self.token is not None or self.allow_doctor_writes
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
@@ -230,6 +239,7 @@ class ConnectorConfig:
             request_ids_randomized=not bool(
                 getattr(envs, "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", False)
             ),
+            allow_doctor_writes=bool(extra.get("allow_doctor_writes", False)),
         )
 
     @property

@@ -65,6 +65,7 @@ import msgspec
 
 from kvpush.errors import FailureReason, KVPushError
 from kvpush.geometry import KVCacheGroup, KVHeads
+from kvpush.integrations.vllm.doctor import WorkerDoctor
 from kvpush.integrations.vllm.groups import group_part_id
 from kvpush.integrations.vllm.kvcache import (
     cache_dtype_name,
@@ -180,6 +181,7 @@ class WorkerSide(Generic[S]):
         self._new_stats = new_stats
         self._transport_factory = transport_factory
         self._node_rank: Rank | None = None
+        self._doctor: WorkerDoctor | None = None
         self._runtime: PushRuntime | None = None
         self._bytes_per_block = 0
         # Per side, the requests whose parts have not all ended (the one rule that turns
@@ -255,7 +257,9 @@ class WorkerSide(Generic[S]):
         self._names_of = {index: frozenset(n) for index, n in names.items()}
         self._all_layers = frozenset(r.layer for r in geometry.regions)
         # The side channel is the scheduler's (it serves every rank's handshake
-        # metadata): the worker runs the rank alone.
+        # metadata): the worker runs the rank alone, and serves the doctor's checks.
+        if cfg.doctor_writes:
+            self._doctor = WorkerDoctor(cfg.side_channel_host, self._rank, cfg.token)
         rank = Rank(
             geometry,
             NodeIdentity(cfg.engine_id, cfg.role, cfg.side_channel_host),
@@ -268,9 +272,12 @@ class WorkerSide(Generic[S]):
                 lookup_timeout_ms=cfg.handshake_timeout_ms,
             ),
             transport_factory=self._transport_factory,
+            services=() if self._doctor is None else (self._doctor.service,),
         )
         self._node_rank = rank
         rank.start()
+        if self._doctor is not None:
+            self._doctor.start()
         self._runtime = rank.runtime
         log.info(
             "kvpush rank %d: %d layers in %d regions, %d blocks of %d bytes, layout %s, %s",
@@ -289,13 +296,16 @@ class WorkerSide(Generic[S]):
         """The rank's metadata for the scheduler's side channel (after registration)."""
         if self._runtime is None:
             return None
-        return self._runtime.local_metadata()
+        metadata = self._runtime.local_metadata()
+        return metadata if self._doctor is None else self._doctor.publish(metadata)
 
     def statistics(self) -> RuntimeStatistics | None:
         """The rank's runtime's `statistics()` (None before registration)."""
         return None if self._runtime is None else self._runtime.statistics()
 
     def shutdown(self) -> None:
+        if self._doctor is not None:
+            self._doctor.close()
         if self._node_rank is not None:
             self._node_rank.close()
 
