@@ -24,11 +24,12 @@ from kvpush.node import TransportFactory
 from kvpush.protocol import Cancel, encode
 from kvpush.runtime import PushRuntime
 from kvpush.serving.checkpoint import LoadedModel, load_model
-from kvpush.serving.disagg import KVBridge, build_role, runtime_transfer_id
+from kvpush.serving.disagg import KVBridge, build_role
 from kvpush.serving.engine import Engine
 from kvpush.serving.metrics import Registry, serving_registry
 from kvpush.serving.options import ServeOptions
 from kvpush.serving.sampling import SamplingParams
+from kvpush.serving.transfer_worker import runtime_transfer_id
 from kvpush.serving.worker import Accepted, Done, EngineWorker, Event, Job, Rejected, Tokens
 from kvpush.sidechannel import fetch_metadata
 from kvpush.transports.base import Transport

@@ -69,7 +69,7 @@ def test_descriptor_count_reports_merged_runs(merge: bool) -> None:
 
 @pytest.mark.parametrize("bound", [True, False], ids=["bindings", "api-fallback"])
 def test_write_calls_move_the_bytes_through_bindings_and_through_the_api(bound: bool) -> None:
-    """`_WriteCalls` (the per-write NIXL calls, bound once) writes the same bytes, and
+    """`WriteCalls` (the per-write NIXL calls, bound once) writes the same bytes, and
     reports the same states, whether it calls NIXL's bindings directly or, for a NIXL
     whose Python API does not have them, `nixl_agent`'s own methods."""
     import dataclasses
@@ -77,7 +77,7 @@ def test_write_calls_move_the_bytes_through_bindings_and_through_the_api(bound: 
     import numpy as np
 
     from kvpush.transports._nixl_import import load_nixl
-    from kvpush.transports.nixl import _WriteCalls
+    from kvpush.transports.nixl_calls import WriteCalls
 
     nixl = load_nixl()
     regions, blocks, size = 2, 4, 4096
@@ -107,7 +107,7 @@ def test_write_calls_move_the_bytes_through_bindings_and_through_the_api(bound: 
     ours = a.prep_xfer_dlist("NIXL_INIT_AGENT", rows(src), "DRAM", ["UCX"])
     theirs = a.prep_xfer_dlist(b_name, rows(dst), "DRAM", ["UCX"])
     module = nixl if bound else dataclasses.replace(nixl, api=None)
-    calls = _WriteCalls(module, a, "UCX", merge=True)
+    calls = WriteCalls(module, a, "UCX", merge=True)
     assert calls.bound is bound
     # Our block 3 of both regions into their block 1.
     our_index = np.array([3, blocks + 3], dtype=np.int32)

@@ -2,9 +2,9 @@
 
 `load(None)` is `kvpush.protocol` as imported. `load("main")` reads the protocol's files
 of that revision with `git show` (`messages.py` and `state.py`, and, from the split along
-the sender/receiver seam on, `_common.py`, `sender.py` and `receiver.py` between them, in
-import order; a file a revision does not have is skipped) and loads them as a separate
-package
+the sender/receiver seam on, `_common.py`, `sender.py` and `receiver.py` between them, and
+the modules split out of those since (`claims.py`, `lookups.py`, ...), in import order; a
+file a revision does not have is skipped) and loads them as a separate package
 (`kvpush_protocol_at_main`), so the checker can run an older protocol, unedited, next to
 the current one: the honest way to show that it finds a bug the current code fixed.
 """
@@ -18,7 +18,17 @@ import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-_FILES = ("messages", "_common", "identity", "leases", "sender", "receiver", "state")
+_FILES = (
+    "messages",
+    "_common",
+    "identity",
+    "leases",
+    "sender",
+    "claims",
+    "lookups",
+    "receiver",
+    "state",
+)
 # The files that every revision the checker can run has; the others are optional.
 _REQUIRED = ("messages", "state")
 

@@ -335,7 +335,8 @@ class Model:
         package = state_module.__name__.rsplit(".", 1)[0]
         # The protocol's modules (one file before the split along the sender/receiver
         # seam, several since), whose classes the keyer pickles quickly.
-        parts = [sys.modules.get(f"{package}.{n}") for n in ("_common", "sender", "receiver")]
+        names = ("_common", "sender", "claims", "lookups", "receiver")
+        parts = [sys.modules.get(f"{package}.{n}") for n in names]
         modules = (state_module, *(m for m in parts if m is not None), self.api.messages)
         from . import mutations
 

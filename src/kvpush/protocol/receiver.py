@@ -1,11 +1,15 @@
 """The receiving side's state machine (`ReceiverProtocol`). The theory of operation,
-every rule this file follows, is in `kvpush.protocol.state`."""
+every rule this file follows, is in `kvpush.protocol.state`.
+
+Two tables it owns live beside it, each answering what it holds and deciding nothing:
+`claims.Claims`, the requests held before there are blocks for them, and
+`lookups.Lookups`, the senders' side channels being looked up or known."""
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 
@@ -17,7 +21,6 @@ from kvpush.errors import (
 from kvpush.protocol._common import (
     REVALIDATE_AFTER_S,
     Effect,
-    Handshake,
     LocalIdentity,
     PeerAddress,
     PeerInfo,
@@ -30,6 +33,8 @@ from kvpush.protocol._common import (
     _Peer,
     _Side,
 )
+from kvpush.protocol.claims import Claims, claiming_heartbeats
+from kvpush.protocol.lookups import Lookup, Lookups
 from kvpush.protocol.messages import (
     Cancel,
     CancelAck,
@@ -67,32 +72,6 @@ class _Incoming:
     cancel_sent_at: float = float("-inf")
 
 
-@dataclass(slots=True)
-class _Claim:
-    """A request we hold, queued, before we have blocks for it (`claim`)."""
-
-    address: PeerAddress  # the sender's side channel
-    until: float  # forgotten then (`transfer_deadline_s` after the claim), if still here
-
-
-# How many ids one claiming heartbeat lists at most (more go in the next ones).
-_MAX_CLAIMED_PER_HEARTBEAT = 1024
-
-
-@dataclass(slots=True)
-class _Known:
-    info: PeerInfo
-    handshaken_at: float
-
-
-@dataclass(slots=True)
-class _Lookup:
-    """One address being looked up: who waits for it."""
-
-    transfers: list[str] = field(default_factory=list)
-    rejects: list[tuple[str, str]] = field(default_factory=list)  # (transfer id, detail)
-
-
 class ReceiverProtocol(_Side["_Incoming"]):
     """The receiving side of every transfer of one rank. See the module docstring."""
 
@@ -110,15 +89,12 @@ class ReceiverProtocol(_Side["_Incoming"]):
         self._me = identity
         self._timing = timing
         self._compat = _Compatibility(compat, compatibility)
-        self._revalidate_after_s = revalidate_after_s
         self._clock = _Clock()
         self._transfers: dict[str, _Incoming] = {}
         self._ended: dict[str, float] = {}  # transfer id -> forget after
         self._peers: dict[str, _Peer] = {}
-        self._known: dict[PeerAddress, _Known] = {}
-        self._lookups: dict[PeerAddress, _Lookup] = {}
-        self._heard_at: dict[str, float] = {}  # agent -> when it last sent us anything
-        self._claims: dict[str, _Claim] = {}  # transfer id -> its claim, in claim order
+        self._book = Lookups(revalidate_after_s)  # our senders' side channels
+        self._claims = Claims()
         self.ignored_messages = 0
         self.forged = collections.Counter()
 
@@ -139,11 +115,11 @@ class ReceiverProtocol(_Side["_Incoming"]):
 
     def claimed(self) -> list[str]:
         """The ids we claim (`claim`) and have not expected, rejected or dropped yet."""
-        return list(self._claims)
+        return self._claims.ids()
 
     def known_peers(self) -> int:
         """Side-channel addresses with a usable (compatible) handshake result cached."""
-        return len(self._known)
+        return self._book.known_count()
 
     # ----- engine calls
 
@@ -175,7 +151,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
             raise LocalProtocolError(f"sender_offset must be >= 0, got {sender_offset}")
         if transfer_id in self._transfers:
             raise LocalProtocolError(f"transfer id {transfer_id!r} is in flight already")
-        self._claims.pop(transfer_id, None)  # the Register speaks for it from now on
+        self._claims.drop(transfer_id)  # the Register speaks for it from now on
         if transfer_id in self._ended:
             # The engine cannot know how long ended ids are remembered: an outcome.
             detail = (
@@ -195,10 +171,10 @@ class ReceiverProtocol(_Side["_Incoming"]):
             ),
         )
         self._transfers[transfer_id] = rec
-        known = self._known.get(sender)
-        if known is not None and self._fresh(now, known):
+        info = self._book.fresh_info(now, sender)
+        if info is not None:
             rec.from_cache = True
-            return self._register(now, rec, known.info)
+            return self._register(now, rec, info)
         return self._await_lookup(sender, transfer_id)
 
     def claim(self, now: float, transfer_id: str, sender: PeerAddress) -> list[Effect]:
@@ -216,14 +192,11 @@ class ReceiverProtocol(_Side["_Incoming"]):
             raise LocalProtocolError("transfer id must be a non-empty string")
         if transfer_id in self._transfers or transfer_id in self._claims:
             return []
-        self._claims[transfer_id] = _Claim(sender, now + self._timing.transfer_deadline_s)
-        known = self._known.get(sender)
-        if known is not None:
-            return self._heartbeat(now, self._peer_of(now, sender, known.info))
-        if sender in self._lookups:
-            return []
-        self._lookups[sender] = _Lookup()
-        return [Handshake(sender)]
+        self._claims.add(transfer_id, sender, now + self._timing.transfer_deadline_s)
+        info = self._book.info(sender)
+        if info is not None:
+            return self._heartbeat(now, self._peer_of(now, sender, info))
+        return self._book.start(sender)[1]
 
     def release_claims(self, now: float, detail: str) -> list[Effect]:
         """Drop every claim, telling each sender whose side channel we know with a
@@ -231,10 +204,10 @@ class ReceiverProtocol(_Side["_Incoming"]):
         will never serve those requests). Nothing is reported: claims hold nothing."""
         self._clock.advance(now)
         out: list[Effect] = []
-        for tid, c in self._claims.items():
-            known = self._known.get(c.address)
-            if known is not None:
-                out.append(SendMessage(known.info.agent, self._reject(tid, detail)))
+        for tid, address in self._claims.items():
+            info = self._book.info(address)
+            if info is not None:
+                out.append(SendMessage(info.agent, self._reject(tid, detail)))
         self._claims.clear()
         return out
 
@@ -253,9 +226,9 @@ class ReceiverProtocol(_Side["_Incoming"]):
     def _claimed_from(self, agent: str) -> list[str]:
         """The ids we claim from the sender agent `agent` (its side channel looked up)."""
         out = []
-        for tid, c in self._claims.items():
-            known = self._known.get(c.address)
-            if known is not None and known.info.agent == agent:
+        for tid, address in self._claims.items():
+            info = self._book.info(address)
+            if info is not None and info.agent == agent:
                 out.append(tid)
         return out
 
@@ -271,19 +244,15 @@ class ReceiverProtocol(_Side["_Incoming"]):
         `expect`: a refused request may come again. The Reject goes once `sender` is
         known (a lookup of it goes first if it is not)."""
         self._clock.advance(now)
-        self._claims.pop(transfer_id, None)
+        self._claims.drop(transfer_id)
         why = f"rejected by this engine: {detail}" if detail else "rejected by this engine"
         ended: list[Effect] = []
         if transfer_id not in self._transfers:
             ended.append(TransferEnded(transfer_id, "receiver", FailureReason.REJECTED, why, ()))
-        known = self._known.get(sender)
-        if known is not None:
-            return [SendMessage(known.info.agent, self._reject(transfer_id, detail)), *ended]
-        lookup = self._lookups.get(sender)
-        out: list[Effect] = []
-        if lookup is None:
-            lookup = self._lookups[sender] = _Lookup()
-            out.append(Handshake(sender))
+        info = self._book.info(sender)
+        if info is not None:
+            return [SendMessage(info.agent, self._reject(transfer_id, detail)), *ended]
+        lookup, out = self._book.start(sender)
         lookup.rejects.append((transfer_id, detail))
         return out + ended
 
@@ -305,7 +274,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
         detail: str = "aborted by the receiving engine",
     ) -> list[Effect]:
         now = self._clock.advance(now)
-        self._claims.pop(transfer_id, None)
+        self._claims.drop(transfer_id)
         rec = self._transfers.get(transfer_id)
         if rec is None or rec.state is ReceiverState.FENCING:
             return []
@@ -319,7 +288,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
     def _end_handshaking(
         self, now: float, rec: _Incoming, reason: FailureReason, detail: str
     ) -> list[Effect]:
-        lookup = self._lookups.get(rec.address)
+        lookup = self._book.pending(rec.address)
         if lookup is not None:
             lookup.transfers.remove(rec.transfer_id)
             lookup.rejects.append((rec.transfer_id, detail))
@@ -361,7 +330,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
         rec.state = ReceiverState.HANDSHAKING
         rec.peer = rec.register = None
         rec.from_cache = False
-        self._forget(peer)  # that cached handshake is what was stale
+        self._book.forget(peer)  # that cached handshake is what was stale
         return self._await_lookup(rec.address, transfer_id)
 
     def shutdown(self, now: float, reason: FailureReason, detail: str) -> list[Effect]:
@@ -374,9 +343,8 @@ class ReceiverProtocol(_Side["_Incoming"]):
                 out += self._end(now, rec, rec.reason, rec.detail)
             else:
                 out += self._end(now, rec, reason, detail)
-        self._lookups.clear()
+        self._book.clear()
         self._peers.clear()
-        self._known.clear()
         self._claims.clear()
         return out
 
@@ -388,15 +356,15 @@ class ReceiverProtocol(_Side["_Incoming"]):
         detail naming each field that differs). A new incarnation of an engine we know
         ends what was in flight with the old one (PEER_RESTARTED)."""
         now = self._clock.advance(now)
-        lookup = self._lookups.pop(address, None) or _Lookup()
+        lookup = self._book.take(address) or Lookup()
         if info.engine_id == self._me.engine_id and info.incarnation == self._me.incarnation:
             return self._lookup_failed(
                 now, address, lookup, FailureReason.LOCAL_ERROR, "that address is our own"
             )
         problem = self._compat.problem(info.compat)
         if problem is not None:
-            self._drop_claims(address)  # its expect fails as incompatible
-            self._known.pop(address, None)
+            self._claims.drop_address(address)  # its expect fails as incompatible
+            self._book.drop(address)
             # Tell the sender, so that it frees its blocks now, not at its deadline:
             # nothing was registered, so a Reject is the whole truth.
             view = self._compat.their_view(info.compat)
@@ -414,20 +382,16 @@ class ReceiverProtocol(_Side["_Incoming"]):
                 out.append(SendMessage(info.agent, reject))
             return out
         out = self._restarted(now, address, info)
-        self._known[address] = _Known(info, now)
+        self._book.remember(address, info, now)
         for tid, detail in lookup.rejects:
             out.append(SendMessage(info.agent, self._reject(tid, detail)))
         for tid in lookup.transfers:
             rec = self._transfers.get(tid)
             if rec is not None and rec.state is ReceiverState.HANDSHAKING:
                 out += self._register(now, rec, info)
-        if any(c.address == address for c in self._claims.values()):
+        if self._claims.at(address):
             out += self._heartbeat(now, self._peer_of(now, address, info))
         return out
-
-    def _drop_claims(self, address: PeerAddress) -> None:
-        for tid in [t for t, c in self._claims.items() if c.address == address]:
-            del self._claims[tid]
 
     def handshake_failed(
         self, now: float, address: PeerAddress, reason: FailureReason, detail: str
@@ -435,18 +399,18 @@ class ReceiverProtocol(_Side["_Incoming"]):
         """The lookup of `address` failed: the transfers waiting for it fail with `reason`
         (nothing was registered, so nothing can be written)."""
         now = self._clock.advance(now)
-        lookup = self._lookups.pop(address, None)
+        lookup = self._book.take(address)
         if lookup is None:
             return []
-        self._known.pop(address, None)
-        self._drop_claims(address)  # unreachable: its expect finds out again
+        self._book.drop(address)
+        self._claims.drop_address(address)  # unreachable: its expect finds out again
         return self._lookup_failed(now, address, lookup, reason, detail)
 
     def _lookup_failed(
         self,
         now: float,
         address: PeerAddress,
-        lookup: _Lookup,
+        lookup: Lookup,
         reason: FailureReason,
         detail: str,
     ) -> list[Effect]:
@@ -459,23 +423,9 @@ class ReceiverProtocol(_Side["_Incoming"]):
         return out  # rejects: nobody to tell; the sender's own deadline frees it
 
     def _await_lookup(self, address: PeerAddress, transfer_id: str) -> list[Effect]:
-        lookup = self._lookups.get(address)
-        if lookup is not None:
-            lookup.transfers.append(transfer_id)
-            return []
-        self._lookups[address] = _Lookup([transfer_id])
-        return [Handshake(address)]
-
-    def _fresh(self, now: float, known: _Known) -> bool:
-        """Still the process we handshaked with: heard from (or looked up) lately. Older
-        ones may have restarted at that address; they are looked up again."""
-        heard = self._heard_at.get(known.info.agent, known.handshaken_at)
-        return now - max(heard, known.handshaken_at) <= self._revalidate_after_s
-
-    def _forget(self, peer: str) -> None:
-        self._heard_at.pop(peer, None)
-        for address in [a for a, k in self._known.items() if k.info.agent == peer]:
-            del self._known[address]
+        lookup, out = self._book.start(address)
+        lookup.transfers.append(transfer_id)
+        return out
 
     def _register(self, now: float, rec: _Incoming, info: PeerInfo) -> list[Effect]:
         peer = info.agent
@@ -561,7 +511,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
             return  # not one of our senders: it proves nothing about them
         p.messages_heard += 1
         if now is not None:
-            self._heard_at[peer] = now
+            self._book.heard(peer, now)
 
     def _on_sender_final(self, now: float, rec: _Incoming, message: Message) -> list[Effect]:
         # Each of these promises that no write for the transfer is or will be in flight.
@@ -594,7 +544,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
                 # Silent is not dead: it stays loaded (our Cancels keep going to it, and a
                 # send the data plane cannot deliver proves it gone), but its cached
                 # handshake is not trusted for a new transfer.
-                self._forget(p.agent)
+                self._book.forget(p.agent)
         for rec in list(self._transfers.values()):
             if rec.state is not ReceiverState.FENCING and now >= rec.deadline:
                 detail = f"not finished within {t.transfer_deadline_s}s"
@@ -631,15 +581,13 @@ class ReceiverProtocol(_Side["_Incoming"]):
         """Claims past their time are dropped; one whose sender is not known (its peer
         was lost, or its cached handshake forgotten) has it looked up again."""
         out: list[Effect] = []
-        for tid in [t for t, c in self._claims.items() if now >= c.until]:
-            del self._claims[tid]
-        for c in self._claims.values():
-            known = self._known.get(c.address)
-            if known is not None:
-                self._peer_of(now, c.address, known.info)
-            elif c.address not in self._lookups:
-                self._lookups[c.address] = _Lookup()
-                out.append(Handshake(c.address))
+        self._claims.expire(now)
+        for address in self._claims.addresses():
+            info = self._book.info(address)
+            if info is not None:
+                self._peer_of(now, address, info)
+            else:
+                out += self._book.start(address)[1]
         return out
 
     def _heartbeat(self, now: float, p: _Peer, *, only_if_live: bool = False) -> list[Effect]:
@@ -653,22 +601,8 @@ class ReceiverProtocol(_Side["_Incoming"]):
         if not claimed:
             hb = Heartbeat("receiver", me.engine_id, me.incarnation, ids, sent_at=now, echo=p.echo)
             return [SendMessage(p.agent, hb)]
-        out: list[Effect] = []
-        for i in range(0, len(claimed), _MAX_CLAIMED_PER_HEARTBEAT):
-            hb = Heartbeat(
-                "receiver",
-                me.engine_id,
-                me.incarnation,
-                ids if i == 0 else (),
-                sent_at=now,
-                echo=p.echo,
-                claimed=tuple(claimed[i : i + _MAX_CLAIMED_PER_HEARTBEAT]),
-                receiver_host=me.host,
-                receiver_port=me.port,
-                receiver_rank=me.rank,
-            )
-            out.append(SendMessage(p.agent, hb))
-        return out
+        hbs = claiming_heartbeats(me, ids, claimed, now, p.echo)
+        return [SendMessage(p.agent, hb) for hb in hbs]
 
     def next_deadline(self) -> float | None:
         t = self._timing
@@ -687,7 +621,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
             elif self._claims and self._claimed_from(p.agent):
                 times.append(p.last_heartbeat_sent + t.heartbeat_interval_s)
         if self._claims:
-            times.append(min(c.until for c in self._claims.values()))
+            times.append(self._claims.earliest())
         if self._ended and not times:
             times.append(next(iter(self._ended.values())))
         return min(times) if times else None

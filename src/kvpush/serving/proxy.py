@@ -31,24 +31,25 @@ the transfer only to a receiver that side channel serves, so a peer that registe
 id first takes nothing. A decode server whose side channel the proxy cannot learn (a
 vLLM one given none) gets its transfers unnamed: the first receiver the prefill's side
 channel admits takes each (the README's trust model says what that trusts).
+
+The backends and their pools are in `proxy_pool`; the two legs of one request, and the
+relay of the decode server's answer, in `proxy_legs`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response
 
-from kvpush.errors import ConfigError
 from kvpush.health import (
     BackendHealth,
     ProxyHealth,
@@ -62,69 +63,17 @@ from kvpush.serving.http import (
     ClientDisconnected,
     Terminated,
     bearer_headers,
-    error_event,
     error_response,
     install_error_handlers,
     read_json,
     stopped_by_sigterm,
-    wait_for_disconnect,
 )
 from kvpush.serving.metrics import Registry
+from kvpush.serving.proxy_legs import Legs, error_text
+from kvpush.serving.proxy_pool import Instance, Lease, Pool, ServerShape, build_pool
 from kvpush.transfer_params import RemoteDecode, RemotePrefill
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class _Shape:
-    """A vLLM server's tensor-parallel size and block size (tokens); None: not known."""
-
-    tp_size: int | None = None
-    block_size: int | None = None
-
-
-@dataclass(slots=True)
-class _Instance:
-    url: str
-    # One engine of a data-parallel vLLM server (its index), which each leg names.
-    engine: int | None = None
-    in_flight: int = 0
-    info: ServerHealth | None = None
-    # Given up front (a vLLM server's /health tells no side channel): never refetched.
-    fixed_info: ServerHealth | None = None
-    # A vLLM server's shape, read from its side channel (rank 0's geometry) when first
-    # needed and again after a failure; None: not known.
-    shape: _Shape | None = None
-
-    @property
-    def label(self) -> str:
-        return self.url if self.engine is None else f"{self.url} (engine {self.engine})"
-
-    @property
-    def headers(self) -> dict[str, str]:
-        """What routes a leg to this engine (vLLM's API server honours the header)."""
-        return {} if self.engine is None else {"X-data-parallel-rank": str(self.engine)}
-
-
-@dataclass(slots=True)
-class _Pool:
-    name: str
-    instances: list[_Instance]
-    _turn: itertools.count[int] = field(default_factory=itertools.count)
-
-    def pick(self) -> _Instance:
-        # Fewest in flight; ties go round-robin so idle instances share the load.
-        start = next(self._turn) % len(self.instances)
-        order = self.instances[start:] + self.instances[:start]
-        return min(order, key=lambda i: i.in_flight)
-
-
-def _error_text(resp: httpx.Response) -> str:
-    try:
-        body = resp.json()
-        return str(body["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return resp.text[:300]
 
 
 def proxy_registry() -> Registry:
@@ -137,26 +86,6 @@ def proxy_registry() -> Registry:
         "Clients that went away while their body was read.",
     )
     return r
-
-
-class _Lease:
-    """One request's share of its backends' in-flight counts, given back exactly once."""
-
-    def __init__(self, *instances: _Instance) -> None:
-        self._instances: list[_Instance] | None = list(instances)
-        for inst in instances:
-            inst.in_flight += 1
-
-    def release(self, inst: _Instance | None = None) -> None:
-        if self._instances is None:
-            return
-        if inst is None:
-            for i in self._instances:
-                i.in_flight -= 1
-            self._instances = None
-        elif inst in self._instances:
-            inst.in_flight -= 1
-            self._instances.remove(inst)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,8 +110,8 @@ def create_proxy_app(settings: ProxySettings) -> FastAPI:
     s = settings
     if not s.prefill_urls or not s.decode_urls:
         raise ValueError("a proxy needs at least one prefill and one decode server")
-    prefill = _pool("prefill", s.prefill_urls, s.prefill_side_channels, s.prefill_dp)
-    decode = _pool("decode", s.decode_urls, s.decode_side_channels, s.decode_dp)
+    prefill = build_pool("prefill", s.prefill_urls, s.prefill_side_channels, s.prefill_dp)
+    decode = build_pool("decode", s.decode_urls, s.decode_side_channels, s.decode_dp)
     routes = ProxyRoutes(
         prefill, decode, timeout_s=s.timeout_s, max_body_bytes=s.max_body_bytes, token=s.token
     )
@@ -192,44 +121,14 @@ def create_proxy_app(settings: ProxySettings) -> FastAPI:
     return app
 
 
-def _pool(
-    role: str, urls: Sequence[str], side_channels: Sequence[tuple[str, int]] | None, dp: int
-) -> _Pool:
-    """A role's instances: one per server, or one per engine of a data-parallel server
-    (its side channel the given port plus the engine's index, as vLLM's connectors
-    serve them)."""
-    if side_channels is not None and len(side_channels) != len(urls):
-        raise ValueError(
-            f"{len(side_channels)} {role} side channels for {len(urls)} {role} servers: "
-            "give one per server, in the same order"
-        )
-    if dp < 1 or (dp > 1 and side_channels is None):
-        raise ConfigError(
-            f"{role} data parallelism {dp}: expected 1, or more for vLLM {role} servers "
-            f"given their side channels (each engine's is that port plus its index)"
-        )
-    if side_channels is None:
-        return _Pool(role, [_Instance(u.rstrip("/")) for u in urls])
-    instances = [
-        _Instance(
-            url.rstrip("/"),
-            engine=engine if dp > 1 else None,
-            fixed_info=ServerHealth(side_channel_host=host, side_channel_port=port + engine),
-        )
-        for url, (host, port) in zip(urls, side_channels, strict=True)
-        for engine in range(dp)
-    ]
-    return _Pool(role, instances)
-
-
 class ProxyRoutes:
     """The proxy's routes, its HTTP client (opened and closed by `lifespan`) and the
-    background cancels it sends; each completion becomes a `_Legs`."""
+    background cancels it sends; each completion becomes a `Legs`."""
 
     def __init__(
         self,
-        prefill: _Pool,
-        decode: _Pool,
+        prefill: Pool,
+        decode: Pool,
         *,
         timeout_s: float,
         max_body_bytes: int,
@@ -284,7 +183,7 @@ class ProxyRoutes:
         )
         return Response(encode(body), status_code=200 if ok else 503, media_type="application/json")
 
-    async def _backend_health(self, inst: _Instance) -> BackendHealth:
+    async def _backend_health(self, inst: Instance) -> BackendHealth:
         try:
             resp = await self.client.get(f"{inst.url}/health", timeout=2.0)
         except httpx.HTTPError as exc:
@@ -321,7 +220,7 @@ class ProxyRoutes:
     def done(self, outcome: str) -> None:
         self.registry.inc("kvpush_proxy_requests_total", labels={"outcome": outcome})
 
-    async def _info(self, inst: _Instance, role: str, *, named: bool) -> ServerHealth:
+    async def _info(self, inst: Instance, role: str, *, named: bool) -> ServerHealth:
         """What a server says of itself: given (`fixed_info`), or its /health, kept until
         a failure resets it. `named`: it must be a kvpush `role` server that names its
         side channel; else a /health without kvpush's fields (vLLM's) reads as nothing
@@ -337,18 +236,18 @@ class ProxyRoutes:
             inst.info = health
         return inst.info
 
-    async def _decode_side_channel(self, inst: _Instance) -> tuple[str, int] | None:
+    async def _decode_side_channel(self, inst: Instance) -> tuple[str, int] | None:
         """The decode server's side channel, where it is known (given, or from a kvpush
         serve /health; not from vLLM's)."""
         return (await self._info(inst, "decode", named=False)).side_channel_address
 
-    async def _shape(self, inst: _Instance, side_channel: tuple[str, int] | None) -> _Shape:
+    async def _shape(self, inst: Instance, side_channel: tuple[str, int] | None) -> ServerShape:
         """A vLLM server's tensor-parallel size and block size, from its side channel
         (once, kept until a failure resets it). Unknown (None) where it is not a vLLM
         server given to us, or its side channel does not say: the legs then name none,
         and both sides take their own."""
         if inst.fixed_info is None or side_channel is None:
-            return _Shape()
+            return ServerShape()
         if inst.shape is not None:
             return inst.shape
         from kvpush.errors import KVPushError
@@ -364,11 +263,11 @@ class ProxyRoutes:
                 inst.url,
                 exc,
             )
-            return _Shape()
+            return ServerShape()
         heads = meta.geometry.heads
         if heads is None:
-            return _Shape()
-        inst.shape = _Shape(heads.tp_size, meta.geometry.block_size_tokens)
+            return ServerShape()
+        inst.shape = ServerShape(heads.tp_size, meta.geometry.block_size_tokens)
         return inst.shape
 
     async def _read_body(self, request: Request) -> dict[str, Any] | Response:
@@ -436,15 +335,15 @@ class ProxyRoutes:
             decode_tp_size=d_tp,
         )
         p_body["kv_transfer_params"] = named.to_params()
-        lease = _Lease(p_inst, d_inst)
-        legs = _Legs(self, request, path, tid, body.get("stream") is True, lease)
+        lease = Lease(p_inst, d_inst)
+        legs = Legs(self, request, path, tid, body.get("stream") is True, lease)
         try:
             return await legs.run(p_inst, d_inst, p_body, d_body)
         except BaseException:
             lease.release()
             raise
 
-    def abort_prefill(self, p_inst: _Instance, p_task: asyncio.Task[Any], tid: str) -> None:
+    def abort_prefill(self, p_inst: Instance, p_task: asyncio.Task[Any], tid: str) -> None:
         """The decode leg will not take this transfer: the prefill server must not hold
         its blocks for it. Its request is dropped (if still running) and its transfer
         cancelled by id (if already computed, or not even started)."""
@@ -454,7 +353,7 @@ class ProxyRoutes:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    async def _cancel(self, p_inst: _Instance, tid: str) -> None:
+    async def _cancel(self, p_inst: Instance, tid: str) -> None:
         with contextlib.suppress(httpx.HTTPError):
             resp = await self.client.post(
                 f"{p_inst.url}/kvpush/abort",
@@ -464,274 +363,8 @@ class ProxyRoutes:
             )
             if resp.status_code == 401:  # a token missing or wrong: say so, once per cancel
                 log.warning(
-                    "prefill server %s refused to cancel %s: %s", p_inst.url, tid, _error_text(resp)
+                    "prefill server %s refused to cancel %s: %s", p_inst.url, tid, error_text(resp)
                 )
-
-
-class _Legs:
-    """One client request's two legs, sent at once: the decode server's answer is
-    relayed, cut short (and the other leg dropped) when a leg fails or the client goes."""
-
-    def __init__(
-        self,
-        routes: ProxyRoutes,
-        request: Request,
-        path: str,
-        tid: str,
-        stream: bool,
-        lease: _Lease,
-    ) -> None:
-        self.routes = routes
-        self.client = routes.client
-        self.request = request
-        self.path = path
-        self.tid = tid
-        self.stream = stream
-        self.lease = lease
-        self.p_checked = False  # the prefill leg's verdict was looked at
-
-    async def run(
-        self,
-        p_inst: _Instance,
-        d_inst: _Instance,
-        p_body: dict[str, Any],
-        d_body: dict[str, Any],
-    ) -> Response:
-        self.p_inst, self.d_inst = p_inst, d_inst
-        self.p_task = asyncio.create_task(self._prefill_leg(p_body))
-        d_req = self.client.build_request(
-            "POST", f"{d_inst.url}{self.path}", json=d_body, headers=d_inst.headers
-        )
-        self.d_task = asyncio.create_task(self.client.send(d_req, stream=True))
-        self.gone = asyncio.create_task(wait_for_disconnect(self.request))
-        try:
-            early = await self._wait_for_decode()
-        except BaseException:
-            self.gone.cancel()
-            raise
-        if early is not None:
-            return early
-        try:
-            d_resp = self.d_task.result()
-        except httpx.HTTPError as exc:
-            self.gone.cancel()
-            self._abort_prefill()
-            # A restarted server may have moved its side channel, or changed its TP.
-            d_inst.info = d_inst.shape = None
-            self._end("decode_failed")
-            return error_response(502, f"decode server {d_inst.label} failed: {exc}")
-        if d_resp.status_code != 200:
-            self.gone.cancel()
-            return await self._refused_by_decode(d_resp)
-        if self.stream:
-            return StreamingResponse(self._sse(d_resp), media_type="text/event-stream")
-        return await self._whole(d_resp)
-
-    async def _prefill_leg(self, p_body: dict[str, Any]) -> tuple[int, str] | None:
-        """None when the prefill server did its part; else (status, what went wrong).
-
-        A 4xx from the prefill server is the client's mistake and keeps its status and
-        message; anything else is a 502 naming the server."""
-        p_inst = self.p_inst
-        try:
-            resp = await self.client.post(
-                f"{p_inst.url}{self.path}", json=p_body, headers=p_inst.headers
-            )
-        except httpx.HTTPError as exc:
-            p_inst.info = p_inst.shape = None
-            return 502, f"prefill server {p_inst.label} failed: {type(exc).__name__}: {exc}"
-        finally:
-            self.lease.release(p_inst)
-        if 400 <= resp.status_code < 500:
-            return resp.status_code, _error_text(resp)
-        if resp.status_code != 200:
-            text = _error_text(resp)
-            return 502, f"prefill server {p_inst.label} answered {resp.status_code}: {text}"
-        return None
-
-    async def _prefill_outcome(self) -> tuple[int, str] | None:
-        """The prefill leg's failure, if it ends within a moment; else None."""
-        self.p_checked = True
-        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-            return await asyncio.wait_for(asyncio.shield(self.p_task), _PREFILL_VERDICT_S)
-        return None
-
-    def _prefill_failed_now(self, ready: set[asyncio.Future[Any]]) -> tuple[int, str] | None:
-        """The prefill leg's failure, if it is among `ready` and not yet looked at."""
-        if self.p_task not in ready or self.p_checked:
-            return None
-        self.p_checked = True
-        return self.p_task.result()
-
-    def _waiting_with(self, *futures: asyncio.Future[Any]) -> set[asyncio.Future[Any]]:
-        waiting: set[asyncio.Future[Any]] = {*futures, self.gone}
-        if not self.p_checked:
-            waiting.add(self.p_task)
-        return waiting
-
-    def _abort_prefill(self) -> None:
-        self.routes.abort_prefill(self.p_inst, self.p_task, self.tid)
-
-    def _end(self, outcome: str) -> None:
-        self.lease.release()
-        self.routes.done(outcome)
-
-    async def _drop_decode(self) -> None:
-        self.d_task.cancel()
-        with contextlib.suppress(BaseException):
-            resp = await self.d_task
-            await resp.aclose()
-
-    async def _wait_for_decode(self) -> Response | None:
-        """Wait for the decode server to answer (headers), for the prefill leg to fail,
-        or for the client to go away; the answer to give in the last two cases."""
-        while not self.d_task.done():
-            waiting = self._waiting_with(self.d_task)
-            ready, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            if self.gone in ready:
-                await self._drop_decode()
-                self._abort_prefill()
-                self._end("client_gone")
-                return Response(status_code=499)
-            p_error = self._prefill_failed_now(ready)
-            if p_error is not None:
-                await self._drop_decode()
-                self._end("prefill_failed")
-                return error_response(*p_error)
-        return None
-
-    async def _refused_by_decode(self, d_resp: httpx.Response) -> Response:
-        with contextlib.suppress(httpx.HTTPError):
-            await d_resp.aread()
-        await d_resp.aclose()
-        if d_resp.status_code >= 500 and not self.p_checked:
-            # The decode server failed its transfer: if the prefill leg failed too,
-            # that is the cause to report (a dead prefill server, say).
-            p_error = await self._prefill_outcome()
-            if p_error is not None:
-                self._end("prefill_failed")
-                return error_response(*p_error)
-        self._abort_prefill()
-        self._end("rejected")
-        headers = {}
-        if "retry-after" in d_resp.headers:
-            headers["Retry-After"] = d_resp.headers["retry-after"]
-        return Response(
-            d_resp.content,
-            status_code=d_resp.status_code,
-            media_type=d_resp.headers.get("content-type"),
-            headers=headers,
-        )
-
-    async def _relay(self, d_resp: httpx.Response) -> AsyncIterator[bytes]:
-        """The decode server's body in whole events, cut short if the prefill leg
-        fails first, the decode server fails, or the client goes away."""
-        chunks = d_resp.aiter_raw().__aiter__()
-        nxt: asyncio.Future[bytes] | None = None
-        finished = False
-        buffer = b""
-        try:
-            while True:
-                if nxt is None:
-                    nxt = asyncio.ensure_future(chunks.__anext__())
-                ready, _ = await asyncio.wait(
-                    self._waiting_with(nxt), return_when=asyncio.FIRST_COMPLETED
-                )
-                if self.gone in ready:
-                    raise _ClientGone
-                err = self._prefill_failed_now(ready)
-                if err is not None:
-                    raise _LegFailed(*err)
-                if nxt not in ready:
-                    continue
-                chunk = self._chunk(nxt)
-                nxt = None
-                if chunk is None:
-                    finished = True
-                    if buffer:
-                        yield buffer
-                    return
-                buffer += chunk
-                if self.stream:
-                    events, buffer = await self._whole_events(buffer)
-                    if events:
-                        yield events
-        finally:
-            self.gone.cancel()
-            if nxt is not None:
-                nxt.cancel()
-            await d_resp.aclose()
-            self.lease.release()
-            if not finished:
-                self._abort_prefill()
-
-    def _chunk(self, nxt: asyncio.Future[bytes]) -> bytes | None:
-        """The next piece of the decode server's body; None at its end."""
-        try:
-            return nxt.result()
-        except StopAsyncIteration:
-            return None
-        except httpx.HTTPError as exc:
-            raise _LegFailed(
-                502,
-                f"decode server {self.d_inst.label} failed mid-response: "
-                f"{type(exc).__name__}: {exc}",
-            ) from None
-
-    async def _whole_events(self, buffer: bytes) -> tuple[bytes, bytes]:
-        """`(whole events to send, the rest)`: only whole events go out, so an error event
-        after a failure never lands inside a half-relayed one."""
-        cut = buffer.rfind(b"\n\n")
-        if cut < 0:
-            return b"", buffer
-        events, rest = buffer[: cut + 2], buffer[cut + 2 :]
-        if b'data: {"error"' in events and not self.p_checked:
-            # As when the decode server refuses: a failed prefill leg is the cause to report.
-            err = await self._prefill_outcome()
-            if err is not None:
-                raise _LegFailed(*err)
-        return events, rest
-
-    async def _sse(self, d_resp: httpx.Response) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._relay(d_resp):
-                yield chunk
-            self.routes.done("ok")
-        except _LegFailed as exc:
-            self.routes.done("failed")
-            yield error_event(exc.status, exc.message)
-            yield b"data: [DONE]\n\n"
-        except _ClientGone:
-            self.routes.done("client_gone")
-
-    async def _whole(self, d_resp: httpx.Response) -> Response:
-        parts: list[bytes] = []
-        try:
-            async for chunk in self._relay(d_resp):
-                parts.append(chunk)
-        except _LegFailed as exc:
-            self.routes.done("failed")
-            return error_response(exc.status, exc.message)
-        except _ClientGone:
-            self.routes.done("client_gone")
-            return Response(status_code=499)
-        self.routes.done("ok")
-        return Response(b"".join(parts), status_code=200, media_type="application/json")
-
-
-# How long a failed decode leg waits for the prefill leg's verdict, to report the cause.
-_PREFILL_VERDICT_S = 2.0
-
-
-class _ClientGone(Exception):
-    pass
-
-
-class _LegFailed(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 def run_proxy(settings: ProxySettings, host: str, port: int) -> int:
