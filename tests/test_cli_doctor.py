@@ -318,6 +318,19 @@ def test_an_http_server_that_is_not_kvpush_serve_is_read_for_its_status_only(
     assert report["steps"][0]["figures"]["prefill"]["advertised_host"] is None
     assert "transfer_deadline_s" not in report["steps"][4]["figures"]["prefill"]
     assert report["steps"][4]["figures"]["decode"]["transfer_deadline_s"] == DECODE_DEADLINE_S
+    # vLLM's series are read as a vLLM server's (no connector series: none yet).
+    [health] = [f["text"] for f in _findings(report, 6, "ok") if f["side"] == "prefill"]
+    assert health == (
+        "vLLM's /metrics: requests running 0, waiting ?; kvpush transfers finished 0 "
+        "(0 bytes), not finished 0 (no vllm:kvpush_* series yet: none before the first "
+        "transfer, or not KvpushConnector)"
+    )
+    # Neither kvpush's nor vLLM's series: nothing is known of blocks and transfers.
+    with _http_server(pair.host, b"", b"process_cpu_seconds_total 1.0\n") as url:
+        code, report = _doctor_json(
+            capsys, *pair.args(http=False), "--prefill-http", url, "--decode-http", pair.decode.url
+        )
+    assert (code, report["verdict"]) == (0, "ok"), report
     [health] = [f["text"] for f in _findings(report, 6, "ok") if f["side"] == "prefill"]
     assert health == (
         f"{url}/metrics has no kvpush serving metrics (not a kvpush serve server?): blocks and "
