@@ -129,7 +129,6 @@ CAUGHT_IN = {
     "incarnation": "incarnations",
     "layer-after-end": "layerwise-stall",
     "claim-ignored": "claims",
-    "early-claim-forgotten": "claims-held",
 }
 
 

@@ -56,10 +56,6 @@ The `refused-call` invariant's:
 * `claim-ignored` (issue 39): the sender reads a receiver's heartbeat without the
   transfers it claims, so it gives up a queued request's transfer one claim window after
   submit, however often its living receiver claimed it.
-* `early-claim-forgotten` (issue 39): the sender does not remember a claim of a
-  transfer its engine has not submitted (`claimed_before_submit` names nothing), so an
-  engine that holds a send until a receiver speaks for it gives it up at its window
-  while its living receiver claims it.
 * `layer-after-end`: the sender refuses (`LocalProtocolError`) a layer made ready for a
   transfer it has ended, as if the engine could know: one whose end the engine has not
   heard yet (a call queued while the process was stopped) is a legal call.
@@ -106,7 +102,6 @@ MUTATIONS: dict[str, str] = {
     "fence-lease-only": "fence-margin",
     "counterpart": "wrong-bytes",
     "claim-ignored": "claim-lost",
-    "early-claim-forgotten": "claim-lost",
     "incarnation": "late-write",
     "layer-after-end": "refused-call",
 }
@@ -157,7 +152,6 @@ def apply(state: ModuleType, mutation: str | None) -> tuple[type, Any]:
         "incarnation": _incarnation_sender,
         "layer-after-end": _layer_after_end_sender,
         "claim-ignored": _claim_ignored_sender,
-        "early-claim-forgotten": _early_claim_forgotten_sender,
     }
     receivers = {
         "twice": _twice_receiver,
@@ -372,15 +366,6 @@ def _claim_ignored_sender(state: ModuleType) -> type:
 
     _register(ClaimIgnoredSender)
     return ClaimIgnoredSender
-
-
-def _early_claim_forgotten_sender(state: ModuleType) -> type:
-    class EarlyClaimForgottenSender(state.SenderProtocol):  # type: ignore[name-defined,misc]
-        def _remember_claim(self, now: float, tid: str) -> None:
-            pass
-
-    _register(EarlyClaimForgottenSender)
-    return EarlyClaimForgottenSender
 
 
 def _phantom_sender(state: ModuleType) -> type:

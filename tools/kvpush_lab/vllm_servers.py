@@ -482,10 +482,6 @@ class VllmServer:
     def alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
-    def signal(self, sig: int) -> None:
-        """Send `sig` to the whole process group (SIGSTOP/SIGCONT: a stalled server)."""
-        self._signal_group(sig)
-
     def kill(self) -> None:
         """SIGKILL the whole process group: no clean-up runs anywhere."""
         self._signal_group(signal.SIGKILL)

@@ -40,7 +40,6 @@ class SenderLeases(_Side[_Outgoing]):
     _timing: TimingConfig
     _tombstones: dict[str, _Tombstone]
     _early_cancels: dict[tuple[str, str], float]
-    _early_claims: dict[str, float]
     _rechecking: dict[str, None]
     stale_registers: int
 
@@ -64,7 +63,6 @@ class SenderLeases(_Side[_Outgoing]):
             tell: bool = True,
         ) -> list[Effect]: ...
         def _send(self, peer: str, message: Message) -> list[Effect]: ...
-        def _remember_claim(self, now: float, tid: str) -> None: ...
         def _is_for(self, rec: _Outgoing, peer: str) -> bool: ...
 
     # ----- leases
@@ -103,8 +101,6 @@ class SenderLeases(_Side[_Outgoing]):
         window = self._timing.claim_window_s
         for tid in hb.claimed:
             rec = self._transfers.get(tid)
-            if rec is None and tid not in self._tombstones:
-                self._remember_claim(now, tid)
             if (
                 window is not None
                 and rec is not None
@@ -228,12 +224,6 @@ class SenderLeases(_Side[_Outgoing]):
             if now < early[key]:
                 break
             del early[key]
-        claims = self._early_claims  # insertion order = expiry order, as above
-        while claims:
-            tid = next(iter(claims))
-            if now < claims[tid]:
-                break
-            del claims[tid]
         for p in self._peers.values():
             out += self._heartbeat(now, p)
         return out

@@ -93,9 +93,6 @@ class SenderProtocol(SenderGate, SenderLeases):
         # (agent, transfer id) -> forget after: a Cancel from that agent for an id it had
         # not registered (yet). It ends that agent's Register for the id, nobody else's.
         self._early_cancels: dict[tuple[str, str], float] = {}
-        # Transfer id -> forget after: ids a receiver's heartbeat claimed before the
-        # engine submitted them (`claimed_before_submit`), renewed by each such heartbeat.
-        self._early_claims: dict[str, float] = {}
         self._tombstone_s = timing.transfer_deadline_s + timing.lease_s
 
     # ----- inspection (read-only; what statistics and tests read)
@@ -109,16 +106,6 @@ class SenderProtocol(SenderGate, SenderLeases):
 
     def states(self) -> dict[str, SenderState]:
         return {t: r.state for t, r in self._transfers.items()}
-
-    def claimed_before_submit(self, prefixes: Iterable[str]) -> list[str]:
-        """Transfer ids starting with one of `prefixes` that a receiver's heartbeats
-        claim (it holds the request queued) and the engine has not submitted: as
-        `spoken_before_submit`, what says the receiver's shape before it registers.
-        Forgotten a liveness timeout after the last heartbeat that claimed it."""
-        wanted = tuple(prefixes)
-        if not wanted:
-            return []
-        return [t for t in self._early_claims if t.startswith(wanted)]
 
     def spoken_before_submit(self, prefixes: Iterable[str]) -> list[str]:
         """Transfer ids starting with one of `prefixes` that a receiver registered for
@@ -210,7 +197,6 @@ class SenderProtocol(SenderGate, SenderLeases):
         rec.ready_layers = layers
         if receiver is not None:
             rec.receiver = _server(receiver)
-        self._early_claims.pop(transfer_id, None)  # its claims keep it from now on
         if self._timing.claim_window_s is not None:
             rec.claim_until = now + self._timing.claim_window_s
         out, started = self._choose_receiver(now, rec)
@@ -486,12 +472,6 @@ class SenderProtocol(SenderGate, SenderLeases):
         if rec.blocks is None:
             return out
         return out + self._start(now, rec)
-
-    def _remember_claim(self, now: float, tid: str) -> None:
-        """A heartbeat claims `tid`, not submitted yet (`claimed_before_submit`)."""
-        if tid in self._early_claims or len(self._early_claims) < _MAX_EARLY_CANCELS:
-            self._early_claims.pop(tid, None)  # insertion order = expiry order
-            self._early_claims[tid] = now + self._timing.liveness_timeout_s
 
     def _remember_cancel(self, now: float, peer: str, tid: str) -> None:
         if len(self._early_cancels) < _MAX_EARLY_CANCELS:

@@ -239,10 +239,6 @@ it ends as PEER_TIMEOUT. A claiming heartbeat names the receiver's side channel,
 Register does, so that a sender that never heard from that receiver vouches for it
 first (`SenderGate`); a claim of a transfer named for another receiver (`submit(
 receiver=)`) keeps nothing. The claimer certainly gone ends what it claimed at once.
-A claim of an id not submitted yet keeps nothing either: the sender only remembers the
-id for a liveness timeout after the last heartbeat that claimed it
-(`claimed_before_submit`), so that an engine that learns the receiver's shape from the
-parts it names (as from an early Register) can split and submit it.
 
 A claim only keeps or ends a transfer nothing was written for (it has no Register), so
 it cannot touch the fencing rules; what it bounds is liveness. A receiver that died

@@ -172,11 +172,9 @@ class StateRequest:
 
 @dataclass(slots=True)
 class SpokenRequest:
-    """Which ids under `prefixes` receivers registered for or rejected before we sent
-    (and, with `claimed`, claimed)."""
+    """Which ids under `prefixes` receivers registered for or rejected before we sent."""
 
     prefixes: tuple[str, ...]
-    claimed: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     result: list[str] = field(default_factory=list)
 
@@ -649,10 +647,8 @@ class Driver:
             case StateRequest(transfer_id=tid, side=side):
                 cmd.result = self.state_of(tid, side)
                 cmd.done.set()
-            case SpokenRequest(prefixes=prefixes, claimed=claimed):
+            case SpokenRequest(prefixes=prefixes):
                 cmd.result = sender.spoken_before_submit(prefixes)
-                if claimed:
-                    cmd.result += sender.claimed_before_submit(prefixes)
                 cmd.done.set()
             case Wake():
                 pass

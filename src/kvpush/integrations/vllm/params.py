@@ -43,21 +43,7 @@ from kvpush.transfer_params import (
 log = logging.getLogger(__name__)
 
 ROLES = {"kv_producer": "sender", "kv_consumer": "receiver", "kv_both": "both"}
-TIMING_KEYS = (
-    "heartbeat_interval_s",
-    "liveness_timeout_s",
-    "lease_s",
-    "transfer_deadline_s",
-    "claim_window_s",
-)
-# How long a prefill holds a transfer no decode registered for nor claimed (decodes
-# claim every request they hold queued): what a decode that died before registering
-# costs it, instead of the transfer deadline. 20 heartbeat intervals and more than three
-# liveness timeouts: a living decode that claims never loses a transfer to it unless
-# its heartbeats stop that long. Null in `kv_connector_extra_config`: off (the deadline),
-# for decodes of kvpush before claims, which register only once vLLM gives the request
-# blocks (docs/vllm.md, "A decode that dies").
-DEFAULT_CLAIM_WINDOW_S = 10.0
+TIMING_KEYS = ("heartbeat_interval_s", "liveness_timeout_s", "lease_s", "transfer_deadline_s")
 PUSH_MODES = ("layerwise", "whole")
 # Every key `kv_connector_extra_config` may hold (docs/vllm.md lists them); others are refused.
 EXTRA_CONFIG_KEYS = frozenset(
@@ -197,7 +183,7 @@ class ConnectorConfig:
                 f"kv_connector_extra_config.push is {push!r}: expected one of "
                 f"{', '.join(repr(m) for m in PUSH_MODES)}"
             )
-        timing = _timing(extra)
+        timing = TimingConfig(**{k: float(extra[k]) for k in TIMING_KEYS if k in extra})
         parallel = vllm_config.parallel_config
         pp_size = int(parallel.pipeline_parallel_size)
         if pp_size > 1:
@@ -269,31 +255,6 @@ class ConnectorConfig:
     @property
     def receives(self) -> bool:
         return self.role in ("receiver", "both")
-
-
-def _timing(extra: Mapping[str, Any]) -> TimingConfig:
-    """`kv_connector_extra_config`'s timing keys over kvpush's defaults, with the claim
-    window on (`DEFAULT_CLAIM_WINDOW_S`) unless set, or set to null (off)."""
-    values: dict[str, float | None] = {"claim_window_s": DEFAULT_CLAIM_WINDOW_S}
-    for key in TIMING_KEYS:
-        if key not in extra:
-            continue
-        value = extra[key]
-        if value is None and key == "claim_window_s":
-            values[key] = None
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float | str):
-            raise ConfigError(
-                f"kv_connector_extra_config.{key} is {value!r}: expected a number of seconds"
-                + (" (or null: off)" if key == "claim_window_s" else "")
-            )
-        try:
-            values[key] = float(value)
-        except ValueError:
-            raise ConfigError(
-                f"kv_connector_extra_config.{key} is {value!r}: expected a number of seconds"
-            ) from None
-    return TimingConfig(**values)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,7 +353,6 @@ def prefill_answer(
 
 
 __all__ = [
-    "DEFAULT_CLAIM_WINDOW_S",
     "EXTRA_CONFIG_KEYS",
     "ConnectorConfig",
     "PrefillTransfer",

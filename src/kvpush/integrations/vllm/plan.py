@@ -1,10 +1,9 @@
 """What the connector's halves hand each other, as plain values (no vLLM needed).
 
 - `StepPlan` (scheduler -> every worker, once per engine step): the transfers to start,
-  refuse, abort or claim on this step. Each worker rank carries out the same plan with
-  its own runtime, towards the ranks of the peer it pairs with
-  (`kvpush.topology.rank_pairs`: the rank of the same number where the TP sizes are
-  equal), one part per pair.
+  refuse or abort on this step. Each worker rank carries out the same plan with its own
+  runtime, towards the ranks of the peer it pairs with (`kvpush.topology.rank_pairs`:
+  the rank of the same number where the TP sizes are equal), one part per pair.
 - `StepResults` (worker -> vLLM, every step): the requests whose transfers ended.
 
 `kvpush.integrations.vllm.metadata` wraps the plan into vLLM's own connector metadata
@@ -64,22 +63,6 @@ class Refuse:
 
 
 @dataclass(frozen=True, slots=True)
-class Claim:
-    """Decode side: a request for `transfer_id` is queued here, its blocks not allocated
-    yet. Each worker rank claims the parts it will receive, from the prefill ranks it
-    pairs with (the parts `Receive` would register, named the same way), so a prefill
-    with a claim window (`claim_window_s`) keeps them while we live, however long the
-    request queues, and gives them up a window after we die. The claim ends when the
-    request's `Receive` registers those parts, or a `Refuse` or abort names them."""
-
-    transfer_id: str
-    host: str
-    port: int
-    sender_tp_size: int | None = None  # as in `Receive`
-    split_for_tp: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class Send:
     """Prefill side: offer `blocks` (all layers computed) for `transfer_id`. With
     `cancel`, the request ended without its KV (aborted): the transfer is opened with
@@ -114,7 +97,6 @@ class StepPlan:
     # Nothing is computed on this step: the worker may wait a little for a transfer to
     # end instead of returning at once (an engine that only waits must not spin).
     idle: bool = False
-    claims: list[Claim] = field(default_factory=list)
 
 
 @dataclass

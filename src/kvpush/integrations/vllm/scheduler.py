@@ -15,11 +15,6 @@ worker reports the request in `finished_recving` (failed ones also in `failed_re
 so vLLM's `kv_load_failure_policy` decides: fail the request or recompute it). A decode
 request aborted while it waits has its transfer aborted; vLLM keeps its blocks until
 the runtime reports that transfer ended, so no late write lands in reused blocks.
-From the moment vLLM adds such a request (`on_new_request`) until it has blocks, the
-workers claim its transfer (`Claim`: the parts each rank will register), so a prefill
-with a claim window keeps it however long the request queues here, and frees its
-blocks a window after this decode died; the registration, or the `Refuse` of a request
-dropped before it was scheduled, ends the claim.
 
 Prefill side (`do_remote_decode`): when the request finishes, its blocks are offered
 (`Send`) and kept (`request_finished` -> delay free) until the worker reports the
@@ -65,7 +60,7 @@ from kvpush.integrations.vllm.groups import (
     state_lost,
     tokens_moved,
 )
-from kvpush.integrations.vllm.metadata import Claim, Receive, Refuse, Send, StepPlan
+from kvpush.integrations.vllm.metadata import Receive, Refuse, Send, StepPlan
 from kvpush.integrations.vllm.params import (
     ConnectorConfig,
     client_request_id,
@@ -126,8 +121,6 @@ class SchedulerSide:
         # Prefill, Mamba: requests whose prompt's last token was dropped (never twice,
         # even when vLLM adds a preempted request again).
         self._truncated: set[str] = set()
-        # Decode: requests whose transfer was claimed (`Claim`), never twice.
-        self._claimed: set[str] = set()
         # Both: the transfer id of each request whose params name none (`pairing_id`).
         self._pairing: dict[str, str] = {}
         self._block_ids_of: Callable[[str], BlockIds] | None = None
@@ -192,8 +185,6 @@ class SchedulerSide:
                 cache_salt=getattr(request, "cache_salt", None),
                 lora_name=getattr(lora, "lora_name", None),
             )
-        if receives:
-            self._claim(rid, params)
         if not sends:
             return
         prompt = request.prompt_token_ids
@@ -209,33 +200,6 @@ class SchedulerSide:
         self._truncated.add(rid)
 
     # ----------------------------------------------------------------- decode side
-
-    def _claim(self, rid: str, params: dict[str, Any]) -> None:
-        """Claim the transfer of a decode request vLLM just queued (see the module):
-        named as its `Receive` will name it, so params that cannot be read claim
-        nothing (the request fails once it has blocks, as before)."""
-        if rid in self._claimed or rid in self._planned:
-            return
-        try:
-            remote = parse_remote_prefill(params, pairing_id=self._pairing.get(rid))
-        except BadTransferParams:
-            return
-        self._claimed.add(rid)
-        self._plan.claims.append(
-            Claim(
-                remote.transfer_id,
-                remote.remote_host,
-                remote.remote_port,
-                remote.tp_size,
-                remote.decode_tp_size,
-            )
-        )
-
-    def _unclaim(self, remote: RemotePrefill) -> None:
-        """A claim still in this step's plan whose request registers or is refused on
-        the same step: the registration or refusal speaks for it, no need to claim."""
-        tid = remote.transfer_id
-        self._plan.claims = [c for c in self._plan.claims if c.transfer_id != tid]
 
     def _tokens_moved(self, request: Request) -> int:
         """The prompt tokens whose KV a decode request receives (`groups.tokens_moved`)."""
@@ -281,7 +245,6 @@ class SchedulerSide:
             self._plan.receives.append(Receive(rid, "", "", 0, (), 0))
             self._receiving[rid] = ""
             return
-        self._unclaim(remote)
         local_hits = self._local_hits.pop(rid, 0)
         num_tokens = self._tokens_moved(request)
         if num_external_tokens <= 0:
@@ -366,7 +329,6 @@ class SchedulerSide:
         self._layerwise_candidates.pop(rid, None)
         self._truncated.discard(rid)
         pairing = self._pairing.pop(rid, None)
-        self._claimed.discard(rid)
         planned = rid in self._planned
         self._planned.discard(rid)
         if rid in self._receiving:
@@ -383,7 +345,6 @@ class SchedulerSide:
                 remote = parse_remote_prefill(params, pairing_id=pairing)
             except BadTransferParams:
                 return False, None
-            self._unclaim(remote)
             self._refuse(remote, "the decode request ended before it was scheduled")
             return False, None
         if not self._config.sends or not wants_remote_decode(params):
@@ -530,4 +491,4 @@ class SchedulerSide:
         """True only while a prefill's blocks are held for a transfer (vLLM must keep
         stepping to hear that it ended) or a plan is waiting for the next step."""
         plan = self._plan
-        return bool(self._sending or plan.sends or plan.aborts or plan.refusals or plan.claims)
+        return bool(self._sending or plan.sends or plan.aborts or plan.refusals)

@@ -3,16 +3,12 @@
 Behind a router that speaks vLLM's push dialect, neither leg names the decode's TP size.
 The decode registers the parts of its own TP, and a part's id says it
 (`kvpush.topology.part_id`). A prefill rank holds such a send (`HeldSends`) until its
-runtime has a registration, a rejection or a claim (a decode holding the request
-queued claims the parts it will register) of one of the send's parts
+runtime has a registration, or a rejection, of one of the send's parts
 (`PushRuntime.spoken_before_send`), and then splits the transfer as that says
 (`split_spoken`). A held send ends, its blocks freed, if no decode speaks within the
-claim window (`claim_window_s`; the transfer deadline without one) plus the handshake
-timeout: a router sends the decode leg only once the prefill answered, and a decode
-this prefill never met is heard only once the handshake that vouches for it is done.
-A cancelled one ends a liveness interval after, having only a registered decode to
-tell. This object holds state and returns verdicts; the worker offers and ends what
-they name.
+transfer deadline (one liveness interval for a cancelled one, which has only a
+registered decode to tell). This object holds state and returns verdicts; the worker
+offers and ends what they name.
 """
 
 from __future__ import annotations
@@ -33,11 +29,8 @@ def split_spoken(tid: str, spoken: Iterable[str], prefill_tp: int) -> int | None
 class HeldSends:
     """The held sends of one prefill rank, by transfer id."""
 
-    def __init__(self, timing: TimingConfig, vouch_s: float = 0.0) -> None:
+    def __init__(self, timing: TimingConfig) -> None:
         self._timing = timing
-        # How long a decode this prefill never met may take to be vouched for (the
-        # handshake timeout): its first claim or registration is read only after.
-        self._vouch_s = vouch_s
         self._held: dict[str, tuple[Send, float]] = {}  # the send, held until when
 
     def __bool__(self) -> bool:
@@ -52,11 +45,7 @@ class HeldSends:
     def hold(self, snd: Send, now: float) -> None:
         """Hold `snd` (its id must not be held already: see `WorkerSide._hold`)."""
         t = self._timing
-        bound = t.transfer_deadline_s
-        if t.claim_window_s is not None:
-            bound = min(bound, t.claim_window_s + self._vouch_s)
-        if snd.cancel:
-            bound = t.liveness_timeout_s
+        bound = t.liveness_timeout_s if snd.cancel else t.transfer_deadline_s
         self._held[snd.transfer_id] = (snd, now + bound)
 
     def pop(self, tid: str) -> Send | None:
@@ -84,9 +73,8 @@ class HeldSends:
                 ended.append(
                     (
                         snd,
-                        f"no decode registered for nor claimed transfer {tid} in time (its "
-                        "params named no decode TP size, which the prefill learns from the "
-                        "registration or the claim)",
+                        f"no decode registered for transfer {tid} in time (its params named "
+                        "no decode TP size, which the prefill learns from the registration)",
                     )
                 )
         return offers, ended

@@ -24,17 +24,13 @@ step and turns what the runtime reports into vLLM's transfer results, once per r
   frees the prefill's blocks then, never while a write of any part still reads them.
 - a transfer the prefill split for another decode TP than this engine's is refused at
   once, each of its parts (the prefill frees its blocks), and fails, saying so.
-- a request queued on the decode without blocks (`Claim`) has each part this rank will
-  receive claimed from its prefill rank (`PushRuntime.claim`): the very part ids its
-  `Receive` registers, or its `Refuse` rejects, which end the claim; a part claimed but
-  never registered (a registration refused at the call) has its claim aborted.
 
 Where nothing names the decode's TP size (vLLM's push dialect: vllm-router, llm-d,
-Dynamo), a send is split as the decode's registrations or claims say: at once where the
-decode registered or claimed first (both legs sent together, or the decode leg queued
-there), else held until a step sees one (`kvpush.integrations.vllm.splits`). A send or
-receive whose transfer id another request of this rank holds (a router that reused a
-request id for the same prompt) ends at once: one transfer id, one request.
+Dynamo), a send is split as the decode's registrations say: at once where the decode
+registered first (both legs sent together), else held until a step sees one
+(`kvpush.integrations.vllm.splits`). A send or receive whose transfer id another
+request of this rank holds (a router that reused a request id for the same prompt)
+ends at once: one transfer id, one request.
 
 Layer-wise push: a `Send(layerwise=True)` is opened with no layer ready on the step that
 computes the request's last prompt tokens, before its first layer is saved (vLLM may call
@@ -73,7 +69,6 @@ from kvpush.integrations.vllm.kvcache import (
     register_vllm_kv_caches,
 )
 from kvpush.integrations.vllm.plan import (
-    Claim,
     GroupBlocks,
     Receive,
     Refuse,
@@ -193,9 +188,6 @@ class WorkerSide(Generic[S]):
         self._opened_at: dict[tuple[Side, str], float] = {}
         # Requests that ended at the call, reported with the next results.
         self._ended_at_once: list[RequestEnded] = []
-        # Decode: the parts we claim (`Claim`), by transfer id, until its `Receive` or
-        # `Refuse` (or an abort) speaks for them.
-        self._claimed: dict[str, list[str]] = {}
         self._idle = False
         self._stats = new_stats()
         # Sends whose params named no decode TP size (a router that speaks vLLM's push
@@ -203,7 +195,7 @@ class WorkerSide(Generic[S]):
         # or rejects it: the part's id says the decode's TP (`topology.part_id`). Per
         # transfer id: the send and until when it is held. And, for the current step's
         # sends, the decode TP each is split for (None: not known yet).
-        self._unsplit = HeldSends(config.timing, config.handshake_timeout_ms / 1000)
+        self._unsplit = HeldSends(config.timing)
         self._splits: dict[str, int | None] = {}
         # vLLM's layer name -> the geometry's layer (its region: the layers of a hybrid
         # model's groups share one), and each region's layer names.
@@ -317,14 +309,10 @@ class WorkerSide(Generic[S]):
         self._idle = plan.idle
         self._open_layerwise(plan)
         now = time.monotonic()
-        for claim in plan.claims:
-            self._claim(claim)
         for rcv in plan.receives:
             self._receive(rcv, now)
-            self._end_claim(rcv.transfer_id)
         for ref in plan.refusals:
             self._refuse(ref)
-            self._claimed.pop(ref.transfer_id, None)  # each rejected: its claim ended
         for snd in plan.sends:
             if snd.layerwise:
                 continue  # opened by _open_layerwise
@@ -339,7 +327,6 @@ class WorkerSide(Generic[S]):
                 self._hold(dataclasses.replace(held, cancel=True), now)
             for book in self._books.values():
                 self._abort(book.open_parts(tid))
-            self._end_claim(tid)
 
     def _offer(self, snd: Send, now: float) -> None:
         """Offer a send whose decode TP is known, all its layers computed (or none, a
@@ -368,25 +355,16 @@ class WorkerSide(Generic[S]):
         for, as its params named it or as a decode rank that registered for (or
         rejected) one of its parts already said; and how many sends found their decode
         registered already (push running concurrently with the prefill)."""
-        runtime = self._require_runtime()
         tids = [snd.transfer_id for snd in plan.sends]
-        spoken = runtime.spoken_before_send(tids) if tids else []
+        spoken = self._require_runtime().spoken_before_send(tids) if tids else []
         self._splits = {}
         first = 0
-        unnamed = []
         for snd in plan.sends:
             named = split_spoken(snd.transfer_id, spoken, self._config.tp_size)
             first += named is not None and not snd.cancel
             self._splits[snd.transfer_id] = snd.decode_tp_size or named
-            if self._splits[snd.transfer_id] is None:
-                unnamed.append(snd.transfer_id)
         if first:
             self._stats.registered_first(first)
-        if unnamed:
-            # A decode that holds the request queued claims the parts it will register.
-            claimed = runtime.spoken_before_send(unnamed, claimed=True)
-            for tid in unnamed:
-                self._splits[tid] = split_spoken(tid, claimed, self._config.tp_size)
 
     def _open_unsplit(self, now: float) -> None:
         """Offer each held send whose decode has spoken since (its step is over: all
@@ -394,9 +372,7 @@ class WorkerSide(Generic[S]):
         freed."""
         if not self._unsplit:
             return
-        spoken = self._require_runtime().spoken_before_send(
-            self._unsplit.transfer_ids(), claimed=True
-        )
+        spoken = self._require_runtime().spoken_before_send(self._unsplit.transfer_ids())
         offers, ended = self._unsplit.settle(spoken, self._config.tp_size, now)
         for snd, detail in ended:
             self._end_at_once("sender", snd.request_id, detail)
@@ -454,41 +430,6 @@ class WorkerSide(Generic[S]):
             )
 
         self._open("receiver", rcv.request_id, rcv.transfer_id, parts, register, now)
-
-    def _claim(self, claim: Claim) -> None:
-        """Claim every part of a queued request's transfer that this rank will receive
-        (or, split for another TP than ours, will refuse): the ids `_receive` and
-        `_refuse_parts` name, from the same prefill ranks."""
-        from kvpush.runtime import PeerAddress
-
-        runtime = self._require_runtime()
-        tid = claim.transfer_id
-        if tid in self._claimed:
-            return
-        ours = self._config.tp_size
-        sender_tp = claim.sender_tp_size or ours
-        split_for = claim.split_for_tp or ours
-        claimed = self._claimed[tid] = []
-        for pid, p, d, _g in _parts(tid, sender_tp, split_for, range(self._num_groups)):
-            if d % ours != self._rank:
-                continue
-            try:
-                runtime.claim(pid, PeerAddress(claim.host, claim.port, p))
-            except KVPushError as exc:
-                # Unclaimed, the transfer lives the prefill's claim window: the
-                # request's registration still settles it if it comes in time.
-                log.warning("could not claim transfer %s: %s", pid, exc)
-                continue
-            claimed.append(pid)
-
-    def _end_claim(self, tid: str) -> None:
-        """The request of `tid` registered or ended: each part we claimed that no
-        transfer of ours holds now has its claim dropped (a part the runtime refused at
-        the call; a registered part's Register speaks for it, a rejected one ended it)."""
-        runtime = self._require_runtime()
-        for pid in self._claimed.pop(tid, ()):
-            if all(book.transfer_of(pid) is None for book in self._books.values()):
-                runtime.abort(pid)
 
     def _refuse(self, ref: Refuse) -> None:
         sender_tp = ref.sender_tp_size or self._config.tp_size
