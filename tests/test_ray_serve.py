@@ -16,6 +16,12 @@ the official `openai` client in front, against a single vLLM instance, token for
   right, the decode is left holding no request and no block, Ray starts a new replica,
   and the next round is answered right.
 
+Every prefill replica is warmed before a checked round, alone and with no transfer in
+flight (as the lab's vLLM servers are): a vLLM process's first logprobs request compiles
+a sampler helper for seconds holding its worker's GIL, and on a loaded host kvpush's
+runtime thread there is then heard from too seldom for the liveness bound (CI lost a
+first round to it: 15 transfers `peer_timeout`, "sender silent for 8.0 s").
+
 One Ray cluster for the module (minutes to come up on a loaded 2-core host, and about
 8 GB); the single instance runs, and is stopped, before it starts. Ray and vLLM live in
 the vLLM venv (`make vllm-venv`); its absence is a failure, never a skip.
@@ -121,9 +127,23 @@ def app(
     try:
         ray_app.start()
         ray_app.wait_ready()
+        _warm_up(ray_app, reference)
         yield ray_app
     finally:
         ray_app.stop()
+
+
+def _warm_up(app: RayServeApp, reference: dict[str, Outcome]) -> None:
+    """Each prefill replica's first logprobs request runs alone, with no transfer in
+    flight (`kvpush_lab.ray_serve._warm`: it compiles vLLM's sampler helper for seconds
+    holding the worker's GIL); then one request through the ingress, so the decode
+    replica's first one ends with its only transfer done. The lab's vLLM servers are
+    warmed the same way (`tests/test_vllm_e2e.py`)."""
+    replicas = len(_replicas(app, PREFILL))
+    warmed = app.command("warm", PREFILL, timeout_s=330)
+    assert warmed["warmed"] == replicas, f"warmed {warmed}, {replicas} prefill replicas"
+    one = asyncio.run(openai_completions(app.url, PROMPTS[:1], max_tokens=MAX_TOKENS))
+    _check(app, one, reference, "the warm-up request through the ingress")
 
 
 def _free_ports(n: int) -> int:
@@ -284,6 +304,8 @@ def test_prefill_replica_killed_mid_batch(app: RayServeApp, reference: dict[str,
         assert time.monotonic() < deadline, f"Ray did not replace the killed replica: {alive}"
         time.sleep(2.0)
     (new,) = new_ids
+    warmed = app.command("warm", PREFILL, timeout_s=330)
+    assert warmed["warmed"] == PREFILL_REPLICAS, f"warmed {warmed}"
     _check(app, _round(app), reference, "the round after the kill")
     deadline = time.monotonic() + METRICS_WAIT_S
     while _by_replica(app, "vllm:kvpush_sends_total").get(new, 0) == 0:

@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 import pytest
 
-from helpers.vllm_e2e import LIVENESS_BOUND_S, MAX_TOKENS, TIMING
+from helpers.vllm_e2e import LIVENESS_BOUND_S, MAX_TOKENS, TIMING, warm_up
 from helpers.vllm_e2e import PROMPTS as COMMON_PROMPTS
 from kvpush.cli import main as cli_main
 from kvpush.errors import ConfigError
@@ -163,20 +163,6 @@ def _reference(model: Path, server: VllmServer) -> None:
         _REFERENCE_SPEC[outcome.prompt] = spec
 
 
-def _warm_up(model: Path, servers: list[VllmServer]) -> None:
-    """One plain request each: a server's first request pays for lazy set-up that
-    would otherwise land inside the first transfer's liveness window."""
-
-    async def run() -> list[Outcome]:
-        async with client() as http:
-            return await batch(
-                [complete(http, s.url, completion_body("warm up", str(model), 2)) for s in servers]
-            )
-
-    for outcome in asyncio.run(run()):
-        assert outcome.ok, f"warm-up request failed: {outcome.error}"
-
-
 @pytest.fixture(scope="module", params=["127.0.0.1", "::1"], ids=["ipv4", "ipv6"])
 def family(
     request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory
@@ -222,7 +208,7 @@ def family(
             server.start()
         for server in servers:
             server.wait_ready()
-        _warm_up(model, [prefill, decode])
+        warm_up(model, [prefill, decode])
         if single is not None:
             _reference(model, single)
             single.stop()
@@ -649,7 +635,7 @@ def test_prefill_killed_mid_batch_fails_the_waiting_requests_in_bound_then_recov
     # As at the first start: its first request's lazy set-up would land inside the
     # liveness window of the first transfers (seen with two CI runs on 2 cores: the
     # restarted prefill silent for 8 s, nine of ten transfers timed out).
-    _warm_up(Path(family.model), [family.prefill])
+    warm_up(Path(family.model), [family.prefill])
 
     async def after_restart() -> None:
         async with client() as http:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from helpers.vllm_e2e import HOST, MAX_TOKENS, PROMPTS, TIMING
+from helpers.vllm_e2e import HOST, MAX_TOKENS, PROMPTS, TIMING, warm_up
 from kvpush.errors import ConfigError
 from kvpush.procs.readiness import free_port
 from kvpush_lab.vllm_servers import (
@@ -94,6 +94,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             server.start()
         for server in servers:
             server.wait_ready()
+        warm_up(model, servers)
 
         async def alone() -> tuple[dict[str, Outcome], dict[str, tuple[float, ...]]]:
             outs, specs = {}, {}

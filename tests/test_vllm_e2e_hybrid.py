@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers.vllm_e2e import HOST, LIVENESS_BOUND_S, MAX_TOKENS, TIMING
+from helpers.vllm_e2e import HOST, LIVENESS_BOUND_S, MAX_TOKENS, TIMING, warm_up
 from helpers.vllm_e2e import PROMPTS as COMMON_PROMPTS
 from kvpush.cli import main as cli_main
 from kvpush.errors import ConfigError
@@ -188,6 +188,7 @@ def deployment(
             server.start()
         for server in servers:
             server.wait_ready()
+        warm_up(model, servers)
         if single is not None:
 
             async def alone() -> list[Outcome]:

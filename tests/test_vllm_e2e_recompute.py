@@ -52,7 +52,7 @@ from typing import Any
 import httpx
 import pytest
 
-from helpers.vllm_e2e import HOST, LIVENESS_BOUND_S, MAX_TOKENS, PROMPTS, TIMING
+from helpers.vllm_e2e import HOST, LIVENESS_BOUND_S, MAX_TOKENS, PROMPTS, TIMING, warm_up
 from kvpush.cli import main as cli_main
 from kvpush.errors import ConfigError
 from kvpush.procs.readiness import free_port
@@ -138,20 +138,6 @@ def _spec(
     )
 
 
-def _warm_up(model: str, servers: list[VllmServer]) -> None:
-    """One plain request each: a server's first request pays for lazy set-up that
-    would otherwise land inside the first transfer's liveness window."""
-
-    async def run() -> list[Outcome]:
-        async with client() as http:
-            return await batch(
-                [complete(http, s.url, completion_body("warm up", model, 2)) for s in servers]
-            )
-
-    for outcome in asyncio.run(run()):
-        assert outcome.ok, f"warm-up request failed: {outcome.error}"
-
-
 def _reference(model: str, server: VllmServer) -> dict[str, Outcome]:
     """Each distinct prompt alone, computed whole by `server`."""
     prompts = sorted(set(KILL_ROUND) | set(AFTER_ROUND))
@@ -202,7 +188,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             server.start()
         for server in servers:
             server.wait_ready()
-        _warm_up(str(model), [prefill, decode])
+        warm_up(str(model), [prefill, decode])
         reference = _reference(str(model), prefill)
         yield Pair(str(model), prefill, decode, reference, other)
     finally:
@@ -372,7 +358,7 @@ def test_prefill_killed_mid_batch_every_request_recomputed_right_then_shared_pre
 
     pair.prefill.start()
     pair.prefill.wait_ready()
-    _warm_up(pair.model, [pair.prefill])
+    warm_up(pair.model, [pair.prefill])
 
     async def after_round() -> tuple[Outcome, float, list[Outcome]]:
         async with client() as http:

@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers.vllm_e2e import HOST, LIVENESS_BOUND_S, MAX_TOKENS, PROMPTS, TIMING
+from helpers.vllm_e2e import HOST, LIVENESS_BOUND_S, MAX_TOKENS, PROMPTS, TIMING, warm_up
 from kvpush.cli import main as cli_main
 from kvpush.errors import ConfigError
 from kvpush.procs.readiness import free_port
@@ -157,6 +157,7 @@ def deployment(
             server.start()
         for server in servers:
             server.wait_ready()
+        warm_up(model, servers)
         if single is not None:
 
             async def reference() -> list[Outcome]:

@@ -38,7 +38,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from helpers.vllm_e2e import HOST, MAX_TOKENS, PROMPTS, TIMING
+from helpers.vllm_e2e import HOST, MAX_TOKENS, PROMPTS, TIMING, warm_up
 from kvpush.cli import main as cli_main
 from kvpush.config import SideChannelConfig, load_token
 from kvpush.doctor_probe import DOCTOR_DIGEST, PROBE_TIMEOUT_S
@@ -150,6 +150,7 @@ def _stack(
             server.start()
         for server in servers:
             server.wait_ready()
+        warm_up(model, servers)
         if single is not None:
             _reference(str(model), single)
             single.stop()

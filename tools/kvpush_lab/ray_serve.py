@@ -233,6 +233,8 @@ def _command(words: list[str], args: argparse.Namespace) -> dict[str, Any]:  # p
 
         replica = ray.get_actor(words[1], namespace="serve")
         return {"ongoing": ray.get(replica.get_num_ongoing_requests.remote(), timeout=30)}
+    if words[0] == "warm":
+        return _warm(words[1])
     if words[0] == "kill":
         pids = process_tree(int(words[1]))
         for pid in pids:
@@ -247,8 +249,30 @@ def _command(words: list[str], args: argparse.Namespace) -> dict[str, Any]:  # p
         return {"value": sum(by_replica.values()), "by_replica": by_replica}
     raise ValueError(
         f"unknown command {words[0]!r}: expected replicas, running, stall PID, ongoing NAME, "
-        "kill PID or metric NAME"
+        "warm DEPLOYMENT, kill PID or metric NAME"
     )
+
+
+def _warm(deployment: str) -> dict[str, Any]:  # pragma: no cover - runs under Ray
+    """One plain request (greedy, logprobs, no KV transfer) on every running replica of a
+    prefill deployment, through Serve's broadcast to the replica's `prewarm_prefill`.
+
+    A vLLM process's first request that asks for logprobs compiles the sampler's
+    `batched_count_greater_than` (`torch.compile`, Inductor on CPU): seconds of Dynamo
+    on the worker's main thread, holding the GIL, in which kvpush's runtime thread in
+    that process is heard from too seldom on a loaded host. Paid inside a batch, it
+    lands within the first transfers' liveness window (the lab's vLLM servers are
+    warmed the same way: `tests/test_vllm_e2e.py`, `_warm_up`)."""
+    from ray import serve
+    from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest
+
+    started = time.monotonic()
+    request = CompletionRequest(
+        model=MODEL_ID, prompt="warm up", max_tokens=2, temperature=0, logprobs=1
+    )
+    handle = serve.get_deployment_handle(deployment, app_name="pd")
+    results = handle.broadcast("prewarm_prefill", request).results(timeout_s=300)
+    return {"warmed": len(results), "seconds": round(time.monotonic() - started, 1)}
 
 
 def metric_by_replica(text: str, name: str) -> dict[str, float]:
