@@ -420,3 +420,14 @@ def test_an_advertised_wildcard_is_refused_naming_what_is_expected(tmp_path: Pat
     )
     assert opts.side_channel_host == "192.0.2.2"
     assert ServeOptions(model=str(tmp_path)).side_channel_host == "127.0.0.1"
+
+
+def test_a_liveness_timeout_not_above_the_heartbeat_interval_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as refused:
+        ServeOptions(model=str(tmp_path), liveness_timeout_s=0.5)
+    assert str(refused.value) == (
+        "heartbeat_interval_s (0.5) must be below liveness_timeout_s (0.5)"
+    )
+    assert (
+        ServeOptions(model=str(tmp_path), liveness_timeout_s=8.0).timing().liveness_timeout_s == 8
+    )

@@ -43,6 +43,7 @@ DECODE_BLOCKS = 256
 PREFILL_BLOCKS = 768
 TOKEN = "pd-secret-" + uuid.uuid4().hex
 QUEUE_TIMEOUT_S = 240.0
+LIVENESS_S = 8.0  # the servers' --liveness-timeout-s (see the stack)
 # "At once" in these tests: within a cap generous for a loaded host, yet far below what
 # ends a transfer when nobody tells its servers it is over: the transfer deadline the
 # stack's servers run with (demo.Stack: the queue's timeout + 30 s, so 270 s here).
@@ -79,6 +80,10 @@ def stack(
         # the queue there (the queue's timeout is tested with its own small server).
         queue_timeout_s=QUEUE_TIMEOUT_S,
         token_file=token_file,
+        # The load test's burst keeps each server's engine thread busy while the other
+        # half of `make test` starts vLLM servers: a live prefill went unheard for 4.1 s
+        # there, past the default 3 s (as the vLLM modules, `helpers.vllm_e2e.TIMING`).
+        liveness_timeout_s=LIVENESS_S,
     )
     s = Stack(options, tmp_path_factory.mktemp("pd-logs"))
     s.start()
@@ -304,8 +309,8 @@ def test_a_dead_prefill_server_fails_requests_promptly_and_a_restart_recovers(
         assert "prefill server" in r.error
         assert r.latency_s < 10
     # Blocks the dead sender might still write into stay fenced until its lease has
-    # certainly run out (lease + 2 x liveness = 11 s by default), then come back.
-    fence_s = TimingConfig().lease_s + 2 * TimingConfig().liveness_timeout_s
+    # certainly run out (lease + 2 x liveness), then come back.
+    fence_s = TimingConfig().lease_s + 2 * LIVENESS_S
     deadline = time.monotonic() + fence_s + 10
     decode = stack.metrics(stack.decode)
     while decode["kvpush_kv_blocks_held"] and time.monotonic() < deadline:
@@ -747,6 +752,11 @@ def test_the_proxy_serves_models_metrics_health_and_names_the_clients_max_tokens
     decode_health = httpx.get(f"{stack.decode.url}/health", timeout=10).json()
     assert decode_health["side_channel"] == "ok" and decode_health["status"] == "ok"
     assert decode_health["runtime"] == "ok" and "runtime_failure" not in decode_health
+    # The deadlines in force, --liveness-timeout-s among them, as each server runs them.
+    prefill_health = httpx.get(f"{stack.prefill.url}/health", timeout=10).json()
+    for server_health in (prefill_health, decode_health):
+        assert server_health["liveness_timeout_s"] == LIVENESS_S, server_health
+        assert server_health["transfer_deadline_s"] == QUEUE_TIMEOUT_S + 30, server_health
 
 
 def test_legs_sharing_a_transfer_id_but_not_a_prompt_fail_at_once_saying_so(

@@ -122,6 +122,7 @@ class ServerHealth(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     side_channel_internal_errors: Count | None = None
     transfer_deadline_s: float | None = None
     queue_timeout_s: float | None = None  # a decode server's
+    liveness_timeout_s: float | None = None  # a peer silent this long is declared gone
     transfers: TransferFigures | None = None  # while its runtime serves
     cpu: CpuReading | None = None
     side_channel_requests: SideChannelRequests | None = None

@@ -104,6 +104,14 @@ def add_parser(subparsers: Any) -> None:
         "bound on holding blocks for a decode that died before registering",
     )
     p.add_argument(
+        "--liveness-timeout-s",
+        type=float,
+        default=3.0,
+        help="a peer silent this long is declared gone and its KV transfers fail (default 3; "
+        "heartbeats go every 0.5 s); raise it where the engine may hold the runtime's thread "
+        "off for seconds",
+    )
+    p.add_argument(
         "--drain-s",
         type=float,
         default=10.0,
@@ -149,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             transfer_deadline_s=args.transfer_deadline_s,
             claim_window_s=args.claim_window_s,
+            liveness_timeout_s=args.liveness_timeout_s,
             drain_s=args.drain_s,
         )
     )

@@ -99,6 +99,9 @@ class DemoOptions:
     queue_timeout_s: float | None = None  # how long servers queue a request; None: default
     # The servers' shared secret (side channels, and the proxy's cancels); None: none.
     token_file: Path | None = None
+    # How long the servers let a peer be silent (`kvpush serve --liveness-timeout-s`);
+    # None: their default.
+    liveness_timeout_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,6 +300,8 @@ class Stack:
             self._common += ["--queue-timeout-s", str(options.queue_timeout_s)]
             deadline = max(60.0, options.queue_timeout_s + 30)
             self._common += ["--transfer-deadline-s", str(deadline)]
+        if options.liveness_timeout_s is not None:
+            self._common += ["--liveness-timeout-s", str(options.liveness_timeout_s)]
         self._token = (
             [] if options.token_file is None else ["--token-file", str(options.token_file)]
         )

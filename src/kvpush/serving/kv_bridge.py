@@ -9,7 +9,6 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from kvpush.config import TimingConfig
 from kvpush.doctor_probe import DoctorProbe
 from kvpush.health import (
     ClockBound,
@@ -72,10 +71,7 @@ class KVBridge:
             bind_host=opts.host,
             settings=RankSettings(
                 token=self.token,
-                timing=TimingConfig(
-                    transfer_deadline_s=opts.transfer_deadline_s,
-                    claim_window_s=opts.claim_window_s,
-                ),
+                timing=opts.timing(),
                 idle_poll_s=opts.idle_poll_ms / 1000,
             ),
             transport_factory=self._transport_factory,
@@ -170,6 +166,7 @@ class KVBridge:
             side_channel_internal_errors=internal_errors,
             transfer_deadline_s=self.options.transfer_deadline_s,
             queue_timeout_s=self.options.queue_timeout_s if self.options.role == "decode" else None,
+            liveness_timeout_s=self.options.liveness_timeout_s,
             transfers=transfers,
             cpu=cpu,
             side_channel_requests=requests,

@@ -52,11 +52,23 @@ class ServeOptions:
     # Told to stop (SIGTERM): once HTTP stopped, how long the transfers held may still
     # finish before the runtime closes and hands back what is left, telling each peer.
     drain_s: float = 10.0
+    # A peer silent this long is declared gone and the transfers with it fail. The
+    # runtime's heartbeats come from a thread beside the engine's: raise it where the
+    # engine can hold that thread off for seconds (a loaded host).
+    liveness_timeout_s: float = TimingConfig().liveness_timeout_s
 
     @property
     def side_channel_host(self) -> str:
         """The side channel's address as peers are told it."""
         return self.advertise_host if self.advertise_host else self.host
+
+    def timing(self) -> TimingConfig:
+        """The runtime's bounds, as these options set them (the rest: defaults)."""
+        return TimingConfig(
+            liveness_timeout_s=self.liveness_timeout_s,
+            transfer_deadline_s=self.transfer_deadline_s,
+            claim_window_s=self.claim_window_s,
+        )
 
     def admission(self) -> AdmissionConfig:
         return AdmissionConfig(max_waiting=self.max_waiting, queue_timeout_s=self.queue_timeout_s)
@@ -87,9 +99,7 @@ class ServeOptions:
             raise ConfigError(f"idle_poll_ms must be positive, got {self.idle_poll_ms}")
         if self.drain_s < 0:
             raise ConfigError(f"drain_s must be 0 or more, got {self.drain_s}")
-        TimingConfig(  # the claim window's own checks, now rather than at start
-            transfer_deadline_s=self.transfer_deadline_s, claim_window_s=self.claim_window_s
-        )
+        self.timing()  # its own checks (claim window, liveness), now rather than at start
         if self.speculative_tokens < 0:
             raise ConfigError("speculative_tokens must be 0 (off) or positive")
         if self.speculative_tokens and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -59,6 +59,7 @@ def check_liveness(options: DoctorOptions, seen: Observed, step: StepResult) -> 
         for key, value in (
             ("transfer_deadline_s", health.transfer_deadline_s if health else None),
             ("queue_timeout_s", health.queue_timeout_s if health else None),
+            ("liveness_timeout_s", health.liveness_timeout_s if health else None),
         ):
             if value is not None:
                 figures[key] = value
@@ -66,7 +67,7 @@ def check_liveness(options: DoctorOptions, seen: Observed, step: StepResult) -> 
             deadlines[role] = float(figures["transfer_deadline_s"])  # type: ignore[arg-type]
             shown = ", ".join(
                 f"{k.replace('_s', '')} {figures[k]} s"
-                for k in ("transfer_deadline_s", "queue_timeout_s")
+                for k in ("transfer_deadline_s", "queue_timeout_s", "liveness_timeout_s")
                 if k in figures
             )
             step.add(Verdict.OK, f"in force: {shown.replace('_', ' ')}", side=role)
