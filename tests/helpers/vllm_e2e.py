@@ -1,14 +1,20 @@
 """What the vLLM end-to-end modules share: the connector's timing in their servers, the
 bound it puts on a failure, the prompts every deployment shape answers, and the warm-up
-each server gets before them."""
+each server gets before them (`kvpush_lab.vllm_servers.warm_up`, which scripts use too)."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Sequence
-from pathlib import Path
+from kvpush_lab.vllm_servers import warm_up
 
-from kvpush_lab.vllm_servers import Outcome, VllmServer, batch, client, complete, completion_body
+__all__ = [
+    "HOST",
+    "LIVENESS_BOUND_S",
+    "MAX_TOKENS",
+    "PROMPTS",
+    "SHARED_PREFIX",
+    "TIMING",
+    "warm_up",
+]
 
 HOST = "127.0.0.1"
 MAX_TOKENS = 12
@@ -34,21 +40,3 @@ PROMPTS = [
     "0123456789" * 20,
     "x",
 ]
-
-
-def warm_up(model: str | Path, servers: Sequence[VllmServer]) -> None:
-    """One plain request (logprobs, no transfer) to each server, all at once, before any
-    transfer: a vLLM process's first logprobs request compiles the sampler's
-    `batched_count_greater_than` (`torch.compile`), seconds of Dynamo on the worker's
-    main thread holding the GIL, in which the connector's runtime thread there is heard
-    from too seldom on a loaded host (CI lost a Ray Serve round to it: "sender silent
-    for 8.0 s"). Paid here, it cannot land inside a transfer's liveness window."""
-
-    async def run() -> list[Outcome]:
-        async with client() as http:
-            return await batch(
-                [complete(http, s.url, completion_body("warm up", str(model), 2)) for s in servers]
-            )
-
-    for server, outcome in zip(servers, asyncio.run(run()), strict=True):
-        assert outcome.ok, f"the warm-up request to {server.spec.name} failed: {outcome.error}"

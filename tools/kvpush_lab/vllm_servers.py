@@ -671,6 +671,25 @@ async def batch(coros: Sequence[Any]) -> list[Outcome]:
     return list(await asyncio.gather(*coros))
 
 
+def warm_up(model: str | Path, servers: Sequence[VllmServer]) -> None:
+    """One plain request (logprobs, no transfer) to each server, all at once, before any
+    transfer: a vLLM process's first logprobs request compiles the sampler's
+    `batched_count_greater_than` (`torch.compile`), seconds of Dynamo on the worker's
+    main thread holding the GIL, in which the connector's runtime thread there is heard
+    from too seldom on a loaded host (CI lost a Ray Serve round to it: "sender silent
+    for 8.0 s"). Paid here, it cannot land inside a transfer's liveness window."""
+
+    async def run() -> list[Outcome]:
+        async with client() as http:
+            return await batch(
+                [complete(http, s.url, completion_body("warm up", str(model), 2)) for s in servers]
+            )
+
+    for server, outcome in zip(servers, asyncio.run(run()), strict=True):
+        if not outcome.ok:
+            raise RuntimeError(f"the warm-up request to {server.spec.name} failed: {outcome.error}")
+
+
 async def legs_then_half_prefilled(
     http: httpx.AsyncClient,
     prefill: VllmServer,
