@@ -34,6 +34,7 @@ from kvpush.protocol import (
     ended_unreported,
 )
 from kvpush.protocol.auth import MessageAuth
+from kvpush.roles import RUNTIME_ROLES
 from kvpush.runtime.directory import PeerDirectory
 from kvpush.runtime.driver import (
     Abort,
@@ -57,7 +58,7 @@ from kvpush.runtime.values import (
     TransferResult,
     WritesMeasured,
 )
-from kvpush.sidechannel import ROLES, PeerMetadata
+from kvpush.sidechannel import PeerMetadata
 from kvpush.transports.base import Transport
 
 __all__ = ["PushRuntime"]
@@ -89,8 +90,8 @@ class PushRuntime:
         token: str | None = None,
         services: Sequence[RuntimeService] = (),
     ) -> None:
-        if identity.role not in ROLES:
-            raise ConfigError(f"role {identity.role!r} is not one of {', '.join(ROLES)}")
+        if identity.role not in RUNTIME_ROLES:
+            raise ConfigError(f"role {identity.role!r} is not one of {', '.join(RUNTIME_ROLES)}")
         if max_backoff_s <= 0 or (idle_poll_s is not None and idle_poll_s <= 0):
             raise ConfigError("idle_poll_s and max_backoff_s must be positive")
         if spin_s < 0:

@@ -19,6 +19,7 @@ from kvpush.health import (
 )
 from kvpush.kvcache import KVLayout, register_kv_cache
 from kvpush.node import Node, NodeIdentity, RankSettings, TransportFactory, nixl_transport
+from kvpush.roles import runtime_role
 from kvpush.serving.engine import Engine
 from kvpush.serving.metrics import Registry
 from kvpush.serving.paged import KV_LAYOUT
@@ -64,7 +65,7 @@ class KVBridge:
             [geometry],
             NodeIdentity(
                 self.engine_id,
-                "sender" if opts.role == "prefill" else "receiver",
+                runtime_role(opts.role),
                 opts.side_channel_host,
             ),
             port=opts.side_channel_port,

@@ -8,10 +8,9 @@ from dataclasses import dataclass
 from kvpush.config import TimingConfig
 from kvpush.errors import ConfigError
 from kvpush.net import check_port, is_wildcard
+from kvpush.roles import SERVER_ROLES
 from kvpush.serving.http import DEFAULT_MAX_BODY_BYTES
 from kvpush.serving.worker import AdmissionConfig
-
-ROLES = ("both", "prefill", "decode")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +73,8 @@ class ServeOptions:
         return AdmissionConfig(max_waiting=self.max_waiting, queue_timeout_s=self.queue_timeout_s)
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ConfigError(f"role {self.role!r}: expected one of {', '.join(ROLES)}")
+        if self.role not in SERVER_ROLES:
+            raise ConfigError(f"role {self.role!r}: expected one of {', '.join(SERVER_ROLES)}")
         check_port(self.port)
         if self.advertise_host is not None and is_wildcard(self.advertise_host):
             raise ConfigError(

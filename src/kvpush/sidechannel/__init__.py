@@ -13,11 +13,10 @@ from kvpush.sidechannel.client import (
     fetch_metadata_timed,
 )
 from kvpush.sidechannel.server import ControlHandler, MetadataServer, SideChannelStats
-from kvpush.sidechannel.wire import GET_META_MSG, ROLES, PeerMetadata, Refusal, RequestRejected
+from kvpush.sidechannel.wire import GET_META_MSG, PeerMetadata, Refusal, RequestRejected
 
 __all__ = [
     "GET_META_MSG",
-    "ROLES",
     "ControlHandler",
     "FetchResult",
     "MetadataServer",

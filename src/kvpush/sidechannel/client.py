@@ -26,8 +26,8 @@ from kvpush.errors import (
 )
 from kvpush.geometry import PROTOCOL_VERSION, CacheGeometry
 from kvpush.net import is_ipv6_literal, unbracket_host, zmq_address
+from kvpush.roles import RUNTIME_ROLES
 from kvpush.sidechannel.wire import (
-    ROLES,
     PeerMetadata,
     Refusal,
     ReplyHeader,
@@ -324,8 +324,10 @@ def _check_reply(
         )
     if meta.rank != rank:
         raise MalformedReply(f"{where}: asked for rank {rank}, the reply is for rank {meta.rank}")
-    if meta.role not in ROLES:
-        raise MalformedReply(f"{where}: unknown role {meta.role!r}: expected one of {ROLES}")
+    if meta.role not in RUNTIME_ROLES:
+        raise MalformedReply(
+            f"{where}: unknown role {meta.role!r}: expected one of {RUNTIME_ROLES}"
+        )
     return FetchResult(
         metadata=meta,
         round_trip_s=round_trip,

@@ -105,9 +105,6 @@ class PeerMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     # Append new fields with defaults only.
 
 
-ROLES = ("sender", "receiver", "both")
-
-
 class Refusal(enum.StrEnum):
     """Why a server answered without metadata. Travels on the wire: append only."""
 

@@ -32,6 +32,7 @@ from kvpush.bench.shapes.shape import (
     transfer_id,
 )
 from kvpush.bench.workload import Transfer, Workload
+from kvpush.roles import runtime_role
 from kvpush.topology import (
     RankHeads,
     rank_heads,
@@ -106,9 +107,7 @@ class ShapeRank:
             from kvpush.transports import nixl  # noqa: F401  (NIXL missing: mode unavailable)
         except ImportError as exc:
             raise ModeUnavailable(f"not available: {exc}") from None
-        identity = NodeIdentity(
-            f"bench-{self.role}", "sender" if self.role == "prefill" else "receiver", HOST
-        )
+        identity = NodeIdentity(f"bench-{self.role}", runtime_role(self.role), HOST)
         self.node_rank = Rank(
             self.geometry(),
             identity,

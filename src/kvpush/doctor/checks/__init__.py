@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvpush.doctor.checks.options import ROLES, DoctorOptions, Observed, Target
+from kvpush.doctor.checks.options import DoctorOptions, Observed, Target
 from kvpush.doctor.checks.step1_addresses import check_addresses
 from kvpush.doctor.checks.step2_side_channel import check_side_channel, served_ranks
 from kvpush.doctor.checks.step3_compatibility import check_compatibility, geometry_differences
@@ -27,6 +27,7 @@ from kvpush.doctor.checks.step5_liveness import check_liveness
 from kvpush.doctor.checks.step6_health import check_health
 from kvpush.doctor.data_plane import check_data_plane
 from kvpush.doctor.report import Report, StepResult, Verdict
+from kvpush.roles import PAIR_ROLES
 
 __all__ = [
     "DoctorOptions",
@@ -57,7 +58,7 @@ def _check_data_plane(options: DoctorOptions, seen: Observed, step: StepResult) 
     check_data_plane(
         step,
         {role: [r.metadata for r in found] for role, found in seen.ranks.items()},
-        {role: (options.target(role).host, options.target(role).port) for role in ROLES},
+        {role: (options.target(role).host, options.target(role).port) for role in PAIR_ROLES},
         token=options.token,
         timeout_ms=options.timeout_ms,
     )

@@ -15,7 +15,6 @@ MAX_RANKS = 64  # ranks asked for before giving up on finding the last one
 SLOW_ROUND_TRIP_MS = 100.0
 CPU_WINDOW_S = 0.5
 BUSY_IDLE_CPU = 0.5
-ROLES = ("prefill", "decode")
 
 
 @dataclass(frozen=True, slots=True)

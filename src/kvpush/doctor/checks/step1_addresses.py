@@ -8,15 +8,16 @@ import socket
 import time
 
 from kvpush.doctor.addresses import ResolvedAddress, SideAddress, look_up, pair_problems, where
-from kvpush.doctor.checks.options import ROLES, DoctorOptions, Observed, Target, http_failed
+from kvpush.doctor.checks.options import DoctorOptions, Observed, Target, http_failed
 from kvpush.doctor.http import HttpFailed, get_health
 from kvpush.doctor.report import StepResult, Verdict
 from kvpush.health import ServerHealth
 from kvpush.net import is_wildcard
+from kvpush.roles import PAIR_ROLES
 
 
 def check_addresses(options: DoctorOptions, seen: Observed, step: StepResult) -> None:
-    for role in ROLES:
+    for role in PAIR_ROLES:
         t = options.target(role)
         try:
             side = look_up(role, t.host, t.port, options.timeout_s)
@@ -205,6 +206,6 @@ def _check_advertised_port(role: str, t: Target, seen: Observed, step: StepResul
             f"{t.http} serves the {served_role} role, not {role}",
             side=role,
             next_action="swap --prefill and --decode (and their -http URLs)"
-            if served_role in ROLES
+            if served_role in PAIR_ROLES
             else f"point --{role}-http at the {role} server",
         )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from kvpush import __version__
-from kvpush.doctor.checks.options import MAX_RANKS, ROLES, DoctorOptions, Observed, stopped_action
+from kvpush.doctor.checks.options import MAX_RANKS, DoctorOptions, Observed, stopped_action
 from kvpush.doctor.report import StepResult, Verdict
 from kvpush.errors import (
     AuthenticationRefused,
@@ -17,6 +17,7 @@ from kvpush.errors import (
     UnknownRank,
 )
 from kvpush.geometry import PROTOCOL_VERSION
+from kvpush.roles import PAIR_ROLES
 from kvpush.sidechannel.client import FetchResult, fetch_metadata_timed
 
 # What a prefill or decode server's ranks publish as their role.
@@ -24,7 +25,7 @@ _PUBLISHED_ROLE = {"prefill": ("sender", "both"), "decode": ("receiver", "both")
 
 
 def check_side_channel(options: DoctorOptions, seen: Observed, step: StepResult) -> None:
-    for role in ROLES:
+    for role in PAIR_ROLES:
         found = _fetch_ranks(role, options, step)
         if found is None:
             continue

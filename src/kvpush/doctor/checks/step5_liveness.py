@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import statistics
 
-from kvpush.doctor.checks.options import ROLES, DoctorOptions, Observed
+from kvpush.doctor.checks.options import DoctorOptions, Observed
 from kvpush.doctor.checks.step2_side_channel import side_channel_action
 from kvpush.doctor.report import StepResult, Verdict
 from kvpush.errors import SideChannelError
+from kvpush.roles import PAIR_ROLES
 from kvpush.sidechannel.client import fetch_metadata_timed
 
 
 def check_liveness(options: DoctorOptions, seen: Observed, step: StepResult) -> None:
     deadlines: dict[str, float] = {}
-    for role in ROLES:
+    for role in PAIR_ROLES:
         t = options.target(role)
         samples: list[float] = []
         for _ in range(options.round_trip_samples):

@@ -8,16 +8,17 @@ import time
 
 import msgspec
 
-from kvpush.doctor.checks.options import ROLES, DoctorOptions, Observed, http_failed
+from kvpush.doctor.checks.options import DoctorOptions, Observed, http_failed
 from kvpush.doctor.checks.vllm_metrics import VLLM_PREFIX, vllm_metrics
 from kvpush.doctor.http import HttpFailed, get_health, get_metrics
 from kvpush.doctor.report import StepResult, Verdict
 from kvpush.health import ServerHealth
 from kvpush.metrics_text import Sample, total
+from kvpush.roles import PAIR_ROLES
 
 
 def check_health(options: DoctorOptions, seen: Observed, step: StepResult) -> None:
-    asked = [r for r in ROLES if options.target(r).http is not None]
+    asked = [r for r in PAIR_ROLES if options.target(r).http is not None]
     if not asked:
         step.add(
             Verdict.SKIP,

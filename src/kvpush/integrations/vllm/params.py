@@ -33,6 +33,7 @@ from typing import Any
 
 from kvpush.config import TimingConfig, load_token
 from kvpush.errors import ConfigError
+from kvpush.roles import VLLM_KV_ROLES
 from kvpush.transfer_params import (
     BadTransferParams,
     PrefillAnswer,
@@ -42,7 +43,6 @@ from kvpush.transfer_params import (
 
 log = logging.getLogger(__name__)
 
-ROLES = {"kv_producer": "sender", "kv_consumer": "receiver", "kv_both": "both"}
 TIMING_KEYS = ("heartbeat_interval_s", "liveness_timeout_s", "lease_s", "transfer_deadline_s")
 PUSH_MODES = ("layerwise", "whole")
 # Every key `kv_connector_extra_config` may hold (docs/vllm.md lists them); others are refused.
@@ -165,10 +165,10 @@ class ConnectorConfig:
         from vllm import envs
 
         kv = vllm_config.kv_transfer_config
-        if kv.kv_role not in ROLES:
+        if kv.kv_role not in VLLM_KV_ROLES:
             raise ConfigError(
                 f"kv_role {kv.kv_role!r} is not supported by KvpushConnector: expected "
-                f"one of {', '.join(ROLES)}"
+                f"one of {', '.join(VLLM_KV_ROLES)}"
             )
         extra: Mapping[str, Any] = kv.kv_connector_extra_config or {}
         unknown = sorted(set(extra) - EXTRA_CONFIG_KEYS)
@@ -198,7 +198,7 @@ class ConnectorConfig:
         use_mla = bool(getattr(vllm_config.model_config, "use_mla", False))
         return cls(
             engine_id=str(kv.engine_id),
-            role=ROLES[kv.kv_role],
+            role=VLLM_KV_ROLES[kv.kv_role],
             side_channel_host=str(extra.get("side_channel_host", envs.VLLM_NIXL_SIDE_CHANNEL_HOST)),
             side_channel_port=port,
             token=load_token(Path(token_file) if token_file else None),
