@@ -413,11 +413,11 @@ def test_the_doctor_measures_the_data_plane_between_the_two_vllm_servers(
         port = server.spec.side_channel_port
         assert port is not None
         meta = fetch_metadata(HOST, port, 0, token=token)
-        assert meta.scratch is not None and meta.doctor_port not in (None, port), meta
+        assert meta.scratch is not None and meta.probe_port not in (None, port), meta
         with pytest.raises(AuthenticationRefused):
-            control_request(HOST, meta.doctor_port, DOCTOR_DIGEST, {"rank": 0, "bytes": 16})
+            control_request(HOST, meta.probe_port, DOCTOR_DIGEST, {"rank": 0, "bytes": 16})
         answer = control_request(
-            HOST, meta.doctor_port, DOCTOR_DIGEST, {"rank": 0, "bytes": 16}, token=token
+            HOST, meta.probe_port, DOCTOR_DIGEST, {"rank": 0, "bytes": 16}, token=token
         )
         assert isinstance(answer, dict) and len(answer["sha256"]) == 64, answer
     # vLLM's own series and the connector's, from each server's /metrics.

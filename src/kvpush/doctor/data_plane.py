@@ -94,8 +94,8 @@ def _one_pair(
     (src_host, src_port), (dst_host, dst_port) = addresses[src], addresses[dst]
     # Where each rank's checks are served: its side channel, or one of the rank's own
     # that it names (a vLLM worker's, on the same host: `integrations.vllm.doctor`).
-    src_checks = writer.doctor_port or src_port
-    dst_checks = reader.doctor_port or dst_port
+    src_checks = writer.probe_port or src_port
+    dst_checks = reader.probe_port or dst_port
     seed = secrets.token_bytes(16)
 
     def ask(host: str, port: int, kind: bytes, body: dict[str, object]) -> object:

@@ -97,11 +97,11 @@ class PeerMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     # A buffer beside the KV cache, never a KV block, that peers may test-write into (a
     # service of the rank offered it: `kvpush.runtime.services`); None: the rank has none.
     scratch: ScratchRegion | None = None
-    # Where this rank's doctor checks (test writes into `scratch`) are served, when not on
-    # this side channel: the port of a side channel of the rank's own on the same host,
-    # behind the same token (a vLLM worker's: its engine's side channel is served by
-    # another process). None: on this side channel.
-    doctor_port: int | None = None
+    # Where the service that test-writes into `scratch` is served, when not on this side
+    # channel: the port of a side channel of the rank's own on the same host, behind the
+    # same token (a vLLM worker's: its engine's side channel is served by another
+    # process). None: on this side channel.
+    probe_port: int | None = None
     # Append new fields with defaults only.
 
 

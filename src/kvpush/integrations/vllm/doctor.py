@@ -6,7 +6,7 @@ rank's NIXL agent is, in the worker, so each worker rank that takes test writes 
 the doctor's three request kinds (`kvpush.doctor_probe`) on a side channel of its own:
 on the engine's side-channel host, a port the system picks, behind the engine's token
 (every request carries the token's proof, as on the engine's side channel), publishing
-no metadata. The rank publishes that port with its metadata (`PeerMetadata.doctor_port`),
+no metadata. The rank publishes that port with its metadata (`PeerMetadata.probe_port`),
 so the doctor finds it from the engine's side channel alone.
 
 A rank takes test writes (registers the scratch buffer beside its KV cache) when the
@@ -52,7 +52,7 @@ class WorkerDoctor:
         """The rank's metadata, naming where its checks are served."""
         if not self._started:
             return metadata
-        return msgspec.structs.replace(metadata, doctor_port=self._server.port)
+        return msgspec.structs.replace(metadata, probe_port=self._server.port)
 
     def close(self) -> None:
         self._server.close()
