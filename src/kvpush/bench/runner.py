@@ -180,7 +180,8 @@ def serve_orders(
     idle: Callable[[], float | None],
 ) -> None:
     """The interleaved run's child loop: the warm-up, then ("ready",), then the parent's
-    orders one at a time: ("plan", label, round) -> ("batch", figures, latencies);
+    orders one at a time: ("plan", label, round, limit) -> ("batch", figures, latencies),
+    where `limit`, if not None, keeps only the plan's first `limit` transfers (a warm-up);
     ("idle",) -> ("idle", % of a core or None); ("stop",) -> ("finished",). Between
     orders the child waits on its pipe and spends no CPU while other modes run."""
     by_label = {p.label: p for p in plans(workload)}
@@ -189,8 +190,10 @@ def serve_orders(
     while True:
         msg = recv_message(parent, ORDER_TIMEOUT_S, "waiting for the bench's next order")
         if msg[0] == "plan":
-            _, label, round_index = msg
+            _, label, round_index, limit = msg
             plan = next(p for p in plans(workload, round_index) if p.label == label)
+            if limit is not None:
+                plan.transfers = plan.transfers[:limit]
             measured = measure(plan)
             latencies = [
                 (measured.finished[t.tag] - measured.submitted[t.tag]) / 1e3 for t in plan.transfers
@@ -268,14 +271,16 @@ def sender_main(mode: str, workload: Workload, peer: Connection, parent: Connect
         tx.setup(meta, peer)
 
         # The source is never written, so a plan's source checksums (the same slots in
-        # every round) are taken once.
-        src_crcs: dict[str, dict[tuple[int, ...], int]] = {}
+        # every round) are taken once; a warm-up's plan, cut to its first window, has
+        # fewer slots, hence the count in the key.
+        src_crcs: dict[tuple[str, int], dict[tuple[int, ...], int]] = {}
 
         def measure(plan: Plan) -> Measured:
-            src_crc = src_crcs.get(plan.label)
+            key = (plan.label, len(plan.transfers))
+            src_crc = src_crcs.get(key)
             if src_crc is None:
                 src_crc = {t.dst_blocks: tx.buffers.checksum(t.src_blocks) for t in plan.slots}
-                src_crcs[plan.label] = src_crc
+                src_crcs[key] = src_crc
             peer.send(("arm", [(t.tag, t.dst_blocks) for t in plan.transfers]))
             recv_message(peer, PIPE_TIMEOUT_S, "receiver arming")
             tx.prepare(plan.transfers, time.monotonic() + PIPE_TIMEOUT_S)
