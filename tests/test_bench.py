@@ -332,6 +332,13 @@ def test_table_and_plot_are_written(quick_run: dict[str, Any]) -> None:
         assert mode in stdout
     assert "GB/s" in stdout and "p99 us" in stdout
     assert quick_run["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The load the run saw, at both ends: ratios from runs at other loads differ.
+    host = quick_run["report"]["host"]
+    assert host["load_start"] >= 0 and host["load_end"] >= 0
+    assert (
+        f"Host: {host['cpus']} CPUs, 1-minute load average {host['load_start']:.1f} at the "
+        f"start, {host['load_end']:.1f} at the end" in stdout
+    )
 
 
 def test_a_mode_whose_library_cannot_load_is_skipped_with_the_reason(tmp_path: Path) -> None:

@@ -74,6 +74,7 @@ def format_table(report: dict[str, Any]) -> str:
         ),
         "GB/s = bytes of a batch / wall time of the whole batch (10^9 B/s). "
         f"Latency: blocks ready -> {_latency_end(report)}.",
+        *_host_line(report),
         "",
     ]
     head = (
@@ -155,6 +156,19 @@ def format_table(report: dict[str, Any]) -> str:
         if any("vs_nixl-raw" in bases for bases in ratios.values()):
             lines += ["", NIXL_RAW_CAVEAT]
     return "\n".join(lines)
+
+
+def _host_line(report: dict[str, Any]) -> list[str]:
+    """The host's CPUs and its load average as the run started and ended: ratios taken
+    at different loads are not comparable on a shared host."""
+    host = report.get("host") or {}
+    if "load_start" not in host:
+        return []
+    end = host.get("load_end")
+    return [
+        f"Host: {host['cpus']} CPUs, 1-minute load average {host['load_start']:.1f} at the "
+        f"start, {_num(end, '.1f')} at the end, {report.get('elapsed_s', 0):.0f} s."
+    ]
 
 
 def _ratio_cell(value: float | None, spread: dict[str, Any] | None, width: int) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import resource
 import threading
 import time
@@ -414,7 +415,6 @@ def steps_per_mode(workload: Workload) -> int:
 
 def new_report(workload: Workload, **extra: Any) -> dict[str, Any]:
     """A report's header; `finish_report` adds the totals once every mode has run."""
-    import os
     import platform
 
     return {
@@ -424,6 +424,10 @@ def new_report(workload: Workload, **extra: Any) -> dict[str, Any]:
             "machine": platform.machine(),
             "node": platform.node(),
             "cpus": len(os.sched_getaffinity(0)),
+            # The 1-minute load average as the run starts and ends: on a host that other
+            # work shares, ratios from runs at different loads differ (docs/benchmarks.md,
+            # "Interleaved rounds").
+            "load_start": os.getloadavg()[0],
         },
         "versions": versions(),
         "started_unix": time.time(),
@@ -434,6 +438,7 @@ def new_report(workload: Workload, **extra: Any) -> dict[str, Any]:
 
 def finish_report(report: dict[str, Any]) -> dict[str, Any]:
     report["elapsed_s"] = time.time() - report["started_unix"]
+    report["host"]["load_end"] = os.getloadavg()[0]
     report["ratios"] = ratios(report)
     report["paired_ratios"] = paired_ratios(report)
     return report
