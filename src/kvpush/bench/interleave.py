@@ -10,9 +10,11 @@ size, then the 1-block latency and rate runs, to each mode in turn (`round_order
 modes' order is reversed from one round to the next (A B, B A, A B, ...), so that no mode
 of a pair always runs first, and a load that rises or falls through a run weighs on both
 alike. On a host that other work shares, the load changes over seconds; a pair of batches
-a few milliseconds apart sees the same load, so the ratio of the pair is steady where two
-whole runs minutes apart are not; many short rounds, rather than a few long ones, let the
-median of the pairs step over the rounds that a burst of other work hit. Every counted
+a few milliseconds apart sees about the same load, where two whole runs minutes apart may
+not; many short rounds, rather than a few long ones, let the median of the pairs step
+over the rounds that a burst of other work hit. A ratio still depends on the load when
+one mode's speed does (nixl-raw's polling processes need a core each): the report gives
+the load at both ends of the run (docs/benchmarks.md, "Interleaved rounds"). Every counted
 round's figures are kept; `kvpush.bench.rounds` merges them and pairs them into ratios
 with their spread. Then each mode's idle endpoint is measured, alone, and its children
 stop.
