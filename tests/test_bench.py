@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from conftest import Endpoint, free_port, start_endpoint
+from kvpush.bench import QUICK_ROUNDS
 
 MODES = ("memcpy", "nixl-raw", "kvpush", "mooncake")
 
@@ -55,7 +56,14 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench")
     json_path, plot_path = out / "report.json", out / "bench.png"
     proc = _kvpush(
-        "bench", "--quick", "--no-progress", "--json", str(json_path), "--plot", str(plot_path)
+        "bench",
+        "--quick",
+        "--no-progress",
+        "--json",
+        str(json_path),
+        "--plot",
+        str(plot_path),
+        timeout=110,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     return {
@@ -132,11 +140,11 @@ def test_throughput_is_bytes_over_batch_wall_time(quick_run: dict[str, Any]) -> 
 @pytest.mark.nixl
 def test_the_modes_take_turns_size_by_size_in_every_round(quick_run: dict[str, Any]) -> None:
     """Each round runs each size on every mode, one mode right after the other, and the
-    next round starts with another mode: no two batches overlap, every mode's batch of a
-    size in round r comes before any of round r + 1, and the first mode rotates."""
+    next round runs them in the reverse order: no two batches overlap, every mode's batch
+    of a size in round r comes before any of round r + 1, and the order alternates."""
     report = quick_run["report"]
     rounds = report["workload"]["rounds"]
-    assert rounds == 3
+    assert rounds == QUICK_ROUNDS == 8
     ok = [m for m in report["modes"] if m["status"] == "ok"]
     spans: dict[tuple[str, int], list[tuple[int, int, str]]] = {}
     for m in ok:
@@ -154,8 +162,10 @@ def test_the_modes_take_turns_size_by_size_in_every_round(quick_run: dict[str, A
     for (label, i), batches in spans.items():
         batches.sort()
         assert all(a[1] <= b[0] for a, b in itertools.pairwise(batches)), (label, i)
-        turn = i % len(names)
-        assert [mode for *_, mode in batches] == names[turn:] + names[:turn], (label, i)
+        assert [mode for *_, mode in batches] == (names if i % 2 == 0 else names[::-1]), (
+            label,
+            i,
+        )
         if (label, i + 1) in spans:
             assert batches[-1][1] <= min(start for start, *_ in spans[(label, i + 1)])
 
@@ -176,6 +186,8 @@ def test_each_ratio_is_the_median_of_its_paired_rounds(quick_run: dict[str, Any]
             assert spread["rounds"] == per_round
             assert spread["median"] == statistics.median(per_round)
             assert (spread["min"], spread["max"]) == (min(per_round), max(per_round))
+            q1, _, q3 = statistics.quantiles(per_round, n=4, method="inclusive")
+            assert (spread["q1"], spread["q3"]) == (q1, q3)
         assert report["ratios"]["kvpush"]["vs_nixl-raw"][i] == paired["gbps"][i]["median"]
     lat = paired["latency_p50_us"]
     assert lat["rounds"] == [
@@ -183,9 +195,134 @@ def test_each_ratio_is_the_median_of_its_paired_rounds(quick_run: dict[str, Any]
         for x, y in zip(ours["latency"]["rounds"], base["latency"]["rounds"], strict=True)
     ]
     assert (
-        f"kvpush / nixl-raw: {lat['median']:.2f} (median of 3 paired rounds" in quick_run["stdout"]
+        f"kvpush / nixl-raw: {lat['median']:.2f} (median of 8 paired rounds, interquartile "
+        f"{lat['q1']:.2f}-{lat['q3']:.2f}" in quick_run["stdout"]
     )
-    assert "the median of 3 paired rounds [min-max]" in quick_run["stdout"]
+    assert "the median of 8 paired rounds [interquartile range]" in quick_run["stdout"]
+
+
+class _ScriptedMode:
+    """A mode of an interleaved run without processes (`interleave.ModeProcesses`): it logs
+    every order, and measures each batch at the GB/s that `speed(mode, round)` says, its
+    transfers one after the other on a shared counter clock (ns)."""
+
+    def __init__(
+        self,
+        mode: str,
+        workload: Any,
+        log: list[tuple[str, tuple[Any, ...] | None]],
+        speed: Any,
+        clock: list[int],
+    ) -> None:
+        from kvpush.bench.runner import empty_result
+
+        self.mode, self.workload, self.log, self.speed, self.clock = (
+            mode,
+            workload,
+            log,
+            speed,
+            clock,
+        )
+        self.result = empty_result(mode)
+        self.ended: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.ended is None
+
+    def ask(self, order: tuple[Any, ...] | None, want: str, timeout: float) -> Any:
+        from kvpush.bench.runner import Measured, batch_result
+        from kvpush.bench.workload import plans
+
+        self.log.append((self.mode, order))
+        if order is None:
+            return ("ready",)
+        if order[0] == "idle":
+            return ("idle", 1.0)
+        if order[0] == "stop":
+            return ("finished",)
+        _, label, round_index, limit = order
+        plan = next(p for p in plans(self.workload, round_index) if p.label == label)
+        transfers = plan.transfers[:limit] if limit is not None else plan.transfers
+        plan.transfers = transfers
+        each_ns = round(
+            plan.blocks * self.workload.bytes_per_block / self.speed(self.mode, round_index)
+        )
+        submitted, finished = {}, {}
+        for t in transfers:
+            submitted[t.tag] = self.clock[0]
+            self.clock[0] += each_ns
+            finished[t.tag] = self.clock[0]
+        crcs = {t.dst_blocks: 0 for t in plan.slots}
+        measured = Measured(submitted, finished, 0.001, 0.001, crcs, crcs)
+        figures = batch_result(self.workload, plan, measured)
+        span = {"start_ns": min(submitted.values()), "end_ns": max(finished.values())}
+        return ("batch", figures | span, [each_ns / 1e3] * len(transfers))
+
+    def end(self, status: str, reason: str | None) -> None:
+        self.log.append((self.mode, ("end",)))
+        self.ended = self.ended or status
+
+
+def test_modes_alternate_their_order_round_by_round_after_an_uncounted_warm_up() -> None:
+    """The parent's orders, as three scripted modes receive them: every mode set up, then a
+    warm-up round (each plan's first window) in the given order, then every counted round
+    size by size with the modes one right after the other, the order reversed from one
+    round to the next. Ratios are the median of the counted rounds' pairs, with their
+    quartiles; the warm-up's figures (a thousand times faster here) count nowhere."""
+    from kvpush.bench.interleave import run_bench
+    from kvpush.bench.workload import make_workload
+
+    workload = make_workload(layers=1, sizes_bytes=[64 * 1024, 256 * 1024], quick=True, rounds=5)
+    log: list[tuple[str, tuple[Any, ...] | None]] = []
+    clock = [1_000_000]
+    # kvpush's GB/s over nixl-raw's in counted round r (1..5): 0.5, 0.6, 0.7, 0.8, 0.9.
+    per_round = {1: 0.5, 2: 0.6, 3: 0.7, 4: 0.8, 5: 0.9}
+
+    def speed(mode: str, round_index: int) -> float:
+        if round_index == 0:
+            return 1000.0
+        if mode == "memcpy":
+            return 4.0
+        return 2.0 * (per_round[round_index] if mode == "kvpush" else 1.0)
+
+    modes = ("memcpy", "nixl-raw", "kvpush")
+    report = run_bench(
+        workload, modes, start=lambda mode, w: _ScriptedMode(mode, w, log, speed, clock)
+    )
+
+    labels = ["size:1", "size:4", "latency", "rate"]
+    windows = {"size:1": 4, "size:4": 4, "latency": 1, "rate": 8}
+    expected: list[tuple[str, tuple[Any, ...] | None]] = [(m, None) for m in modes]
+    expected += [(m, ("plan", label, 0, windows[label])) for label in labels for m in modes]
+    for r in range(1, 6):
+        order = modes if r % 2 == 1 else modes[::-1]
+        expected += [(m, ("plan", label, r, None)) for label in labels for m in order]
+    expected += [(m, o) for m in modes for o in (("idle",), ("stop",))]
+    expected += [(m, ("end",)) for m in modes]
+    assert log == expected
+
+    # Transfer times are whole nanoseconds: the figures agree to a part in 10^4.
+    def close(a: list[float], b: list[float]) -> bool:
+        return len(a) == len(b) and all(
+            math.isclose(x, y, rel_tol=1e-4) for x, y in zip(a, b, strict=True)
+        )
+
+    ratios = list(per_round.values())
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    paired = report["paired_ratios"]["kvpush"]["vs_nixl-raw"]
+    assert len(paired["gbps"]) == len(paired["p50_us"]) == 2
+    for gbps, p50 in zip(paired["gbps"], paired["p50_us"], strict=True):
+        assert close(gbps["rounds"], ratios)
+        assert close([gbps["median"], gbps["q1"], gbps["q3"]], [0.7, q1, q3])
+        assert close([gbps["min"], gbps["max"]], [0.5, 0.9])
+        assert close(p50["rounds"], [1 / x for x in ratios])
+    assert close(paired["latency_p50_us"]["rounds"], [1 / x for x in ratios])
+    assert close(report["ratios"]["kvpush"]["vs_nixl-raw"], [0.7, 0.7])
+    for mode in report["modes"]:
+        for size in [*mode["sizes"], mode["latency"], mode["rate"]]:
+            assert len(size["rounds"]) == 5
+            assert size["gbps"] < 10  # the warm-up's 1000 GB/s is in no figure
 
 
 @pytest.mark.nixl
@@ -195,6 +332,13 @@ def test_table_and_plot_are_written(quick_run: dict[str, Any]) -> None:
         assert mode in stdout
     assert "GB/s" in stdout and "p99 us" in stdout
     assert quick_run["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The load the run saw, at both ends: ratios from runs at other loads differ.
+    host = quick_run["report"]["host"]
+    assert host["load_start"] >= 0 and host["load_end"] >= 0
+    assert (
+        f"Host: {host['cpus']} CPUs, 1-minute load average {host['load_start']:.1f} at the "
+        f"start, {host['load_end']:.1f} at the end" in stdout
+    )
 
 
 def test_a_mode_whose_library_cannot_load_is_skipped_with_the_reason(tmp_path: Path) -> None:

@@ -13,8 +13,9 @@ DEFAULT_MODES = ("memcpy", "nixl-raw", "kvpush", "mooncake")
 # kvpush-token: kvpush with a side-channel token, so every data-plane message carries a
 # MAC (`kvpush.protocol.auth`): its cost beside kvpush's, in one run.
 ALL_MODES = (*DEFAULT_MODES, "kvpush-token")
-# Rounds of the interleaved local run (`interleave`): each ratio is the median of this
-# many paired ones. `--quick` takes 3, so that it costs about what one pass of every mode
-# after the other did.
+# Counted rounds of the interleaved local run (`interleave`), after its warm-up round:
+# each ratio is the median of this many paired ones. `--quick` takes 8 short ones (a
+# quarter of its bytes per size each, at least one transfer), an even count so that each
+# pair of modes runs as often in one order as in the other.
 DEFAULT_ROUNDS = 5
-QUICK_ROUNDS = 3
+QUICK_ROUNDS = 8

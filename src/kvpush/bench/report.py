@@ -14,6 +14,15 @@ NIXL_RAW_CAVEAT = (
     "code lost CPU, not that kvpush is faster than NIXL."
 )
 
+# Under the ratios of an interleaved run: how they were taken.
+PAIRED_NOTE = (
+    "Paired rounds: after a warm-up round (one window of every plan, not counted), each\n"
+    "round runs every size on every mode one right after the other, in an order that\n"
+    "reverses from round to round; a ratio is taken within each round and the table gives\n"
+    "the median of those, with the middle half of the rounds in brackets (the JSON report\n"
+    "has min, max and every round: paired_ratios)."
+)
+
 # Under the table when `--shapes` ran.
 SHAPES_NOTE = (
     "kvpush tpP:D: a prefill engine of P ranks into a decode engine of D ranks, every rank\n"
@@ -65,6 +74,7 @@ def format_table(report: dict[str, Any]) -> str:
         ),
         "GB/s = bytes of a batch / wall time of the whole batch (10^9 B/s). "
         f"Latency: blocks ready -> {_latency_end(report)}.",
+        *_host_line(report),
         "",
     ]
     head = (
@@ -122,7 +132,7 @@ def format_table(report: dict[str, Any]) -> str:
         lines += [
             "",
             "GB/s ratios, size by size"
-            + (f": the median of {rounds} paired rounds [min-max]" if paired else "")
+            + (f": the median of {rounds} paired rounds [interquartile range]" if paired else "")
             + ":",
         ]
         sizes: list[dict[str, Any]] = next((m["sizes"] for m in report["modes"] if m["sizes"]), [])
@@ -141,15 +151,30 @@ def format_table(report: dict[str, Any]) -> str:
         if p50:
             cells = " ".join(_ratio_cell(sp["median"] if sp else None, sp, cell) for sp in p50)
             lines.append(f"{'kvpush / nixl-raw p50 us':<{width}} {cells}")
+        if paired:
+            lines += ["", PAIRED_NOTE]
         if any("vs_nixl-raw" in bases for bases in ratios.values()):
             lines += ["", NIXL_RAW_CAVEAT]
     return "\n".join(lines)
 
 
+def _host_line(report: dict[str, Any]) -> list[str]:
+    """The host's CPUs and its load average as the run started and ended: ratios taken
+    at different loads are not comparable on a shared host."""
+    host = report.get("host") or {}
+    if "load_start" not in host:
+        return []
+    end = host.get("load_end")
+    return [
+        f"Host: {host['cpus']} CPUs, 1-minute load average {host['load_start']:.1f} at the "
+        f"start, {_num(end, '.1f')} at the end, {report.get('elapsed_s', 0):.0f} s."
+    ]
+
+
 def _ratio_cell(value: float | None, spread: dict[str, Any] | None, width: int) -> str:
     if spread is None:
         return f"{_num(value, '.2f'):>{width}}"
-    text = f"{spread['median']:.2f} [{spread['min']:.2f}-{spread['max']:.2f}]"
+    text = f"{spread['median']:.2f} [{spread['q1']:.2f}-{spread['q3']:.2f}]"
     return f"{text:>{width}}"
 
 
@@ -167,7 +192,8 @@ def _latency_ratio_lines(report: dict[str, Any]) -> list[str]:
         if spread:
             lines.append(
                 f"{head}{spread['median']:.2f} (median of {len(spread['rounds'])} paired "
-                f"rounds, {spread['min']:.2f}-{spread['max']:.2f}){why}"
+                f"rounds, interquartile {spread['q1']:.2f}-{spread['q3']:.2f}, "
+                f"min-max {spread['min']:.2f}-{spread['max']:.2f}){why}"
             )
             continue
         ratio = _latency_ratio(report, mode, base)

@@ -1,10 +1,11 @@
-"""A local run's figures over its rounds (`kvpush.bench.runner.run_interleaved`).
+"""A local run's figures over its rounds (`kvpush.bench.interleave.run_interleaved`).
 
 Each round runs every mode on each size, one mode right after the other, so a ratio
 between two modes is taken round by round: both figures of a pair come from the same
-minute of a host that other work shares. A report gives each ratio as the median of its
-paired rounds, with their spread (min, max and every round's value); one mode's figures
-for a size are all its rounds merged, as one long batch would give them.
+few milliseconds of a host that other work shares. A report gives each ratio as the
+median of its paired rounds, with their spread: the interquartile range (the middle half
+of the rounds, what the table prints), min and max, and every round's value. One mode's
+figures for a size are all its counted rounds merged, as one long batch would give them.
 """
 
 from __future__ import annotations
@@ -67,9 +68,16 @@ def merge_rounds(rounds: list[tuple[dict[str, Any], list[float]]]) -> dict[str, 
 
 
 def spread(values: list[float]) -> dict[str, Any]:
-    """The median of paired ratios, their min and max, and every one of them."""
+    """The median of paired ratios; their quartiles (`q1`, `q3`: the middle half of the
+    rounds lies between them, inclusive method, so that they stay within min..max),
+    min and max; and every one of them."""
+    q1, q3 = values[0], values[0]
+    if len(values) > 1:
+        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return {
         "median": statistics.median(values),
+        "q1": q1,
+        "q3": q3,
         "min": min(values),
         "max": max(values),
         "rounds": values,

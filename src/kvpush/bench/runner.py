@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import resource
 import threading
 import time
@@ -180,7 +181,8 @@ def serve_orders(
     idle: Callable[[], float | None],
 ) -> None:
     """The interleaved run's child loop: the warm-up, then ("ready",), then the parent's
-    orders one at a time: ("plan", label, round) -> ("batch", figures, latencies);
+    orders one at a time: ("plan", label, round, limit) -> ("batch", figures, latencies),
+    where `limit`, if not None, keeps only the plan's first `limit` transfers (a warm-up);
     ("idle",) -> ("idle", % of a core or None); ("stop",) -> ("finished",). Between
     orders the child waits on its pipe and spends no CPU while other modes run."""
     by_label = {p.label: p for p in plans(workload)}
@@ -189,8 +191,10 @@ def serve_orders(
     while True:
         msg = recv_message(parent, ORDER_TIMEOUT_S, "waiting for the bench's next order")
         if msg[0] == "plan":
-            _, label, round_index = msg
+            _, label, round_index, limit = msg
             plan = next(p for p in plans(workload, round_index) if p.label == label)
+            if limit is not None:
+                plan.transfers = plan.transfers[:limit]
             measured = measure(plan)
             latencies = [
                 (measured.finished[t.tag] - measured.submitted[t.tag]) / 1e3 for t in plan.transfers
@@ -268,14 +272,16 @@ def sender_main(mode: str, workload: Workload, peer: Connection, parent: Connect
         tx.setup(meta, peer)
 
         # The source is never written, so a plan's source checksums (the same slots in
-        # every round) are taken once.
-        src_crcs: dict[str, dict[tuple[int, ...], int]] = {}
+        # every round) are taken once; a warm-up's plan, cut to its first window, has
+        # fewer slots, hence the count in the key.
+        src_crcs: dict[tuple[str, int], dict[tuple[int, ...], int]] = {}
 
         def measure(plan: Plan) -> Measured:
-            src_crc = src_crcs.get(plan.label)
+            key = (plan.label, len(plan.transfers))
+            src_crc = src_crcs.get(key)
             if src_crc is None:
                 src_crc = {t.dst_blocks: tx.buffers.checksum(t.src_blocks) for t in plan.slots}
-                src_crcs[plan.label] = src_crc
+                src_crcs[key] = src_crc
             peer.send(("arm", [(t.tag, t.dst_blocks) for t in plan.transfers]))
             recv_message(peer, PIPE_TIMEOUT_S, "receiver arming")
             tx.prepare(plan.transfers, time.monotonic() + PIPE_TIMEOUT_S)
@@ -409,7 +415,6 @@ def steps_per_mode(workload: Workload) -> int:
 
 def new_report(workload: Workload, **extra: Any) -> dict[str, Any]:
     """A report's header; `finish_report` adds the totals once every mode has run."""
-    import os
     import platform
 
     return {
@@ -419,6 +424,10 @@ def new_report(workload: Workload, **extra: Any) -> dict[str, Any]:
             "machine": platform.machine(),
             "node": platform.node(),
             "cpus": len(os.sched_getaffinity(0)),
+            # The 1-minute load average as the run starts and ends: on a host that other
+            # work shares, ratios from runs at different loads differ (docs/benchmarks.md,
+            # "Interleaved rounds").
+            "load_start": os.getloadavg()[0],
         },
         "versions": versions(),
         "started_unix": time.time(),
@@ -429,6 +438,7 @@ def new_report(workload: Workload, **extra: Any) -> dict[str, Any]:
 
 def finish_report(report: dict[str, Any]) -> dict[str, Any]:
     report["elapsed_s"] = time.time() - report["started_unix"]
+    report["host"]["load_end"] = os.getloadavg()[0]
     report["ratios"] = ratios(report)
     report["paired_ratios"] = paired_ratios(report)
     return report

@@ -55,7 +55,7 @@ class Workload:
     # an engine's model loop does: every other thread that wakes waits for the GIL.
     busy_engine: bool = False
     # The local modes run interleaved: in each of `rounds` rounds, every mode runs each
-    # size in turn (`kvpush.bench.runner.run_interleaved`), with its share of the
+    # size in turn (`kvpush.bench.interleave.run_interleaved`), with its share of the
     # transfers. Remote runs and `--shapes` runs take every round's transfers in one.
     rounds: int = 1
     seed: int = 20260101
@@ -209,7 +209,7 @@ def make_workload(
         num_blocks=num_blocks,
         sizes_blocks=tuple(blocks_list),
         inflight=inflight,
-        target_bytes_per_size=(192 * MIB) if quick else (2 * GIB),
+        target_bytes_per_size=(96 * MIB) if quick else (2 * GIB),
         min_iters=1 if quick else 3,
         max_iters=50 if quick else 200,
         rate_transfers=300 if quick else 1000,

@@ -47,9 +47,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument(
         "--rounds",
         type=int,
-        help="rounds of the local modes, interleaved size by size; each ratio is the median "
-        f"of its paired rounds, with their spread (default {DEFAULT_ROUNDS}; "
-        f"{QUICK_ROUNDS} with --quick)",
+        help="counted rounds of the local modes, after a warm-up round that is not counted: "
+        "in each, every size runs on every mode one right after the other, the order "
+        "reversed from one round to the next; each ratio is the median of its paired "
+        "rounds, with their interquartile range (default "
+        f"{DEFAULT_ROUNDS}; {QUICK_ROUNDS} with --quick)",
     )
     p.add_argument(
         "--busy-engine",
