@@ -34,22 +34,22 @@ from kvpush.protocol import (
     ended_unreported,
 )
 from kvpush.protocol.auth import MessageAuth
-from kvpush.runtime.directory import PeerDirectory
-from kvpush.runtime.driver import (
+from kvpush.runtime.commands import (
     Abort,
     Claim,
     Command,
-    Driver,
     LayersReady,
     Receive,
     RefuseRegistration,
     RejectRequest,
     Send,
-    Sink,
     SpokenRequest,
     StateRequest,
     StatsRequest,
 )
+from kvpush.runtime.directory import PeerDirectory
+from kvpush.runtime.driver import Driver
+from kvpush.runtime.outcomes import Sink
 from kvpush.runtime.services import RuntimeService, ServiceHost
 from kvpush.runtime.values import (
     RuntimeIdentity,
