@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
 from kvpush import __version__
-from kvpush.config import STRICT_COMPATIBILITY, CompatibilityPolicy, TimingConfig
 from kvpush.errors import (
     ClosedError,
     ConfigError,
@@ -23,7 +22,6 @@ from kvpush.errors import (
 )
 from kvpush.geometry import CacheGeometry, ScratchRegion
 from kvpush.protocol import (
-    REVALIDATE_AFTER_S,
     LocalIdentity,
     PeerAddress,
     PushProtocol,
@@ -53,6 +51,7 @@ from kvpush.runtime.outcomes import Sink
 from kvpush.runtime.services import RuntimeService, ServiceHost
 from kvpush.runtime.values import (
     RuntimeIdentity,
+    RuntimeSettings,
     RuntimeStatistics,
     TransferResult,
     WritesMeasured,
@@ -76,38 +75,23 @@ class PushRuntime:
         geometry: CacheGeometry,
         identity: RuntimeIdentity,
         directory: PeerDirectory,
+        settings: RuntimeSettings | None = None,
         *,
-        timing: TimingConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
-        idle_poll_s: float | None = None,
-        max_backoff_s: float = 0.00025,
-        spin_s: float = 0.0005,
-        revalidate_after_s: float = REVALIDATE_AFTER_S,
-        kvpush_version: str = __version__,
-        compatibility: CompatibilityPolicy = STRICT_COMPATIBILITY,
-        drive_in_step: bool = True,
-        token: str | None = None,
         services: Sequence[RuntimeService] = (),
     ) -> None:
+        """`settings`: how it runs (checked when they were built; a `RankSettings` is
+        one); `clock`: the protocol's time; `services`: what tools run on this rank
+        (`kvpush.runtime.services`), started with it."""
         if identity.role not in ROLES:
             raise ConfigError(f"role {identity.role!r} is not one of {', '.join(ROLES)}")
-        if max_backoff_s <= 0 or (idle_poll_s is not None and idle_poll_s <= 0):
-            raise ConfigError("idle_poll_s and max_backoff_s must be positive")
-        if spin_s < 0:
-            raise ConfigError(f"spin_s must be >= 0, got {spin_s}")
-        if revalidate_after_s < 0:
-            raise ConfigError(f"revalidate_after_s must be >= 0, got {revalidate_after_s}")
-        if not isinstance(compatibility, CompatibilityPolicy):
-            raise ConfigError(
-                f"compatibility must be a kvpush.config.CompatibilityPolicy, got {compatibility!r}"
-            )
+        settings = settings or RuntimeSettings()
         self._transport = transport
         self._geometry = geometry
         self._num_blocks = geometry.num_blocks
         self._identity = identity
-        self._drive_in_step = drive_in_step
-        self._timing = timing or TimingConfig()
-        self._kvpush_version = kvpush_version
+        self._drive_in_step = settings.drive_in_step
+        self._timing = settings.timing
         self._layers = sorted({r.layer for r in geometry.regions}) or [0]
         self._layer_set = frozenset(self._layers)
         # Random per incarnation, published with our metadata: the data plane does not
@@ -124,15 +108,16 @@ class PushRuntime:
             self._timing,
             max(1, geometry.num_layers),
             geometry.compat_fields(),
-            compatibility=compatibility,
-            revalidate_after_s=revalidate_after_s,
+            compatibility=settings.compatibility,
+            revalidate_after_s=settings.revalidate_after_s,
             message_key=self._message_key,
             # With a token, messages are authenticated per pair of ranks (never opt-in).
             auth=(
-                MessageAuth(token, transport.agent_name, identity.incarnation) if token else None
+                MessageAuth(settings.token, transport.agent_name, identity.incarnation)
+                if settings.token
+                else None
             ),
         )
-        # What tools run on this rank (`kvpush.runtime.services`), started with it.
         self._services = tuple(services)
         self._directory = directory
         self._clock = clock
@@ -144,9 +129,9 @@ class PushRuntime:
             directory,
             Sink(self._report, self._counters, self._fail_remaining),
             clock=clock,
-            idle_poll_s=idle_poll_s or self._timing.heartbeat_interval_s / 2,
-            max_backoff_s=max_backoff_s,
-            spin_s=spin_s,
+            idle_poll_s=settings.idle_poll_s or self._timing.heartbeat_interval_s / 2,
+            max_backoff_s=settings.max_backoff_s,
+            spin_s=settings.spin_s,
             tick_interval_s=min(self._timing.heartbeat_interval_s / 4, 0.05),
             services=self._services,
         )
@@ -186,7 +171,7 @@ class PushRuntime:
             agent_name=self._transport.agent_name,
             agent_metadata=self._transport.metadata(),
             geometry=self._geometry,
-            kvpush_version=self._kvpush_version,
+            kvpush_version=__version__,
             message_key=self._message_key,
             scratch=self._scratch,
         )
