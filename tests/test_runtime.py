@@ -32,6 +32,7 @@ from kvpush.runtime import (
     PeerDirectory,
     PushRuntime,
     RuntimeIdentity,
+    RuntimeSettings,
     RuntimeStopped,
     TransferResult,
 )
@@ -78,9 +79,8 @@ class Cluster:
             geometry,
             RuntimeIdentity(engine_id, agent, HOST, port),
             self.directory,
-            timing=TIMING,
+            RuntimeSettings(timing=TIMING, **kwargs),  # type: ignore[arg-type]
             clock=self.clock,
-            **kwargs,  # type: ignore[arg-type]
         )
         rt.start()
         address = PeerAddress(HOST, port)
@@ -614,7 +614,7 @@ def test_poll_settings_are_checked_at_construction(cluster: Cluster) -> None:
                 geometry,
                 RuntimeIdentity("e", "1", HOST, 1),
                 cluster.directory,
-                **bad,  # type: ignore[arg-type]
+                RuntimeSettings(**bad),  # type: ignore[arg-type]
             )
 
 

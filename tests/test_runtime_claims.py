@@ -20,6 +20,7 @@ from kvpush.runtime import (
     PeerAddress,
     PushRuntime,
     RuntimeIdentity,
+    RuntimeSettings,
     TransferResult,
 )
 from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
@@ -58,7 +59,7 @@ class Pair:
             kv.geometry,
             RuntimeIdentity(engine, agent, HOST, port),
             self.directory,
-            timing=TIMING,
+            RuntimeSettings(timing=TIMING),
             clock=self.clock,
         )
         rt.start()

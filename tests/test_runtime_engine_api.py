@@ -21,6 +21,7 @@ from kvpush.protocol import ReceiverState, SenderState
 from kvpush.runtime import (
     PushRuntime,
     RuntimeIdentity,
+    RuntimeSettings,
     SideChannelPeerDirectory,
 )
 from kvpush.transports.base import TransportEvent
@@ -149,7 +150,7 @@ def test_failure_says_why_a_runtime_cannot_serve(stack: ExitStack) -> None:
         kv.geometry,
         RuntimeIdentity("engine-crashy", "1", "127.0.0.1", 1),
         SideChannelPeerDirectory(timeout_ms=1000),
-        timing=TIMING,
+        RuntimeSettings(timing=TIMING),
     )
     assert runtime.failure is None  # not started yet: nothing wrong
     runtime.start()

@@ -22,6 +22,7 @@ from kvpush.runtime import (
     PeerAddress,
     PushRuntime,
     RuntimeIdentity,
+    RuntimeSettings,
 )
 from kvpush.sidechannel import PeerMetadata
 from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
@@ -89,7 +90,7 @@ class Pair:
             kv.geometry,
             RuntimeIdentity(f"engine-{agent}", agent, HOST, port),
             self.directory,
-            timing=TIMING,
+            RuntimeSettings(timing=TIMING),
             clock=self.clock,
             services=[probe],
         )

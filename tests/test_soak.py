@@ -24,6 +24,7 @@ from kvpush.runtime import (
     PeerAddress,
     PushRuntime,
     RuntimeIdentity,
+    RuntimeSettings,
     TransferResult,
 )
 from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
@@ -53,14 +54,14 @@ def test_soak_ten_thousand_transfers_with_faults() -> None:
         kv["p"].geometry,
         RuntimeIdentity("engine-p", "1", p_addr.host, p_addr.port),
         directory,
-        timing=TIMING,
+        RuntimeSettings(timing=TIMING),
     )
     d = PushRuntime(
         LoopbackTransport(fabric, "d-1"),
         kv["d"].geometry,
         RuntimeIdentity("engine-d", "1", d_addr.host, d_addr.port),
         directory,
-        timing=TIMING,
+        RuntimeSettings(timing=TIMING),
     )
     faults = [
         lambda: fabric.drop("d-1", "p-1"),

@@ -22,16 +22,16 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from kvpush.config import SideChannelConfig, TimingConfig
+from kvpush.config import SideChannelConfig
 from kvpush.errors import ClosedError, ConfigError, LocalProtocolError, SideChannelError
 from kvpush.geometry import CacheGeometry
-from kvpush.protocol import REVALIDATE_AFTER_S
 from kvpush.runtime import (
     PushRuntime,
     RuntimeIdentity,
     RuntimeService,
+    RuntimeSettings,
     SideChannelPeerDirectory,
 )
 from kvpush.sidechannel import (
@@ -84,19 +84,13 @@ class NodeIdentity:
     host: str = "127.0.0.1"
 
 
-@dataclass(frozen=True, slots=True)
-class RankSettings:
-    """How a rank runs: the shared secret (proven by the side channel and its clients),
-    the runtime's timing and idle poll, how long one side-channel lookup may take."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankSettings(RuntimeSettings):
+    """How a rank runs: its runtime's settings (`RuntimeSettings`, handed to the
+    `PushRuntime` whole; the token is also proven by the side channel and its clients),
+    and how the rank looks its peers up: how long one side-channel lookup may take."""
 
-    token: str | None = None
-    timing: TimingConfig = field(default_factory=TimingConfig)
-    # NIXL cannot wake the runtime when a registration arrives: an idle runtime finds it
-    # at its next poll, so this bounds the delay a transfer sees. None: the runtime's.
-    idle_poll_s: float | None = None
     lookup_timeout_ms: int = 2000
-    revalidate_after_s: float = REVALIDATE_AFTER_S
-    drive_in_step: bool = True
     # The runtime compares every peer's cache with ours on every handshake; this also
     # refuses a mismatch earlier, in the side-channel client (its detail names theirs).
     check_compat_in_lookup: bool = True
@@ -204,11 +198,7 @@ class Rank:
                 token=settings.token,
                 expect_geometry=self._geometry if settings.check_compat_in_lookup else None,
             ),
-            timing=settings.timing,
-            idle_poll_s=settings.idle_poll_s,
-            revalidate_after_s=settings.revalidate_after_s,
-            drive_in_step=settings.drive_in_step,
-            token=settings.token,
+            settings,
             services=self._services,
         )
         self._runtime.start()

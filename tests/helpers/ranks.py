@@ -17,6 +17,7 @@ from kvpush.runtime import (
     PeerDirectory,
     PushRuntime,
     RuntimeIdentity,
+    RuntimeSettings,
     SideChannelPeerDirectory,
 )
 from kvpush.sidechannel import MetadataServer, PeerMetadata
@@ -35,7 +36,8 @@ class Engine:
     Both are entered on `stack`, so they close with it. The peer directory is a
     `SideChannelPeerDirectory` with this rank's token (one that expects the peer's
     compatibility hash when `expect_compat_hash`) unless `directory` is given; the
-    cache holds random bytes seeded by the name; `runtime_options` go to `PushRuntime`.
+    cache holds random bytes seeded by the name; `runtime_options` go to its
+    `RuntimeSettings`, beside `timing` (the runtime gets no token here).
     """
 
     def __init__(
@@ -78,8 +80,7 @@ class Engine:
                 geometry,
                 RuntimeIdentity(f"engine-{name}", "1", host, server.port),
                 directory,
-                timing=timing,
-                **runtime_options,
+                RuntimeSettings(timing=timing, **runtime_options),
             )
         )
         ranks[0] = self.runtime.local_metadata()

@@ -2,9 +2,11 @@
 
 Public engine API (every method is thread-safe and never blocks on the network)::
 
-    rt = PushRuntime(transport, geometry, identity, directory, timing=..., clock=...,
-                     compatibility=CompatibilityPolicy(),   # the default: strict
-                     drive_in_step=True)   # engine calls run the runtime's pass (below)
+    rt = PushRuntime(transport, geometry, identity, directory,
+                     RuntimeSettings(timing=..., token=...,   # checked when built
+                                     compatibility=CompatibilityPolicy(),  # default: strict
+                                     drive_in_step=True),  # engine calls run the pass (below)
+                     clock=...)
     rt.start()                       # starts the transport, registers memory, threads
     rt.local_metadata() -> PeerMetadata   # what to publish on this rank's side channel
 
@@ -216,6 +218,7 @@ from kvpush.runtime.services import RuntimeService, ServiceHost
 from kvpush.runtime.values import (
     PeerAddress,
     RuntimeIdentity,
+    RuntimeSettings,
     RuntimeStatistics,
     TransferResult,
     WritesMeasured,
@@ -229,6 +232,7 @@ __all__ = [
     "ReceiverState",
     "RuntimeIdentity",
     "RuntimeService",
+    "RuntimeSettings",
     "RuntimeStatistics",
     "RuntimeStopped",
     "SenderState",

@@ -1,11 +1,10 @@
-"""`PushRuntime`: what the engine calls. Argument checks (all of them, here), the lock,
-the result queue; everything else goes to the `Driver` as a command, run by its thread
-or, in-step, by the calling thread in a pass of its own (`Driver.drive`)."""
+"""`PushRuntime`: what the engine calls. Argument checks (every one at the call, by
+`CallChecks`), the lock, the result queue (`ResultQueue`); everything else goes to the
+`Driver` as a command, run by its thread or, in-step, by the calling thread in a pass of
+its own (`Driver.drive`)."""
 
 from __future__ import annotations
 
-import collections
-import logging
 import secrets
 import threading
 import time
@@ -13,57 +12,52 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
 from kvpush import __version__
-from kvpush.config import STRICT_COMPATIBILITY, CompatibilityPolicy, TimingConfig
 from kvpush.errors import (
     ClosedError,
     ConfigError,
-    FailureReason,
     LocalProtocolError,
     RuntimeStopped,
 )
 from kvpush.geometry import CacheGeometry, ScratchRegion
 from kvpush.protocol import (
-    REVALIDATE_AFTER_S,
     LocalIdentity,
     PeerAddress,
     PushProtocol,
     ReceiverState,
     SenderState,
     Side,
-    TransferEnded,
-    ended_unreported,
 )
 from kvpush.protocol.auth import MessageAuth
 from kvpush.roles import RUNTIME_ROLES
-from kvpush.runtime.directory import PeerDirectory
-from kvpush.runtime.driver import (
+from kvpush.runtime.checks import CallChecks
+from kvpush.runtime.commands import (
     Abort,
     Claim,
     Command,
-    Driver,
     LayersReady,
     Receive,
     RefuseRegistration,
     RejectRequest,
     Send,
-    Sink,
     SpokenRequest,
     StateRequest,
     StatsRequest,
 )
+from kvpush.runtime.directory import PeerDirectory
+from kvpush.runtime.driver import Driver
+from kvpush.runtime.outcomes import Sink
+from kvpush.runtime.results import ResultQueue
 from kvpush.runtime.services import RuntimeService, ServiceHost
 from kvpush.runtime.values import (
     RuntimeIdentity,
+    RuntimeSettings,
     RuntimeStatistics,
     TransferResult,
-    WritesMeasured,
 )
 from kvpush.sidechannel import PeerMetadata
 from kvpush.transports.base import Transport
 
 __all__ = ["PushRuntime"]
-
-log = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT_S = 5.0
 
@@ -77,40 +71,23 @@ class PushRuntime:
         geometry: CacheGeometry,
         identity: RuntimeIdentity,
         directory: PeerDirectory,
+        settings: RuntimeSettings | None = None,
         *,
-        timing: TimingConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
-        idle_poll_s: float | None = None,
-        max_backoff_s: float = 0.00025,
-        spin_s: float = 0.0005,
-        revalidate_after_s: float = REVALIDATE_AFTER_S,
-        kvpush_version: str = __version__,
-        compatibility: CompatibilityPolicy = STRICT_COMPATIBILITY,
-        drive_in_step: bool = True,
-        token: str | None = None,
         services: Sequence[RuntimeService] = (),
     ) -> None:
+        """`settings`: how it runs (checked when they were built; a `RankSettings` is
+        one); `clock`: the protocol's time; `services`: what tools run on this rank
+        (`kvpush.runtime.services`), started with it."""
         if identity.role not in RUNTIME_ROLES:
             raise ConfigError(f"role {identity.role!r} is not one of {', '.join(RUNTIME_ROLES)}")
-        if max_backoff_s <= 0 or (idle_poll_s is not None and idle_poll_s <= 0):
-            raise ConfigError("idle_poll_s and max_backoff_s must be positive")
-        if spin_s < 0:
-            raise ConfigError(f"spin_s must be >= 0, got {spin_s}")
-        if revalidate_after_s < 0:
-            raise ConfigError(f"revalidate_after_s must be >= 0, got {revalidate_after_s}")
-        if not isinstance(compatibility, CompatibilityPolicy):
-            raise ConfigError(
-                f"compatibility must be a kvpush.config.CompatibilityPolicy, got {compatibility!r}"
-            )
+        settings = settings or RuntimeSettings()
         self._transport = transport
         self._geometry = geometry
-        self._num_blocks = geometry.num_blocks
+        self._checks = CallChecks(geometry)
         self._identity = identity
-        self._drive_in_step = drive_in_step
-        self._timing = timing or TimingConfig()
-        self._kvpush_version = kvpush_version
-        self._layers = sorted({r.layer for r in geometry.regions}) or [0]
-        self._layer_set = frozenset(self._layers)
+        self._drive_in_step = settings.drive_in_step
+        self._timing = settings.timing
         # Random per incarnation, published with our metadata: the data plane does not
         # authenticate agent names, so a message without it is dropped unread.
         self._message_key = secrets.token_bytes(16)
@@ -125,42 +102,37 @@ class PushRuntime:
             self._timing,
             max(1, geometry.num_layers),
             geometry.compat_fields(),
-            compatibility=compatibility,
-            revalidate_after_s=revalidate_after_s,
+            compatibility=settings.compatibility,
+            revalidate_after_s=settings.revalidate_after_s,
             message_key=self._message_key,
             # With a token, messages are authenticated per pair of ranks (never opt-in).
             auth=(
-                MessageAuth(token, transport.agent_name, identity.incarnation) if token else None
+                MessageAuth(settings.token, transport.agent_name, identity.incarnation)
+                if settings.token
+                else None
             ),
         )
-        # What tools run on this rank (`kvpush.runtime.services`), started with it.
         self._services = tuple(services)
         self._directory = directory
         self._clock = clock
         self._scratch: ScratchRegion | None = None  # one a service offered
+        # Engine-facing state, guarded by _lock: the results (`ResultQueue`), and the
+        # flags below.
+        self._lock = threading.Lock()
+        self._queue = ResultQueue(self._lock)
         self._driver = Driver(
             transport,
             geometry,
             protocol,
             directory,
-            Sink(self._report, self._counters, self._fail_remaining),
+            Sink(self._queue.report, self._queue.counters, self._queue.fail_remaining),
             clock=clock,
-            idle_poll_s=idle_poll_s or self._timing.heartbeat_interval_s / 2,
-            max_backoff_s=max_backoff_s,
-            spin_s=spin_s,
+            idle_poll_s=settings.idle_poll_s or self._timing.heartbeat_interval_s / 2,
+            max_backoff_s=settings.max_backoff_s,
+            spin_s=settings.spin_s,
             tick_interval_s=min(self._timing.heartbeat_interval_s / 4, 0.05),
             services=self._services,
         )
-        # Engine-facing state, guarded by _lock.
-        self._lock = threading.Lock()
-        self._results_cv = threading.Condition(self._lock)
-        self._results: collections.deque[TransferResult] = collections.deque()
-        self._queued_sending: set[str] = set()  # sender-side results not yet taken
-        self._live: set[tuple[Side, str]] = set()
-        self._finished = 0
-        self._failed = 0
-        self._failures: collections.Counter[str] = collections.Counter()
-        self._duplicates = 0
         self._started = False
         self._closed = False
         self._crash: BaseException | None = None
@@ -187,7 +159,7 @@ class PushRuntime:
             agent_name=self._transport.agent_name,
             agent_metadata=self._transport.metadata(),
             geometry=self._geometry,
-            kvpush_version=self._kvpush_version,
+            kvpush_version=__version__,
             message_key=self._message_key,
             scratch=self._scratch,
         )
@@ -245,10 +217,10 @@ class PushRuntime:
         for the id from any other receiver is refused, and the transfer waits for the
         named one. None: the first receiver the side channel admits that registers the
         id takes it (see `kvpush.protocol.state`, "Who sent it")."""
-        ours = self._check_blocks(transfer_id, blocks)
-        layers = None if ready_layers is None else self._check_layers(transfer_id, ready_layers)
+        ours = self._checks.blocks(transfer_id, blocks)
+        layers = None if ready_layers is None else self._checks.layers(transfer_id, ready_layers)
         if receiver is not None:
-            self._check_address(receiver, "receiver")
+            self._checks.address(receiver, "receiver")
         self._submit(("sender", transfer_id), Send(transfer_id, ours, layers, receiver))
 
     def layers_ready(self, transfer_id: str, layers: Iterable[int]) -> None:
@@ -259,10 +231,10 @@ class PushRuntime:
         been reused since: computing into them was the engine's bug). While the result
         is still waiting in `poll()` the call is accepted and does nothing, as the
         engine could not know yet."""
-        self._check_id(transfer_id)
-        ready = self._check_layers(transfer_id, layers)
+        self._checks.transfer_id(transfer_id)
+        ready = self._checks.layers(transfer_id, layers)
         with self._lock:
-            known = ("sender", transfer_id) in self._live or transfer_id in self._queued_sending
+            known = self._queue.sending_locked(transfer_id)
         if not known:
             raise LocalProtocolError(
                 f"layers_ready({transfer_id!r}): no such transfer is being sent: it was "
@@ -286,34 +258,14 @@ class PushRuntime:
         `k` of it (None: ours). `blocks` and `sender_offset` then count in its blocks:
         our block `b` is `b * k ... b * k + k - 1` (`kvpush.geometry.sub_block_ids`). The
         sender refuses the registration if its blocks are of another size."""
-        ratio = self._block_ratio(transfer_id, sender_block_tokens)
-        ours = self._check_blocks(transfer_id, blocks, ratio)
-        self._check_address(sender)
-        if isinstance(sender_offset, bool) or not isinstance(sender_offset, int):
-            raise LocalProtocolError(f"sender_offset must be an int, got {sender_offset!r}")
-        if sender_offset < 0:
-            raise LocalProtocolError(f"sender_offset must be >= 0, got {sender_offset}")
+        ratio = self._checks.block_ratio(transfer_id, sender_block_tokens)
+        ours = self._checks.blocks(transfer_id, blocks, ratio)
+        self._checks.address(sender)
+        self._checks.sender_offset(sender_offset)
         self._submit(
             ("receiver", transfer_id),
             Receive(transfer_id, sender, ours, sender_offset, sender_block_tokens),
         )
-
-    def _block_ratio(self, transfer_id: str, sender_block_tokens: int | None) -> int:
-        ours = self._geometry.block_size_tokens
-        if sender_block_tokens is None:
-            return 1
-        if (
-            isinstance(sender_block_tokens, bool)
-            or not isinstance(sender_block_tokens, int)
-            or sender_block_tokens < 1
-            or ours % sender_block_tokens
-        ):
-            raise LocalProtocolError(
-                f"transfer {transfer_id!r}: sender_block_tokens {sender_block_tokens!r} does "
-                f"not divide our {ours}-token blocks: expected a sender whose blocks are ours "
-                f"or a whole fraction of them"
-            )
-        return ours // sender_block_tokens
 
     def claim(self, transfer_id: str, sender: PeerAddress) -> None:
         """Receiver side: we hold `transfer_id`'s request, queued, and will `receive` or
@@ -322,8 +274,8 @@ class PushRuntime:
         giving it up as a receiver that died before registering. Nothing is reported for
         a claim; `receive`, `reject` or `abort` of the id ends it, and so does `close()`,
         which tells the sender with a Reject."""
-        self._check_id(transfer_id)
-        self._check_address(sender)
+        self._checks.transfer_id(transfer_id)
+        self._checks.address(sender)
         self._submit(None, Claim(transfer_id, sender))
 
     def reject(self, transfer_id: str, sender: PeerAddress, detail: str = "") -> None:
@@ -333,11 +285,11 @@ class PushRuntime:
         side, reason REJECTED, its detail saying "rejected by this engine", no blocks;
         unless the id is in flight on the receiver side, whose own result stays its
         one record (the Reject is still sent)."""
-        self._check_id(transfer_id)
-        self._check_address(sender)
+        self._checks.transfer_id(transfer_id)
+        self._checks.address(sender)
         key: tuple[Side, str] = ("receiver", transfer_id)
         with self._lock:
-            in_flight = key in self._live
+            in_flight = key in self._queue.live
         self._submit(None if in_flight else key, RejectRequest(transfer_id, sender, detail))
 
     def refuse(self, transfer_id: str, detail: str = "") -> None:
@@ -345,12 +297,12 @@ class PushRuntime:
         engine will never `send` (its request is not the one the receiver has): the
         receiver's transfer fails at once (REJECTED, with `detail`) instead of at its
         deadline. Ignored unless registered and not sent; nothing is reported here."""
-        self._check_id(transfer_id)
+        self._checks.transfer_id(transfer_id)
         self._submit(None, RefuseRegistration(transfer_id, detail[:1024]))
 
     def abort(self, transfer_id: str) -> None:
         """Cancel `transfer_id` (either side). Its result still comes from poll()."""
-        self._check_id(transfer_id)
+        self._checks.transfer_id(transfer_id)
         self._submit(None, Abort(transfer_id))
 
     def poll(self) -> list[TransferResult]:
@@ -365,7 +317,7 @@ class PushRuntime:
         if self._can_drive():
             self._driver.drive(engine_poll=True)
         with self._lock:
-            return self._take_locked()
+            return self._queue.take_locked()
 
     def wait(self, timeout: float | None = None) -> list[TransferResult]:
         """Like poll(), but waits up to `timeout` seconds for at least one result.
@@ -376,17 +328,11 @@ class PushRuntime:
         itself (why: docs/benchmarks.md, "Design notes moved from docstrings")."""
         if self._can_drive():
             self._driver.drive()
-        with self._results_cv:
-            self._results_cv.wait_for(
-                lambda: bool(self._results) or self._stopped_locked(), timeout
+        with self._queue.changed:
+            self._queue.changed.wait_for(
+                lambda: self._queue.waiting_locked() or self._stopped_locked(), timeout
             )
-            return self._take_locked()
-
-    def _take_locked(self) -> list[TransferResult]:
-        out = list(self._results)
-        self._results.clear()
-        self._queued_sending.clear()
-        return out
+            return self._queue.take_locked()
 
     def _can_drive(self) -> bool:
         return self._drive_in_step and self._started and not self._closed and self._crash is None
@@ -396,11 +342,11 @@ class PushRuntime:
         `SenderState`/`ReceiverState` while in flight, None once it ended (its result is
         in, or was taken from, `poll()`) or if it was never handed in. Answered on the
         runtime's thread, like `statistics()`."""
-        self._check_id(transfer_id)
+        self._checks.transfer_id(transfer_id)
         if side not in ("sender", "receiver"):
             raise LocalProtocolError(f"side must be 'sender' or 'receiver', got {side!r}")
         with self._lock:
-            if (side, transfer_id) not in self._live:
+            if (side, transfer_id) not in self._queue.live:
                 return None
         if self._driver.alive():
             req = StateRequest(transfer_id, side)
@@ -471,10 +417,10 @@ class PushRuntime:
             return self.failure or "not started"
         return None
 
-    # ----------------------------------------------------------------- argument checks
+    # ----------------------------------------------------------------- submitting
 
     def _stopped_locked(self) -> bool:
-        return self._crash is not None or (self._closed and not self._live)
+        return self._crash is not None or (self._closed and not self._queue.live)
 
     def _submit(self, key: tuple[Side, str] | None, command: Command) -> None:
         with self._lock:
@@ -485,102 +431,20 @@ class PushRuntime:
             if not self._started:
                 raise LocalProtocolError("call PushRuntime.start() first")
             if key is not None:
-                if key in self._live:
+                if key in self._queue.live:
                     raise LocalProtocolError(
                         f"transfer {key[1]!r} is already in flight on the {key[0]} side"
                     )
-                self._live.add(key)
+                self._queue.live.add(key)
         if self._drive_in_step:
             # Run on this thread now when no other thread is driving: no hand-off.
             self._driver.drive(command)
         else:
             self._driver.commands.put(command)
 
-    def _check_id(self, transfer_id: str) -> None:
-        if not isinstance(transfer_id, str) or not transfer_id:
-            raise LocalProtocolError(f"transfer id must be a non-empty str, got {transfer_id!r}")
-        if len(transfer_id) > 512:
-            raise LocalProtocolError(
-                f"transfer id is {len(transfer_id)} characters long: expected at most 512"
-            )
-
-    def _check_address(self, address: PeerAddress, what: str = "sender") -> None:
-        if not isinstance(address, PeerAddress):
-            raise LocalProtocolError(
-                f"{what} must be a kvpush.runtime.PeerAddress(host, port, rank), got {address!r}"
-            )
-
-    def _check_blocks(
-        self, transfer_id: str, blocks: Sequence[int], ratio: int = 1
-    ) -> tuple[int, ...]:
-        """`blocks` as a tuple, checked: ids of our blocks, or of their `ratio` parts."""
-        self._check_id(transfer_id)
-        n = self._num_blocks * ratio
-        out = tuple(blocks)
-        # Plain ints in range (the usual case) pass without building the list of bad ones.
-        if all(type(b) is int and 0 <= b < n for b in out):
-            if len(out) > 1 and len(set(out)) != len(out):
-                raise LocalProtocolError(f"transfer {transfer_id!r}: block ids repeat: {list(out)}")
-            return out
-        bad = [b for b in out if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < n]
-        if bad:
-            raise LocalProtocolError(
-                f"transfer {transfer_id!r}: block ids {bad[:8]} are outside the cache: "
-                f"expected integers in 0..{n - 1}"
-            )
-        if len(set(out)) != len(out):
-            raise LocalProtocolError(f"transfer {transfer_id!r}: block ids repeat: {list(out)}")
-        return out
-
-    def _check_layers(self, transfer_id: str, layers: Iterable[int]) -> tuple[int, ...]:
-        out = tuple(layers)
-        bad = [x for x in out if x not in self._layer_set]
-        if bad:
-            raise LocalProtocolError(
-                f"transfer {transfer_id!r}: layers {bad} are not in the cache: expected "
-                f"some of {self._layers}"
-            )
-        return out
-
-    # ----------------------------------------------------------------- the driver's sink
-
-    def _report(self, result: TransferEnded, writes: WritesMeasured | None = None) -> None:
-        key = (result.side, result.transfer_id)
-        with self._results_cv:
-            if key not in self._live:
-                self._duplicates += 1
-                log.error("suppressed a second result for %s: %s", key, result)
-                return
-            self._live.discard(key)
-            self._results.append(TransferResult.of(result, writes))
-            if result.side == "sender":
-                self._queued_sending.add(result.transfer_id)
-            if result.reason is None:
-                self._finished += 1
-            else:
-                self._failed += 1
-                self._failures[result.reason.value] += 1
-            self._results_cv.notify_all()
-
-    def _counters(self) -> dict[str, object]:
-        with self._lock:
-            return {
-                "finished": self._finished,
-                "failed": self._failed,
-                "failures": dict(self._failures),
-                "results_queued": len(self._results),
-                "duplicate_reports": self._duplicates,
-            }
+    # ----------------------------------------------------------------- the driver's thread
 
     def _crashed(self, exc: BaseException) -> None:
-        with self._results_cv:
+        with self._queue.changed:
             self._crash = exc
-            self._results_cv.notify_all()
-
-    def _fail_remaining(self, reason: FailureReason, detail: str) -> None:
-        with self._lock:
-            live = sorted(self._live)
-        for side, tid in live:  # the protocol did not end these (see `ended_unreported`)
-            self._report(ended_unreported(tid, side, reason, detail))
-        with self._results_cv:
-            self._results_cv.notify_all()
+            self._queue.changed.notify_all()

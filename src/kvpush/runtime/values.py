@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from kvpush.protocol import PeerAddress, TransferEnded
+from kvpush.config import STRICT_COMPATIBILITY, CompatibilityPolicy, TimingConfig
+from kvpush.errors import ConfigError
+from kvpush.protocol import REVALIDATE_AFTER_S, PeerAddress, TransferEnded
 
 __all__ = [
     "PeerAddress",
     "RuntimeIdentity",
+    "RuntimeSettings",
     "RuntimeStatistics",
     "TransferResult",
     "WritesMeasured",
@@ -30,6 +33,48 @@ class RuntimeIdentity:
     port: int  # our side channel's port
     rank: int = 0
     role: str = "both"  # "sender" | "receiver" | "both", as published
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RuntimeSettings:
+    """How a runtime runs, checked when built: the shared secret, the protocol's timing,
+    how its thread paces its polls, how long a handshake is trusted, which cache fields
+    may differ between peers, and whether engine calls drive it in-step.
+    `kvpush.node.RankSettings` is these and how a rank looks its peers up."""
+
+    # With a token, data-plane messages are authenticated per pair of ranks (never
+    # opt-in); the side channel proves the same token.
+    token: str | None = None
+    timing: TimingConfig = field(default_factory=TimingConfig)
+    # NIXL cannot wake the runtime when a registration arrives: an idle runtime finds it
+    # at its next poll, so this bounds the delay a transfer sees. None: half of
+    # `timing.heartbeat_interval_s`.
+    idle_poll_s: float | None = None
+    # While in flight: the longest wait between polls (the back-off doubles up to it),
+    # and how long after data-plane activity the thread polls at its shortest wait.
+    max_backoff_s: float = 0.00025
+    spin_s: float = 0.0005
+    # How long a peer's cached handshake answers a new transfer's lookup of its address.
+    revalidate_after_s: float = REVALIDATE_AFTER_S
+    # Which cache fields may differ between peers (none, unless an explicit policy says
+    # which and why).
+    compatibility: CompatibilityPolicy = STRICT_COMPATIBILITY
+    # Engine calls run the runtime's pass on the calling thread when no other thread is
+    # (`PushRuntime.poll`); False: they only queue commands for the runtime's thread.
+    drive_in_step: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_backoff_s <= 0 or (self.idle_poll_s is not None and self.idle_poll_s <= 0):
+            raise ConfigError("idle_poll_s and max_backoff_s must be positive")
+        if self.spin_s < 0:
+            raise ConfigError(f"spin_s must be >= 0, got {self.spin_s}")
+        if self.revalidate_after_s < 0:
+            raise ConfigError(f"revalidate_after_s must be >= 0, got {self.revalidate_after_s}")
+        if not isinstance(self.compatibility, CompatibilityPolicy):
+            raise ConfigError(
+                "compatibility must be a kvpush.config.CompatibilityPolicy, "
+                f"got {self.compatibility!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
