@@ -29,7 +29,7 @@ from kvpush.serving.engine import Engine
 from kvpush.serving.metrics import Registry, serving_registry
 from kvpush.serving.options import ServeOptions
 from kvpush.serving.sampling import SamplingParams
-from kvpush.serving.transfer_worker import runtime_transfer_id
+from kvpush.serving.transfers import runtime_transfer_id
 from kvpush.serving.worker import Accepted, Done, EngineWorker, Event, Job, Rejected, Tokens
 from kvpush.sidechannel import fetch_metadata
 from kvpush.transports.base import Transport

@@ -17,7 +17,7 @@ from kvpush.serving.metrics import serving_registry
 from kvpush.serving.options import ServeOptions
 from kvpush.serving.sampling import SpecConfig
 from kvpush.serving.server import ServerSettings, create_app
-from kvpush.serving.worker import EngineWorker
+from kvpush.serving.worker import EngineWorker, Jobs
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def serve(options: ServeOptions) -> int:
 
         worker, bridge, prepare, health_extra = build_role(options, engine, registry, token)
     else:
-        worker = EngineWorker(engine, admission=options.admission())
+        worker = EngineWorker(engine, jobs=Jobs(options.admission()))
     settings = ServerSettings(
         model_name=name,
         role=options.role,

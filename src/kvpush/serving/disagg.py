@@ -17,9 +17,9 @@ Both roles poll the runtime on the engine thread, the only thread that touches t
 away aborts its transfer; its blocks are freed only when the runtime says the transfer
 ended, so no late write can land in a reused block.
 
-The roles live beside this module: `prefill_worker.PrefillWorker`,
-`decode_worker.DecodeWorker` (both over `transfer_worker.TransferWorker`, which polls the
-runtime), and `kv_bridge.KVBridge`, the node they drive. This module checks a request's
+The roles live beside this module: `prefill_role.PrefillRole` and `decode_role.DecodeRole`,
+objects the engine loop (`worker.EngineWorker`) calls at the points `worker.Role` names,
+and `kv_bridge.KVBridge`, the node they drive. This module checks a request's
 `kv_transfer_params` for the role it reaches and assembles a role (`build_role`).
 """
 
@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING
 from kvpush.errors import FailureReason
 from kvpush.health import ServerHealth
 from kvpush.node import TransportFactory, nixl_transport
-from kvpush.serving.decode_worker import DecodeWorker
+from kvpush.serving.decode_role import DecodeRole
 from kvpush.serving.engine import Engine
 from kvpush.serving.kv_bridge import KVBridge
 from kvpush.serving.metrics import Registry
 from kvpush.serving.openai_request import BadRequest, CompletionRequest
-from kvpush.serving.prefill_worker import PrefillWorker
+from kvpush.serving.prefill_role import PrefillRole
 from kvpush.serving.server import Prepare
-from kvpush.serving.worker import EngineWorker
+from kvpush.serving.worker import EngineWorker, Jobs, Role
 from kvpush.transfer_params import (
     REMOTE_DECODE,
     REMOTE_PREFILL,
@@ -91,18 +91,17 @@ def build_role(
     bridge = KVBridge(options, engine, token, transport_factory=transport_factory)
     runtime = bridge.start()
     try:
-        worker: EngineWorker
-        admission = options.admission()
+        jobs = Jobs(options.admission())  # the loop's and the role's one table
+        role: Role
         if options.role == "prefill":
-            worker = PrefillWorker(
-                engine, runtime, registry, layerwise=options.layerwise, admission=admission
-            )
+            role = PrefillRole(engine, jobs, runtime, registry, layerwise=options.layerwise)
         else:
-            worker = DecodeWorker(engine, runtime, registry, admission=admission)
+            role = DecodeRole(engine, jobs, runtime, registry)
+        worker = EngineWorker(engine, role, jobs=jobs)
     except BaseException:
         bridge.close()
         raise
     return worker, bridge, _prepare_for(options.role), bridge.health
 
 
-__all__ = ["DecodeWorker", "FailureReason", "KVBridge", "PrefillWorker", "build_role"]
+__all__ = ["DecodeRole", "FailureReason", "KVBridge", "PrefillRole", "build_role"]

@@ -2,14 +2,9 @@
 
 One thread owns an `Engine` and calls `step()` in a loop; every call runs one forward
 pass over all running sequences at once (new prompts and decode steps side by side, the
-way vLLM schedules), and returns what each request gained.
-
-Speculative decoding is prompt lookup: the last n tokens of a sequence are searched for
-earlier in the same sequence and the tokens that followed are proposed as drafts. The
-forward pass scores the drafts in one go; a draft is kept only while it equals what greedy
-decoding would have chosen, so the output is exactly greedy's, just in fewer steps. The
-mean acceptance length (tokens gained per step that carried drafts) is tracked per request
-and for the engine, as vLLM reports it.
+way vLLM schedules), and returns what each request gained. A step may carry speculated
+tokens (drafts) for a sequence; which ones, which of them the pass confirms and how they
+are counted is `sampling`'s (`propose_drafts`, `verify_drafts`, `DraftCounts`).
 
 For disaggregated serving a request can (a) stop after its prompt and hold its blocks
 until `release()` (the prefill side), or (b) arrive with its blocks to be filled from
@@ -29,11 +24,13 @@ import torch
 from kvpush.serving.model import LlamaModel, SeqSlice
 from kvpush.serving.paged import BlockAllocator, PagedKVCache, block_hash
 from kvpush.serving.sampling import (
+    DraftCounts,
     RequestRejected,
     SamplingParams,
     SpecConfig,
-    propose_ngram,
-    sample,
+    mean_acceptance_length,
+    propose_drafts,
+    verify_drafts,
 )
 
 
@@ -64,10 +61,7 @@ class RequestStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Tokens gained per drafted step (1 + accepted drafts); 0 when nothing was drafted."""
-        if self.num_drafts == 0:
-            return 0.0
-        return 1.0 + self.num_accepted_tokens / self.num_drafts
+        return mean_acceptance_length(self.num_drafts, self.num_accepted_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,9 +99,7 @@ class EngineStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        if self.num_drafts == 0:
-            return 0.0
-        return 1.0 + self.num_accepted_tokens / self.num_drafts
+        return mean_acceptance_length(self.num_drafts, self.num_accepted_tokens)
 
 
 @dataclass(slots=True)
@@ -123,9 +115,7 @@ class _Seq:
     num_computed: int = 0
     num_cached: int = 0
     steps: int = 0
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted: int = 0
+    drafted: DraftCounts = field(default_factory=DraftCounts)
     generator: torch.Generator | None = None
 
     @property
@@ -138,9 +128,9 @@ class _Seq:
             num_cached_tokens=self.num_cached,
             num_output_tokens=self.num_output,
             num_steps=self.steps,
-            num_drafts=self.drafts,
-            num_draft_tokens=self.draft_tokens,
-            num_accepted_tokens=self.accepted,
+            num_drafts=self.drafted.drafts,
+            num_draft_tokens=self.drafted.draft_tokens,
+            num_accepted_tokens=self.drafted.accepted,
         )
 
 
@@ -178,9 +168,7 @@ class Engine:
         self._waiting: deque[str] = deque()
         self._steps = 0
         self._generated = 0
-        self._drafts = 0
-        self._draft_tokens = 0
-        self._accepted = 0
+        self._drafted = DraftCounts()
         # Called after each layer of a step with the ids of sequences in that step.
         self.on_layer_done: LayerHook | None = None
 
@@ -302,8 +290,6 @@ class Engine:
             self.allocator.free(seq.blocks)
             seq.blocks = []
         seq.state = _State.FINISHED
-
-    abort = release
 
     def stop_and_hold(self, request_id: str) -> None:
         """Stop computing a request but keep its blocks (a transfer may still read them):
@@ -466,13 +452,7 @@ class Engine:
         slices: list[SeqSlice] = []
         drafts_of: list[list[int]] = []
         for seq in batch:
-            remaining = seq.params.max_tokens - seq.num_output
-            drafts = (
-                propose_ngram(seq.tokens, self.spec, remaining - 1)
-                # Drafts are checked against greedy choices: a sampled request has none.
-                if self.spec is not None and seq.num_output > 0 and seq.params.greedy
-                else []
-            )
+            drafts = propose_drafts(seq.tokens, seq.num_output, seq.params, self.spec)
             new = seq.tokens[seq.num_computed :] + drafts
             inputs.extend(new)
             slices.append(SeqSlice(seq.blocks, seq.num_computed, len(new)))
@@ -492,28 +472,19 @@ class Engine:
         for seq, sl, drafts in zip(batch, slices, drafts_of, strict=True):
             # Rows of the last real token and of each draft predict the next token.
             first = row + sl.num_new - len(drafts) - 1
-            if seq.generator is None:
-                targets = logits[first : first + len(drafts) + 1].argmax(dim=-1).tolist()
-            else:
-                targets = [sample(logits[first], seq.params, seq.generator)]
             row += sl.num_new
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
-                accepted += 1
-            gained = [int(t) for t in targets[: accepted + 1]]
-            eos = self.model.config.eos_token_id
-            if not seq.params.ignore_eos and eos is not None and eos in gained:
-                gained = gained[: gained.index(eos) + 1]
+            gained, accepted = verify_drafts(
+                logits[first : first + len(drafts) + 1],
+                drafts,
+                seq.params,
+                seq.generator,
+                self.model.config.eos_token_id,
+            )
             seq.num_computed = len(seq.tokens) + min(accepted, len(gained) - 1)
             seq.tokens.extend(gained)
             seq.steps += 1
-            if drafts:
-                seq.drafts += 1
-                seq.draft_tokens += len(drafts)
-                seq.accepted += accepted
-                self._drafts += 1
-                self._draft_tokens += len(drafts)
-                self._accepted += accepted
+            seq.drafted.record(len(drafts), accepted)
+            self._drafted.record(len(drafts), accepted)
             self._generated += len(gained)
             self._register_full_blocks(seq)
             reason = self._stop_reason(seq)
@@ -553,7 +524,7 @@ class Engine:
             prefix_hits=a.prefix_hits,
             num_steps=self._steps,
             num_generated_tokens=self._generated,
-            num_drafts=self._drafts,
-            num_draft_tokens=self._draft_tokens,
-            num_accepted_tokens=self._accepted,
+            num_drafts=self._drafted.drafts,
+            num_draft_tokens=self._drafted.draft_tokens,
+            num_accepted_tokens=self._drafted.accepted,
         )

@@ -1,7 +1,14 @@
 """What a request asks of the engine, and how the engine chooses its tokens: the sampling
 parameters (checked when made: `RequestRejected` says what was wrong), `sample` for one
-row of logits, and prompt-lookup speculation (`SpecConfig`, `propose_ngram`), whose drafts
-the engine verifies against greedy decoding."""
+row of logits, and prompt-lookup speculation.
+
+Speculation is prompt lookup (with vLLM's parameter names): the last n tokens of a sequence
+are searched for earlier in the same sequence and the tokens that followed are proposed as
+drafts (`propose_drafts`). The forward pass scores the drafts in one go; a draft is kept
+only while it equals what greedy decoding would have chosen (`verify_drafts`), so the
+output is exactly greedy's, just in fewer steps. The mean acceptance length (tokens gained
+per step that carried drafts) is counted per request and for the engine (`DraftCounts`), as
+vLLM reports it."""
 
 from __future__ import annotations
 
@@ -96,3 +103,58 @@ def propose_ngram(tokens: Sequence[int], spec: SpecConfig, limit: int) -> list[i
                 if follow:
                     return follow
     return []
+
+
+def propose_drafts(
+    tokens: Sequence[int], num_output: int, params: SamplingParams, spec: SpecConfig | None
+) -> list[int]:
+    """The drafts a sequence of `tokens` (`num_output` of them generated) carries into its
+    next step: none without speculation, before its first output token, or when sampled
+    (drafts are checked against greedy choices); never more than its tokens left but one."""
+    if spec is None or num_output == 0 or not params.greedy:
+        return []
+    return propose_ngram(tokens, spec, params.max_tokens - num_output - 1)
+
+
+def verify_drafts(
+    rows: torch.Tensor,
+    drafts: Sequence[int],
+    params: SamplingParams,
+    gen: torch.Generator | None,
+    eos_token_id: int | None,
+) -> tuple[list[int], int]:
+    """The tokens a step gained and how many drafts it accepted. `rows` are the logits of
+    the last real token and of each draft, each predicting the next token: drafts are kept
+    while they equal those choices, then one token more, cut after an end-of-sequence."""
+    # A sampled request carries no drafts: its one row is sampled.
+    targets = rows.argmax(dim=-1).tolist() if gen is None else [sample(rows[0], params, gen)]
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    gained = [int(t) for t in targets[: accepted + 1]]
+    if not params.ignore_eos and eos_token_id is not None and eos_token_id in gained:
+        gained = gained[: gained.index(eos_token_id) + 1]
+    return gained, accepted
+
+
+@dataclass(slots=True)
+class DraftCounts:
+    """Speculation's counts, for one request or a whole engine."""
+
+    drafts: int = 0  # steps that carried at least one draft
+    draft_tokens: int = 0
+    accepted: int = 0
+
+    def record(self, num_drafts: int, accepted: int) -> None:
+        """One step that carried `num_drafts` drafts (maybe none), `accepted` of them kept."""
+        if num_drafts:
+            self.drafts += 1
+            self.draft_tokens += num_drafts
+            self.accepted += accepted
+
+
+def mean_acceptance_length(num_drafts: int, num_accepted_tokens: int) -> float:
+    """Tokens gained per drafted step (1 + accepted drafts); 0 when nothing was drafted."""
+    if num_drafts == 0:
+        return 0.0
+    return 1.0 + num_accepted_tokens / num_drafts

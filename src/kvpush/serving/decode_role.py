@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 from kvpush.errors import KVPushError
 from kvpush.serving.engine import Engine, FinishReason
-from kvpush.serving.metrics import Registry
+from kvpush.serving.metrics import Registry, RegistryTransferMetrics
 from kvpush.serving.sampling import RequestRejected
-from kvpush.serving.transfer_worker import TransferWorker, runtime_transfer_id
-from kvpush.serving.worker import Accepted, AdmissionConfig, Done, Job, Rejected
+from kvpush.serving.transfers import TRANSFER_POLL_S, count_ended, runtime_transfer_id
+from kvpush.serving.worker import IDLE_WAIT_S, Accepted, Done, Job, Jobs, Rejected
 from kvpush.transfer_params import BadTransferParams, parse_remote_prefill, wants_remote_prefill
 
 if TYPE_CHECKING:
@@ -58,55 +58,139 @@ def _sender_of(kvp: dict[str, object]) -> tuple[str, PeerAddress] | None:
     return remote.transfer_id, PeerAddress(remote.remote_host, remote.remote_port)
 
 
-class DecodeWorker(TransferWorker):
+class DecodeRole:
+    """The decode role, a `worker.Role`: see the module's docstring."""
+
     def __init__(
         self,
         engine: Engine,
+        jobs: Jobs,
         runtime: PushRuntime,
         registry: Registry,
-        *,
-        admission: AdmissionConfig | None = None,
     ) -> None:
-        super().__init__(engine, runtime, registry, admission=admission)
+        self.engine = engine
+        self.jobs = jobs
+        self.runtime = runtime
+        self.registry = registry
+        self._transfer_metrics = RegistryTransferMetrics(registry)
         self._incoming: dict[str, _Incoming] = {}  # by transfer id
         self._transfer_of: dict[str, str] = {}  # request id -> transfer id
         self._queued: deque[_Queued] = deque()  # FIFO, waiting for blocks
         self._queued_ids: set[str] = set()
 
-    def _has_pending(self) -> bool:
-        return bool(self._incoming) or bool(self._queued)
+    # -- the loop's named points (`worker.Role`) ----------------------------------------
 
-    def _queued_outside_engine(self) -> int:
+    def idle_wait(self) -> float:
+        in_flight = bool(self._incoming) or bool(self._queued)
+        return TRANSFER_POLL_S if in_flight else IDLE_WAIT_S
+
+    def queued(self) -> int:
         return len(self._queued)
 
-    def _accept(self, job: Job) -> None:
+    def take(self, job: Job) -> bool:
         kvp = job.kv_transfer_params or {}
         if not wants_remote_prefill(kvp):
-            super()._accept(job)
-            return
+            return False
         named = _sender_of(kvp)
         assert named is not None  # checked by the HTTP layer's prepare
         client_tid, sender = named
         tid = runtime_transfer_id(client_tid, job.prompt_token_ids)
         if tid in self._incoming or tid in self._queued_ids:
             job.sink(Rejected(409, f"transfer_id {client_tid!r} is already in flight here"))
-            return
+            return True
         try:
             self.engine.check_request(job.request_id, job.prompt_token_ids, job.params)
         except RequestRejected as exc:
             self._refuse(job, tid, sender, Rejected(400, str(exc)))
-            return
+            return True
         if not self._queued and self._place(job, tid, sender):
-            return
-        full = self._queue_full(job)
+            return True
+        full = self.jobs.queue_full(self.engine.num_waiting + len(self._queued))
         if full is not None:
             self._refuse(job, tid, sender, full)
-            return
+            return True
         self._queued.append(_Queued(tid, sender, job))
         self._queued_ids.add(tid)
-        self._jobs[job.request_id] = job
+        self.jobs.add(job)
         # Queued for blocks: the prefill keeps its transfer while we claim it.
         self.runtime.claim(tid, sender)
+        return True
+
+    def abort(self, job: Job) -> bool:
+        for q in self._queued:
+            if q.job is job:
+                self._queued.remove(q)
+                self._queued_ids.discard(q.transfer_id)
+                self.runtime.reject(q.transfer_id, q.sender, "the client went away")
+                return True
+        tid = self._transfer_of.get(job.request_id)
+        if tid is None or tid not in self._incoming:
+            self._transfer_of.pop(job.request_id, None)
+            return False
+        self._incoming[tid].aborted = True
+        self.runtime.abort(tid)  # blocks are freed when the runtime reports the end
+        return True
+
+    def refuse_transfer(
+        self, kv_transfer_params: dict[str, object], prompt_token_ids: list[int] | None, why: str
+    ) -> None:
+        named = _sender_of(kv_transfer_params)
+        if not wants_remote_prefill(kv_transfer_params) or named is None:
+            return  # nobody to tell
+        if prompt_token_ids is None:
+            return  # a prompt no prefill server could have computed
+        tid, sender = named
+        self.runtime.reject(runtime_transfer_id(tid, prompt_token_ids), sender, why)
+        self.registry.inc("kvpush_transfers_rejected_total", labels={"status": "400"})
+
+    def abort_transfer(self, transfer_id: str) -> None:
+        pass  # a decode leg is cancelled by its client going away (`abort`)
+
+    def before_step(self) -> bool:
+        came_back = False
+        for result in self.runtime.poll():
+            came_back = True
+            self._transfer_ended(result)
+        while self._queued:
+            head = self._queued[0]
+            if self._place(head.job, head.transfer_id, head.sender):
+                self._queued.popleft()
+                self._queued_ids.discard(head.transfer_id)
+            else:
+                break
+        return came_back
+
+    def drop_queued(self, job: Job) -> bool:
+        return False  # our requests wait in our own queue, not the engine's
+
+    def expire(self, now: float) -> None:
+        timeout = self.jobs.admission.queue_timeout_s
+        while self._queued and now - self._queued[0].job.submitted_at > timeout:
+            q = self._queued.popleft()
+            self._queued_ids.discard(q.transfer_id)
+            self.jobs.pop(q.job.request_id)
+            self._refuse(q.job, q.transfer_id, q.sender, self.jobs.queue_timeout())
+
+    def finished(self, job: Job, reason: FinishReason) -> bool:
+        self._transfer_of.pop(job.request_id, None)
+        return False  # a decoded request ends as a plain one does
+
+    def fail_all(self, message: str) -> None:
+        while self._queued:
+            q = self._queued.popleft()
+            self._queued_ids.discard(q.transfer_id)
+            self.jobs.pop(q.job.request_id)
+            self.runtime.reject(q.transfer_id, q.sender, message)
+            q.job.sink(Done(FinishReason.ERROR, None, error=message, status=503))
+        for tid in list(self._incoming):
+            self.runtime.abort(tid)
+        waiting = {inc.job.request_id for inc in self._incoming.values()}
+        for rid in waiting:
+            job = self.jobs.pop(rid)
+            if job is not None:
+                job.sink(Done(FinishReason.ERROR, None, error=message))
+
+    # -- the role's own work -----------------------------------------------------------
 
     def _refuse(self, job: Job, tid: str, sender: PeerAddress, why: Rejected) -> None:
         """Refuse before allocating: the sender frees its blocks at once."""
@@ -132,75 +216,9 @@ class DecodeWorker(TransferWorker):
         log.debug("transfer %s: %d blocks registered", tid, len(where.blocks))
         self._incoming[tid] = _Incoming(tid, job, time.monotonic())
         self._transfer_of[job.request_id] = tid
-        self._jobs[job.request_id] = job
+        self.jobs.add(job)
         job.sink(Accepted())
         return True
-
-    def _pump(self) -> None:
-        super()._pump()
-        while self._queued:
-            head = self._queued[0]
-            if self._place(head.job, head.transfer_id, head.sender):
-                self._queued.popleft()
-                self._queued_ids.discard(head.transfer_id)
-            else:
-                break
-
-    def _expire_queued(self, now: float) -> None:
-        super()._expire_queued(now)
-        timeout = self.admission.queue_timeout_s
-        while self._queued and now - self._queued[0].job.submitted_at > timeout:
-            q = self._queued.popleft()
-            self._queued_ids.discard(q.transfer_id)
-            self._jobs.pop(q.job.request_id, None)
-            self._refuse(q.job, q.transfer_id, q.sender, self._queue_timeout())
-
-    def _refuse_transfer(
-        self, kv_transfer_params: dict[str, object], prompt_token_ids: list[int] | None, why: str
-    ) -> None:
-        named = _sender_of(kv_transfer_params)
-        if not wants_remote_prefill(kv_transfer_params) or named is None:
-            return  # nobody to tell
-        if prompt_token_ids is None:
-            return  # a prompt no prefill server could have computed
-        tid, sender = named
-        self.runtime.reject(runtime_transfer_id(tid, prompt_token_ids), sender, why)
-        self.registry.inc("kvpush_transfers_rejected_total", labels={"status": "400"})
-
-    def _abort_job(self, job: Job) -> None:
-        for q in self._queued:
-            if q.job is job:
-                self._queued.remove(q)
-                self._queued_ids.discard(q.transfer_id)
-                self.runtime.reject(q.transfer_id, q.sender, "the client went away")
-                return
-        tid = self._transfer_of.get(job.request_id)
-        if tid is None or tid not in self._incoming:
-            self._transfer_of.pop(job.request_id, None)
-            super()._abort_job(job)
-            return
-        self._incoming[tid].aborted = True
-        self.runtime.abort(tid)  # blocks are freed when the runtime reports the end
-
-    def _fail_all(self, message: str) -> None:
-        while self._queued:
-            q = self._queued.popleft()
-            self._queued_ids.discard(q.transfer_id)
-            self._jobs.pop(q.job.request_id, None)
-            self.runtime.reject(q.transfer_id, q.sender, message)
-            q.job.sink(Done(FinishReason.ERROR, None, error=message, status=503))
-        for tid in list(self._incoming):
-            self.runtime.abort(tid)
-        waiting = {inc.job.request_id for inc in self._incoming.values()}
-        for rid in waiting:
-            job = self._jobs.pop(rid, None)
-            if job is not None:
-                job.sink(Done(FinishReason.ERROR, None, error=message))
-        super()._fail_all(message)
-
-    def _finished(self, job: Job, reason: FinishReason) -> None:
-        self._transfer_of.pop(job.request_id, None)
-        super()._finished(job, reason)
 
     def _transfer_ended(self, result: TransferResult) -> None:
         log.debug("transfer %s ended on the receiver side: %s", result.transfer_id, result.reason)
@@ -208,13 +226,13 @@ class DecodeWorker(TransferWorker):
         if inc is None or result.side != "receiver":
             return
         rid = inc.job.request_id
-        self._count(result, inc.started)
+        count_ended(self._transfer_metrics, self.engine, result, inc.started)
         if result.ok and not inc.aborted:
             self.engine.kv_arrived(rid)
             return
         self._transfer_of.pop(rid, None)
         self.engine.release(rid)
-        job = self._jobs.pop(rid, None)
+        job = self.jobs.pop(rid)
         if job is not None:
             reason = result.reason.value if result.reason else "cancelled"
             job.sink(

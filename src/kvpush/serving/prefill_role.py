@@ -13,14 +13,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvpush.serving.engine import Engine, FinishReason
-from kvpush.serving.metrics import Registry
+from kvpush.serving.metrics import Registry, RegistryTransferMetrics
 from kvpush.serving.sampling import RequestRejected, SamplingParams
-from kvpush.serving.transfer_worker import (
-    TransferWorker,
+from kvpush.serving.transfers import (
+    TRANSFER_POLL_S,
+    count_ended,
     prompt_fingerprint,
     runtime_transfer_id,
 )
-from kvpush.serving.worker import AdmissionConfig, Done, Job, Rejected
+from kvpush.serving.worker import IDLE_WAIT_S, Done, Job, Jobs, Rejected
 from kvpush.transfer_params import (
     PrefillComputed,
     RemoteDecode,
@@ -55,11 +56,11 @@ class _Outgoing:
     receiver: PeerAddress | None = None  # the decode server named in the params, if any
 
 
-class PrefillWorker(TransferWorker):
-    """The prefill role. Admission is what keeps prefill and decode from waiting on each
-    other (each queues its leg of a request in its own order): a prefill request whose
-    decode server has already registered its blocks goes first, and requests not yet
-    registered never take the last `max_request_blocks` blocks. Blocks held for an
+class PrefillRole:
+    """The prefill role, a `worker.Role`. Admission is what keeps prefill and decode from
+    waiting on each other (each queues its leg of a request in its own order): a prefill
+    request whose decode server has already registered its blocks goes first, and requests
+    not yet registered never take the last `max_request_blocks` blocks. Blocks held for an
     unregistered transfer wait on the decode server; blocks of a registered one come back
     as soon as they are written. So the decode server's registered requests always find
     room here, finish, and free the decode blocks its queued requests wait for.
@@ -72,14 +73,18 @@ class PrefillWorker(TransferWorker):
     def __init__(
         self,
         engine: Engine,
+        jobs: Jobs,
         runtime: PushRuntime,
         registry: Registry,
         *,
         layerwise: bool,
-        admission: AdmissionConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(engine, runtime, registry, admission=admission)
+        self.engine = engine
+        self.jobs = jobs
+        self.runtime = runtime
+        self.registry = registry
+        self._transfer_metrics = RegistryTransferMetrics(registry)
         self.layerwise = layerwise
         self._clock = clock
         self._outgoing: dict[str, _Outgoing] = {}  # by request id
@@ -92,35 +97,37 @@ class PrefillWorker(TransferWorker):
         if layerwise:
             engine.on_layer_done = self._layer_done
 
-    def _has_pending(self) -> bool:
-        return bool(self._by_transfer) or bool(self._waiting)
+    # -- the loop's named points (`worker.Role`) ----------------------------------------
 
-    def _queued_outside_engine(self) -> int:
+    def idle_wait(self) -> float:
+        in_flight = bool(self._by_transfer) or bool(self._waiting)
+        return TRANSFER_POLL_S if in_flight else IDLE_WAIT_S
+
+    def queued(self) -> int:
         return len(self._waiting)
 
-    def _accept(self, job: Job) -> None:
+    def take(self, job: Job) -> bool:
         kvp = job.kv_transfer_params or {}
         if not wants_remote_decode(kvp):
-            super()._accept(job)
-            return
+            return False
         params = parse_remote_decode(kvp, require_transfer_id=True)
         client_tid = params.transfer_id
         assert client_tid is not None  # checked by the HTTP layer's prepare
         if client_tid in self._by_client_id:
             job.sink(Rejected(409, f"transfer_id {client_tid!r} is already in flight here"))
-            return
+            return True
         if self._was_cancelled(client_tid):
             job.sink(Rejected(409, f"transfer {client_tid!r} was cancelled before it started"))
-            return
-        full = self._queue_full(job)
+            return True
+        full = self.jobs.queue_full(self.engine.num_waiting + len(self._waiting))
         if full is not None:
             job.sink(full)
-            return
+            return True
         try:
             self.engine.check_request(job.request_id, job.prompt_token_ids, _PREFILL_PARAMS)
         except RequestRejected as exc:
             job.sink(Rejected(400, str(exc)))
-            return
+            return True
         tid = runtime_transfer_id(client_tid, job.prompt_token_ids)
         log.debug("transfer %s: prefill request accepted", tid)
         out = _Outgoing(
@@ -134,14 +141,109 @@ class PrefillWorker(TransferWorker):
         )
         self._outgoing[job.request_id] = out
         self._by_client_id[client_tid] = out
-        self._jobs[job.request_id] = job
+        self.jobs.add(job)
         self._waiting.append(out)
         self._admit()
+        return True
 
-    def _pump(self) -> None:
-        super()._pump()
+    def abort(self, job: Job) -> bool:
+        out = self._outgoing.get(job.request_id)
+        if out is None:
+            return False
+        self._end_early(out, "aborted: the client went away")
+        return True
+
+    def refuse_transfer(
+        self, kv_transfer_params: dict[str, object], prompt_token_ids: list[int] | None, why: str
+    ) -> None:
+        pass  # only a decode server has someone to tell: a prefill leg holds nothing yet
+
+    def abort_transfer(self, transfer_id: str) -> None:
+        out = self._by_client_id.get(transfer_id)
+        if out is None:
+            self._cancelled[transfer_id] = self._clock()
+            while len(self._cancelled) > _CANCELLED_KEPT:
+                self._cancelled.popitem(last=False)
+            return
+        job = self.jobs.pop(out.request_id)
+        self._end_early(out, "cancelled by the client")
+        if job is not None:
+            job.sink(
+                Done(
+                    FinishReason.ERROR,
+                    None,
+                    error=f"transfer {transfer_id!r} was cancelled",
+                    status=409,
+                )
+            )
+
+    def before_step(self) -> bool:
+        came_back = False
+        for result in self.runtime.poll():
+            came_back = True
+            self._transfer_ended(result)
         self._look_at_registrations()
         self._admit()
+        return came_back
+
+    def drop_queued(self, job: Job) -> bool:
+        out = self._outgoing.get(job.request_id)
+        if out is None:
+            return False
+        self._end_early(out, "no KV blocks became free in time")
+        return True
+
+    def expire(self, now: float) -> None:
+        timeout = self.jobs.admission.queue_timeout_s
+        while self._waiting:
+            out = self._waiting[0]
+            job = self.jobs.get(out.request_id)
+            if job is not None and now - job.submitted_at <= timeout:
+                break
+            self.jobs.pop(out.request_id)
+            rejected = self.jobs.queue_timeout()
+            self._end_early(out, rejected.message)
+            if job is not None:
+                job.sink(rejected)
+
+    def finished(self, job: Job, reason: FinishReason) -> bool:
+        out = self._outgoing.get(job.request_id)
+        if out is None:
+            return False
+        stats = self.engine.request_stats(job.request_id)
+        log.debug("transfer %s: prompt computed", out.transfer_id)
+        if not out.sent:
+            blocks = self.engine.held_blocks(job.request_id)[: out.num_blocks]
+            self.runtime.send(out.transfer_id, blocks, receiver=out.receiver)
+            out.sent, out.sent_at = True, self._clock()
+        out.request_done = True
+        self.jobs.pop(job.request_id)
+        job.sink(
+            Done(
+                reason,
+                stats,
+                kv_transfer_params=PrefillComputed(
+                    transfer_id=out.client_transfer_id,
+                    num_blocks=out.num_blocks,
+                    prompt_fingerprint=prompt_fingerprint(job.prompt_token_ids),
+                ).to_params(),
+            )
+        )
+        return True
+
+    def fail_all(self, message: str) -> None:
+        # A layer-wise request may be half computed with its first layers' writes in
+        # flight: its blocks stay held until the runtime reports the transfer ended.
+        for out in list(self._outgoing.values()):
+            job = self.jobs.pop(out.request_id)
+            if job is None:
+                if out.sent and not out.ended:
+                    self.runtime.abort(out.transfer_id)
+                continue
+            self._end_early(out, message)
+            job.sink(Done(FinishReason.ERROR, None, error=message))
+
+    # -- the role's own work -----------------------------------------------------------
 
     def _admit(self) -> None:
         """Hand waiting requests to the engine: registered ones first (in order), then
@@ -172,7 +274,8 @@ class PrefillWorker(TransferWorker):
             self._place(out)
 
     def _place(self, out: _Outgoing) -> None:
-        job = self._jobs[out.request_id]
+        job = self.jobs.get(out.request_id)
+        assert job is not None  # in the table from `take` until it is answered
         self.engine.add_request(
             job.request_id, job.prompt_token_ids, _PREFILL_PARAMS, hold_blocks=True
         )
@@ -216,7 +319,7 @@ class PrefillWorker(TransferWorker):
         log.info("transfer %s: %s", out.transfer_id, why)
         self.runtime.refuse(their_tid, why)
         self.registry.inc("kvpush_transfers_rejected_total", labels={"status": "409"})
-        job = self._jobs.pop(out.request_id, None)
+        job = self.jobs.pop(out.request_id)
         self._end_early(out, why)
         if job is not None:
             job.sink(Done(FinishReason.ERROR, None, error=why, status=409))
@@ -241,38 +344,6 @@ class PrefillWorker(TransferWorker):
             else:
                 self.runtime.layers_ready(out.transfer_id, [layer])
 
-    def _finished(self, job: Job, reason: FinishReason) -> None:
-        out = self._outgoing.get(job.request_id)
-        if out is None:
-            super()._finished(job, reason)
-            return
-        stats = self.engine.request_stats(job.request_id)
-        log.debug("transfer %s: prompt computed", out.transfer_id)
-        if not out.sent:
-            blocks = self.engine.held_blocks(job.request_id)[: out.num_blocks]
-            self.runtime.send(out.transfer_id, blocks, receiver=out.receiver)
-            out.sent, out.sent_at = True, self._clock()
-        out.request_done = True
-        self._jobs.pop(job.request_id, None)
-        job.sink(
-            Done(
-                reason,
-                stats,
-                kv_transfer_params=PrefillComputed(
-                    transfer_id=out.client_transfer_id,
-                    num_blocks=out.num_blocks,
-                    prompt_fingerprint=prompt_fingerprint(job.prompt_token_ids),
-                ).to_params(),
-            )
-        )
-
-    def _abort_job(self, job: Job) -> None:
-        out = self._outgoing.get(job.request_id)
-        if out is None:
-            super()._abort_job(job)
-            return
-        self._end_early(out, "aborted: the client went away")
-
     def _end_early(self, out: _Outgoing, why: str) -> None:
         """Stop a transfer whose request ended early. Blocks a write may still read stay
         held until the runtime reports the transfer ended (fencing); others go at once.
@@ -288,59 +359,6 @@ class PrefillWorker(TransferWorker):
             self._forget(out)
         log.debug("transfer %s ended early: %s", out.transfer_id, why)
 
-    def _abort_transfer(self, transfer_id: str) -> None:
-        out = self._by_client_id.get(transfer_id)
-        if out is None:
-            self._cancelled[transfer_id] = self._clock()
-            while len(self._cancelled) > _CANCELLED_KEPT:
-                self._cancelled.popitem(last=False)
-            return
-        job = self._jobs.pop(out.request_id, None)
-        self._end_early(out, "cancelled by the client")
-        if job is not None:
-            job.sink(
-                Done(
-                    FinishReason.ERROR,
-                    None,
-                    error=f"transfer {transfer_id!r} was cancelled",
-                    status=409,
-                )
-            )
-
-    def _expire_queued(self, now: float) -> None:
-        super()._expire_queued(now)
-        timeout = self.admission.queue_timeout_s
-        while self._waiting:
-            out = self._waiting[0]
-            job = self._jobs.get(out.request_id)
-            if job is not None and now - job.submitted_at <= timeout:
-                break
-            self._jobs.pop(out.request_id, None)
-            rejected = self._queue_timeout()
-            self._end_early(out, rejected.message)
-            if job is not None:
-                job.sink(rejected)
-
-    def _drop_queued(self, job: Job) -> None:
-        out = self._outgoing.get(job.request_id)
-        if out is None:
-            super()._drop_queued(job)
-        else:
-            self._end_early(out, "no KV blocks became free in time")
-
-    def _fail_all(self, message: str) -> None:
-        # A layer-wise request may be half computed with its first layers' writes in
-        # flight: its blocks stay held until the runtime reports the transfer ended.
-        for out in list(self._outgoing.values()):
-            job = self._jobs.pop(out.request_id, None)
-            if job is None:
-                if out.sent and not out.ended:
-                    self.runtime.abort(out.transfer_id)
-                continue
-            self._end_early(out, message)
-            job.sink(Done(FinishReason.ERROR, None, error=message))
-        super()._fail_all(message)
-
     def _forget(self, out: _Outgoing) -> None:
         self._outgoing.pop(out.request_id, None)
         self._by_transfer.pop(out.transfer_id, None)
@@ -354,12 +372,12 @@ class PrefillWorker(TransferWorker):
         if out is None or result.side != "sender":
             return
         out.ended = True
-        self._count(result, out.started)
+        count_ended(self._transfer_metrics, self.engine, result, out.started)
         if not result.ok:
             log.info(
                 "transfer %s failed (%s): %s", result.transfer_id, result.reason, result.detail
             )
-        job = self._jobs.pop(out.request_id, None)
+        job = self.jobs.pop(out.request_id)
         self._forget(out)
         if job is not None:  # still computing: the prefill request fails with the transfer
             reason = result.reason.value if result.reason else "unknown"
