@@ -69,7 +69,13 @@ _MAX_HELD_REGISTERS = 4
 
 
 class SenderProtocol(_Side[_Outgoing]):
-    """The sending side of every transfer of one rank. See the module docstring."""
+    """The sending side of every transfer of one rank. See the module docstring.
+
+    Where a transfer ends: in `_end_transfer`, and nowhere else. Every path that ends
+    one (finished, failed once its writes drained (`_fail`, `_end`), its receiver gone
+    (`_abandon`), a registration never submitted, a `submit` of an id that already
+    ended, `shutdown`) calls it, and it alone builds the `TransferEnded` the engine
+    gets."""
 
     def __init__(
         self,
@@ -182,16 +188,20 @@ class SenderProtocol(_Side[_Outgoing]):
             raise LocalProtocolError(f"transfer {transfer_id!r} was already submitted")
         tomb = self._tombstones.get(transfer_id)
         if tomb is not None:
+            # Ended before the engine handed it in: it ends at once (its tombstone stays).
             if tomb.pending_failure is None:
                 # The engine cannot know how long ended ids are remembered: an outcome.
-                detail = (
-                    f"transfer id {transfer_id!r} was already used by a transfer that ended "
-                    f"less than {self._tombstone_s}s ago: use a new id per transfer"
+                reason, detail = (
+                    FailureReason.LOCAL_ERROR,
+                    (
+                        f"transfer id {transfer_id!r} was already used by a transfer that ended "
+                        f"less than {self._tombstone_s}s ago: use a new id per transfer"
+                    ),
                 )
-                return [_ended(transfer_id, FailureReason.LOCAL_ERROR, detail, ours)]
-            reason, detail = tomb.pending_failure
-            tomb.pending_failure = None
-            return [_ended(transfer_id, reason, detail, ours)]
+            else:
+                (reason, detail), tomb.pending_failure = tomb.pending_failure, None
+            ended = _Outgoing(transfer_id, SenderState.ENDING, now, blocks=ours)
+            return self._end_transfer(now, ended, reason, detail, None, bury=False)
         if rec is None:
             rec = _Outgoing(
                 transfer_id,
@@ -314,13 +324,12 @@ class SenderProtocol(_Side[_Outgoing]):
         now = self._clock.advance(now)
         out: list[Effect] = []
         for rec in list(self._transfers.values()):
-            if rec.blocks is not None:
-                if rec.state is SenderState.ENDING and rec.reason is not None:
-                    why, what = rec.reason, rec.detail
-                else:
-                    why, what = reason, detail
-                out.append(_ended(rec.transfer_id, why, what, rec.blocks))
-        self._transfers.clear()
+            if rec.state is SenderState.ENDING and rec.reason is not None:
+                why, what = rec.reason, rec.detail
+            else:
+                why, what = reason, detail
+            # No tombstone: nothing comes from a peer once the data plane is closed.
+            out += self._end_transfer(now, rec, why, what, None, bury=False)
         self._writes.clear()
         self._peers.clear()
         return out
@@ -463,11 +472,9 @@ class SenderProtocol(_Side[_Outgoing]):
     def _vouched(
         self, now: float, address: PeerAddress, info: PeerInfo | None, verdicts: list[Vouching]
     ) -> list[Effect]:
-        """Act on the gate's verdicts, in order: a believed agent's messages are read and
-        it is ready for writes; one with an incompatible cache is told why per transfer
-        (so the receiver gives its blocks back now, not at its deadline; nothing was
-        written: writes wait for the handshake) and lost; a refused one's messages are
-        counted, and, if the runtime loaded it, it is lost too."""
+        """Act on the gate's verdicts, in order: a believed agent's messages are read, then
+        it is ready for writes (or refused, if its cache is incompatible); a refused
+        one's messages are counted, and, if the runtime loaded it, it is lost."""
         out: list[Effect] = []
         for verdict in verdicts:
             match verdict:
@@ -476,15 +483,7 @@ class SenderProtocol(_Side[_Outgoing]):
                     for m in messages:
                         out += self.handle(now, agent, m)
                     if problem is not None and info is not None:
-                        failure = FailureReason.INCOMPATIBLE_PEER
-                        view = (
-                            f"sender refused our KV cache: {self._compat.their_view(info.compat)}"
-                        )
-                        for rec in [r for r in self._transfers.values() if r.peer == agent]:
-                            out.append(SendMessage(agent, Failed(rec.transfer_id, failure, view)))
-                        out += self.peer_lost(
-                            now, agent, failure, f"receiver at {address}: {problem}"
-                        )
+                        out += self._incompatible(now, agent, address, info, problem)
                     elif agent in self._peers:
                         out += self._peer_ready(now, self._peers[agent])
                 case Refuse(agent=agent, reason=reason, detail=detail, dropped=dropped):
@@ -494,6 +493,21 @@ class SenderProtocol(_Side[_Outgoing]):
                 case _:
                     out.append(verdict)  # a Handshake: ask a rival's side channel again
         return out
+
+    def _incompatible(
+        self, now: float, agent: str, address: PeerAddress, info: PeerInfo, problem: str
+    ) -> list[Effect]:
+        """A believed receiver whose KV cache is incompatible with ours: each of its
+        transfers is told why (nothing was written: writes wait for the handshake), so it
+        gives its blocks back now, not at its deadline; then it is lost."""
+        failure = FailureReason.INCOMPATIBLE_PEER
+        view = f"sender refused our KV cache: {self._compat.their_view(info.compat)}"
+        out: list[Effect] = [
+            SendMessage(agent, Failed(rec.transfer_id, failure, view))
+            for rec in self._transfers.values()
+            if rec.peer == agent
+        ]
+        return out + self.peer_lost(now, agent, failure, f"receiver at {address}: {problem}")
 
     def _on_heartbeat(self, now: float, peer: str, hb: Heartbeat) -> list[Effect]:
         """A believed receiver's heartbeat: its echo and the leases it renews
@@ -717,7 +731,7 @@ class SenderProtocol(_Side[_Outgoing]):
         them: its handshake is done, its clock is bounded and the lease holds."""
         assert rec.blocks is not None and rec.register is not None and rec.peer is not None
         if rec.recheck is not None:
-            return []  # its lease looked over: `_settle_rechecks` decides, then issues
+            return []  # its lease looked over: `_on_heartbeat` settles it, then issues
         p = self._peers.get(rec.peer)
         if p is None or not p.ready:
             return []  # its handshake is not done: `_peer_ready` issues these
@@ -765,7 +779,7 @@ class SenderProtocol(_Side[_Outgoing]):
         assert rec.register is not None and rec.peer is not None and rec.blocks is not None
         written_all = len(rec.issued_layers) == self._num_layers or not rec.register.block_ids
         if rec.inflight or not written_all or rec.recheck is not None:
-            return []  # (a lease being rechecked: `_settle_rechecks` comes back here)
+            return []  # (a lease being rechecked: `_on_heartbeat` comes back here)
         done = Done(rec.transfer_id, len(rec.register.block_ids))
         return self._end_transfer(now, rec, None, "", done)
 
@@ -819,28 +833,31 @@ class SenderProtocol(_Side[_Outgoing]):
         reply: Message | None,
         *,
         tell: bool = True,
+        bury: bool = True,
     ) -> list[Effect]:
         """The one way a sender transfer ends: it is forgotten, its tombstone keeps
         `reply` for late messages, the receiver is sent `reply` (if `tell`), and the
-        engine is told with a `TransferEnded` (`reason` None: finished).
+        engine is told with a `TransferEnded` (`reason` None: finished), built here only.
 
         The caller has made sure no write of it is in flight (or that its peer is gone,
-        so none can land). A transfer the engine never submitted (registered only) is
-        reported to nobody now: its tombstone keeps the failure, and the engine's
-        `submit` of the id gets it."""
+        or the data plane closed, so none can land). A transfer the engine never
+        submitted (registered only) is reported to nobody now: its tombstone keeps the
+        failure, and the engine's `submit` of the id gets it. `bury=False`: no tombstone,
+        for `shutdown` (no message comes once the data plane is closed) and for a `submit`
+        of an id that already ended (its tombstone is there)."""
         tid = rec.transfer_id
-        del self._transfers[tid]
-        if rec.blocks is None:
-            assert reason is not None  # nothing finishes without blocks to write
-            self._bury(now, tid, rec.peer, reply, (reason, detail))
-        else:
-            self._bury(now, tid, rec.peer, reply)
+        if self._transfers.get(tid) is rec:
+            del self._transfers[tid]
+        if bury:
+            failure = (reason, detail) if rec.blocks is None and reason is not None else None
+            assert rec.blocks is not None or failure is not None  # nothing finishes unsubmitted
+            self._bury(now, tid, rec.peer, reply, failure)
         out: list[Effect] = []
         if tell and rec.peer is not None and reply is not None:
             out += self._send(rec.peer, reply)
         if rec.blocks is not None:
             moved = len(rec.register.block_ids) if reason is None and rec.register else 0
-            out.append(_ended(tid, reason, detail, rec.blocks, moved))
+            out.append(TransferEnded(tid, "sender", reason, detail, rec.blocks, moved))
         return out
 
     # ----- helpers
@@ -907,15 +924,3 @@ def _forget_expired(table: dict[_K, _V], now: float, expires: Callable[[_V], flo
         if now < expires(table[oldest]):
             break
         del table[oldest]
-
-
-def _ended(
-    transfer_id: str,
-    reason: FailureReason | None,
-    detail: str,
-    blocks: tuple[int, ...],
-    blocks_moved: int = 0,
-) -> TransferEnded:
-    """A sender `TransferEnded`: built here only (`_end_transfer`, and the two calls that
-    report without a transfer to end: `submit` of an ended id, and `shutdown`)."""
-    return TransferEnded(transfer_id, "sender", reason, detail, blocks, blocks_moved)
