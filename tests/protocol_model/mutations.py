@@ -207,12 +207,19 @@ def _bug2_sender(state: ModuleType) -> type:
 
 
 def _bug3_sender(state: ModuleType) -> type:
-    class Bug3Sender(state.SenderProtocol):  # type: ignore[name-defined,misc]
-        def _stale_register(self, now: float, peer: str, granted: float) -> str | None:
+    class Bug3Leases(_module(state, "leases").SenderLeases):  # type: ignore[misc]
+        def stale_register(self, now: float, peer: str, granted: float) -> str | None:
             return None
 
+    class Bug3Gate(_module(state, "identity").SenderGate):  # type: ignore[misc]
         def _too_old_to_read(self, now: float, arrived: float) -> bool:
             return False  # a Register kept unread during the handshake back, however old
+
+    class Bug3Sender(state.SenderProtocol):  # type: ignore[name-defined,misc]
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            self._leases = _leases(self, Bug3Leases)
+            self._gate = _gate(self, Bug3Gate)
 
         def _issue_writes(self, now: float, rec: Any) -> list[Any]:
             # As if every lease held at the moment a write is issued.
@@ -223,8 +230,26 @@ def _bug3_sender(state: ModuleType) -> type:
             finally:
                 rec.lease_until_theirs = kept
 
-    _register(Bug3Sender)
+    for cls in (Bug3Leases, Bug3Gate, Bug3Sender):
+        _register(cls)
     return Bug3Sender
+
+
+def _module(state: ModuleType, name: str) -> ModuleType:
+    """The protocol's module `name`, of the same revision as `state`."""
+    import sys
+
+    return sys.modules[state.__name__.rsplit(".", 1)[0] + "." + name]
+
+
+def _gate(sender: Any, cls: type) -> Any:
+    """A mutated gate for a sender just built, over its tables (as its own was)."""
+    return cls(sender._peers, sender._timing, sender._compat)
+
+
+def _leases(sender: Any, cls: type) -> Any:
+    """Mutated leases for a sender just built, over its tables (as its own were)."""
+    return cls(sender._me, sender._timing, sender._transfers, sender._peers, sender._tombstones)
 
 
 def _twice_receiver(state: ModuleType) -> type:
@@ -323,13 +348,21 @@ def _counterpart_receiver(state: ModuleType) -> type:
 
 
 def _incarnation_sender(state: ModuleType) -> type:
-    class IncarnationSender(state.SenderProtocol):  # type: ignore[name-defined,misc]
-        def _admit(self, now: float, peer: str, message: Any) -> Any:
+    identity = _module(state, "identity")
+
+    class IncarnationGate(identity.SenderGate):  # type: ignore[misc]
+        def admit(self, now: float, peer: str, message: Any) -> Any:
             p = self._peers.get(peer)
             if p is not None and p.verified and _same_engine(p, message):
-                return None  # its engine (and address): believed, whatever incarnation
-            return super()._admit(now, peer, message)
+                return identity.ADMIT  # its engine (and address): believed, whatever incarnation
+            return super().admit(now, peer, message)
 
+    class IncarnationSender(state.SenderProtocol):  # type: ignore[name-defined,misc]
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            self._gate = _gate(self, IncarnationGate)
+
+    _register(IncarnationGate)
     _register(IncarnationSender)
     return IncarnationSender
 
@@ -455,9 +488,15 @@ def _lease_first_write_sender(state: ModuleType) -> type:
             finally:
                 rec.lease_until_theirs = kept
 
-        def _lease_expired(self, now: float, rec: Any) -> bool:
-            return not rec.issued_layers and super()._lease_expired(now, rec)
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            self._leases = _leases(self, LeaseFirstWriteLeases)
 
+    class LeaseFirstWriteLeases(_module(state, "leases").SenderLeases):  # type: ignore[misc]
+        def expired(self, now: float, rec: Any) -> bool:
+            return not rec.issued_layers and super().expired(now, rec)
+
+    _register(LeaseFirstWriteLeases)
     _register(LeaseFirstWriteSender)
     return LeaseFirstWriteSender
 

@@ -5,37 +5,35 @@ Two gates, both before a message reaches a transfer:
 
 * the message key (`strip_message_key`): `PushProtocol.receive_message` drops, unread,
   every message that does not begin with our key;
-* the sender's identity gate (`SenderGate`, a part of `SenderProtocol`): a message from
-  an agent no side channel has vouched for yet is kept unread while the side channel it
-  names is asked who it serves (`handshake_done`/`handshake_failed`); the side channel's
-  answer decides whether the agent is believed, and only then are its messages read. A
-  believed agent's messages must claim what its side channel said.
+* the sender's identity gate (`SenderGate`, an object `SenderProtocol` owns): a message
+  from an agent no side channel has vouched for yet is kept unread while the side channel
+  it names is asked who it serves (`handshake_done`/`handshake_failed`); the side
+  channel's answer decides whether the agent is believed, and only then are its messages
+  read. A believed agent's messages must claim what its side channel said.
 
-Nothing here ends a transfer by itself: a refused agent's transfers end through
-`peer_lost`, and a believed agent's messages go to `SenderProtocol.handle`'s transitions.
+The gate answers, and never acts on a transfer: `admit` says whether a message may be
+read now (`Admit`), is kept unread (`Hold`) or is dropped (`Drop`); `answered` and
+`unanswered` say, per agent waiting on a side channel, whether it is believed (`Believe`,
+with the messages it sent meanwhile) or refused (`Refuse`), or which side channel must
+be asked again (a `Handshake`). `SenderProtocol` acts on those verdicts: it counts what
+was dropped, reads what was held, and ends the transfers of a refused agent
+(`peer_lost`).
 """
 
 from __future__ import annotations
 
 import hmac
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from kvpush.config import TimingConfig
-from kvpush.errors import FailureReason
 from kvpush.protocol._common import (
-    Effect,
     Handshake,
     PeerAddress,
     PeerInfo,
-    SendMessage,
     _Compatibility,
-    _Outgoing,
     _Peer,
-    _Side,
 )
 from kvpush.protocol.messages import (
-    Cancel,
-    Failed,
     Heartbeat,
     Message,
     Register,
@@ -98,47 +96,100 @@ def _claims(p: _Peer, message: Message) -> bool:
     return True
 
 
-class SenderGate(_Side[_Outgoing]):
+# ----- the verdicts
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Read the message now: its agent was vouched for, and it claims what was said."""
+
+
+ADMIT = Admit()
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """The message is kept unread until a side channel vouches for its agent. `ask`: the
+    lookup to start (a first message, naming a side channel); None: one is under way."""
+
+    ask: Handshake | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Drop:
+    """The message is dropped unread, to be counted under `reason` ("Who sent it")."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Believe:
+    """A side channel vouched for `agent`: read `messages`, what it sent meanwhile, in
+    order (`stale` more waited too long to be read, and are ignored); then it may be
+    written to, unless its KV cache is incompatible with ours (`problem`: what differs)."""
+
+    agent: str
+    messages: tuple[Message, ...]
+    stale: int
+    problem: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """`agent` is not who its messages said: `dropped` of them were dropped unread (to
+    be counted under `reason`). `loaded`: a side channel named this very agent, so the
+    runtime loaded it, and it must be lost (`peer_lost`, which unloads it); else the gate
+    forgot it already: nothing was bound to it, and the name may be a real peer's,
+    borrowed, which must stay loaded."""
+
+    agent: str
+    reason: str
+    detail: str
+    dropped: int
+    loaded: bool = False
+
+
+Vouching = Believe | Refuse | Handshake
+
+
+# ----- the gate
+
+
+class SenderGate:
     """The sender's identity gate: which agent a receiver's message may be read from.
 
-    Its state is the peer records' identity fields (`verified`, `inbox`, `rival`,
-    `address`, `engine_id`, `incarnation`); `SenderProtocol` holds it, with the rest."""
+    Its state is the identity fields of the sender's peer records (`verified`, `inbox`,
+    `rival`, `address`, `engine_id`, `incarnation`): it adds a record for an agent's
+    first message, and forgets one it refuses before anything was bound to it."""
 
-    _timing: TimingConfig
-    _compat: _Compatibility
-    ignored_messages: int
+    def __init__(
+        self, peers: dict[str, _Peer], timing: TimingConfig, compat: _Compatibility
+    ) -> None:
+        self._peers = peers  # the sender's
+        self._timing = timing
+        self._compat = compat
 
-    if TYPE_CHECKING:
-        # What the gate hands on to, in `SenderProtocol`.
-        def handle(self, now: float, peer: str, message: Message) -> list[Effect]: ...
-        def _peer_ready(self, now: float, p: _Peer) -> list[Effect]: ...
-        def _remember_cancel(self, now: float, peer: str, tid: str) -> None: ...
-
-    def _admit(self, now: float, peer: str, message: Message) -> list[Effect] | None:
-        """None when `message` may be read now: its agent `peer` was vouched for and it
-        claims what the side channel said. Else what the gate did with it instead: kept
-        unread (a first message naming a side channel to ask, or one from an agent being
-        looked up) or dropped and counted."""
+    def admit(self, now: float, peer: str, message: Message) -> Admit | Hold | Drop:
+        """Whether `message` from agent `peer` may be read now: its agent was vouched
+        for and it claims what the side channel said (`Admit`). Else it is kept unread (a
+        first message naming a side channel to ask, or one from an agent being looked
+        up: `Hold`) or dropped (`Drop`)."""
         p = self._peers.get(peer)
         if p is None:
             address = _named_address(message)
-            if address is not None:
-                return self._note_peer(now, peer, address, message)
-            if isinstance(message, Cancel):
-                # Counted, and still remembered against that agent's own Register: a
-                # receiver's Cancel may overtake (or outlive) its first Register.
-                self._remember_cancel(now, peer, message.transfer_id)
-            return self._drop("unknown_agent")
+            if address is None:
+                return Drop("unknown_agent")
+            return Hold(self._note_peer(now, peer, address, message))
         if not p.verified:
             if len(p.inbox) >= _MAX_UNREAD:
-                return self._drop("unread_overflow")
+                return Drop("unread_overflow")
             p.inbox.append((now, message))
-            return []
+            return Hold()
         if not _claims(p, message):
-            return self._drop("wrong_engine")
-        return None
+            return Drop("wrong_engine")
+        return ADMIT
 
-    def _note_peer(self, now: float, peer: str, address: PeerAddress, msg: Message) -> list[Effect]:
+    def _note_peer(self, now: float, peer: str, address: PeerAddress, msg: Message) -> Handshake:
         """A first message from `peer`, naming the side channel at `address`: keep it
         unread and ask that side channel who it serves (`handshake_done`).
 
@@ -161,21 +212,19 @@ class SenderGate(_Side[_Outgoing]):
             verified=False,
             inbox=[(now, msg)],
         )
-        return [Handshake(address, peer)]
+        return Handshake(address, peer)
 
-    def handshake_done(self, now: float, address: PeerAddress, info: PeerInfo) -> list[Effect]:
-        """The side channel at `address` answered with `info`.
+    def answered(self, now: float, address: PeerAddress, info: PeerInfo) -> list[Vouching]:
+        """The side channel at `address` answered with `info` (the agents it vouched for
+        before and does not name now restarted: `SenderProtocol` ends those first).
 
-        An agent vouched for there before and not named now restarted (PEER_RESTARTED).
         An agent waiting there (its messages unread in its inbox) is believed if it is
-        the one named, and its messages are read; any other is an impostor, and its
-        messages are dropped and counted. A believed one whose engine another address
-        was vouched for first waits until that address is looked up again. A believed
-        one with an incompatible cache is refused (INCOMPATIBLE_PEER); else it is ready
-        for writes."""
-        now = self._clock.advance(now)
-        out = self._restarted(now, address, info)
+        the one named; any other is an impostor. A believed one whose engine another
+        address was vouched for first waits until that address is looked up again (the
+        `Handshake` to send). A believed one with an incompatible cache is believed with
+        its `problem`, to be refused (INCOMPATIBLE_PEER) once its messages are read."""
         problem = self._compat.problem(info.compat)
+        out: list[Vouching] = []
         for p in list(self._peers.values()):
             if p.rival is None or p.rival[0] != address:
                 continue
@@ -185,16 +234,16 @@ class SenderGate(_Side[_Outgoing]):
                     f"at {address} still serves as agent {info.agent}"
                 )
                 # Its own side channel named it, so the runtime loaded it: unload it.
-                out += self._refuse(now, p, "impostor", detail, loaded=True)
+                out.append(self._refuse(p, "impostor", detail, loaded=True))
             else:  # that address now serves another agent: the one it vouched for is gone
                 p.rival = None
-                out += self._verified(now, p)
+                out.append(self._believe(now, p))
         for p in [p for p in self._peers.values() if p.address == address and not p.verified]:
             if p.rival is not None:
                 continue
             if p.agent != info.agent:
                 detail = f"the side channel at {address} serves agent {info.agent}, not {p.agent}"
-                out += self._refuse(now, p, "impostor", detail)
+                out.append(self._refuse(p, "impostor", detail))
                 continue
             p.engine_id, p.incarnation = info.engine_id, info.incarnation
             rival = next(
@@ -217,80 +266,40 @@ class SenderGate(_Side[_Outgoing]):
                 p.rival = (rival.address, rival.agent)
                 out.append(Handshake(rival.address, rival.agent, revalidate=True))
                 continue
-            if problem is not None:
-                out += self._incompatible(now, p, address, info, problem)
-            else:
-                out += self._verified(now, p)
+            out.append(self._believe(now, p, problem))
         return out
 
-    def handshake_failed(
-        self, now: float, address: PeerAddress, reason: FailureReason, detail: str
-    ) -> list[Effect]:
-        """The lookup of `address` failed: the agents waiting for it are not believed
-        (their messages are dropped and counted; nothing was bound to them). An agent
-        waiting for a second look at a rival's address is believed: that address no
-        longer vouches for the rival."""
-        now = self._clock.advance(now)
-        out: list[Effect] = []
+    def unanswered(self, now: float, address: PeerAddress, detail: str) -> list[Vouching]:
+        """The lookup of `address` failed: the agents waiting for it are refused
+        (nothing was bound to them). An agent waiting for a second look at a rival's
+        address is believed: that address no longer vouches for the rival."""
+        out: list[Vouching] = []
         for p in list(self._peers.values()):
             if p.rival is not None and p.rival[0] == address:
                 p.rival = None
-                out += self._verified(now, p)
+                out.append(self._believe(now, p))
         for p in [p for p in self._peers.values() if p.address == address and not p.verified]:
             if p.rival is None:
                 why = f"the side channel at {address} could not vouch for it: {detail}"
-                out += self._refuse(now, p, "unverified", why)
+                out.append(self._refuse(p, "unverified", why))
         return out
 
-    def _refuse(
-        self, now: float, p: _Peer, reason: str, detail: str, *, loaded: bool = False
-    ) -> list[Effect]:
-        """`p` is not who its messages said: drop them unread, and forget it (nothing
-        was bound to it). `DropPeer` only if `loaded` (a side channel named this very
-        agent, so the runtime loaded it): else the runtime never loaded that name, and
-        the name may be a real peer's, borrowed, which must stay loaded."""
-        self._drop(reason, len(p.inbox))
+    def _refuse(self, p: _Peer, reason: str, detail: str, *, loaded: bool = False) -> Refuse:
+        dropped = len(p.inbox)
         p.inbox.clear()
-        if loaded:
-            return self.peer_lost(now, p.agent, FailureReason.UNKNOWN_PEER, detail)
-        del self._peers[p.agent]
-        return []
+        if not loaded:
+            del self._peers[p.agent]
+        return Refuse(p.agent, reason, detail, dropped, loaded)
 
-    def _read_inbox(self, now: float, p: _Peer) -> list[Effect]:
-        """Read what a peer just vouched for sent meanwhile, in order; what waited longer
-        than `liveness_timeout_s` is dropped (a live receiver sends its Registers again
-        every heartbeat interval until we list them, so nothing is lost, and a message
-        that old may speak for a transfer its sender gave up since)."""
+    def _believe(self, now: float, p: _Peer, problem: str | None = None) -> Believe:
+        """`p` is believed: what it sent meanwhile is handed over to be read, in order;
+        what waited longer than `liveness_timeout_s` is not (a live receiver sends its
+        Registers again every heartbeat interval until we list them, so nothing is lost,
+        and a message that old may speak for a transfer its sender gave up since)."""
         p.verified = True
-        out: list[Effect] = []
         inbox, p.inbox = p.inbox, []
-        for at, m in inbox:
-            if self._too_old_to_read(now, at):
-                self.ignored_messages += 1
-            else:
-                out += self.handle(now, p.agent, m)
-        return out
+        fresh = tuple(m for at, m in inbox if not self._too_old_to_read(now, at))
+        return Believe(p.agent, fresh, len(inbox) - len(fresh), problem)
 
     def _too_old_to_read(self, now: float, arrived: float) -> bool:
         return now - arrived > self._timing.liveness_timeout_s
-
-    def _verified(self, now: float, p: _Peer) -> list[Effect]:
-        """The side channel vouched for `p`: read what it sent meanwhile, then write."""
-        out = self._read_inbox(now, p)
-        if p.agent in self._peers:
-            out += self._peer_ready(now, p)
-        return out
-
-    def _incompatible(
-        self, now: float, p: _Peer, address: PeerAddress, info: PeerInfo, problem: str
-    ) -> list[Effect]:
-        # Nothing was written (writes wait for the handshake): read what it sent (writes
-        # still wait), then say why with a Failed per transfer, so the receiver gives its
-        # blocks back now, not at its deadline.
-        out = self._read_inbox(now, p)
-        failure = FailureReason.INCOMPATIBLE_PEER
-        view = f"sender refused our KV cache: {self._compat.their_view(info.compat)}"
-        for rec in [r for r in self._transfers.values() if r.peer == p.agent]:
-            out.append(SendMessage(p.agent, Failed(rec.transfer_id, failure, view)))
-        detail = f"receiver at {address}: {problem}"
-        return out + self.peer_lost(now, p.agent, failure, detail)

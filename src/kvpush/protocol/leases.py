@@ -1,77 +1,87 @@
 """The sender's leases, measured on the receiver's clock, and its timers (the rules are in
 `kvpush.protocol.state`, "Leases measured on the receiver's clock").
 
-`SenderLeases` is a part of `SenderProtocol`: the bound on the receiver's clock that a
-receiver heartbeat's echo gives, the lease each Register and heartbeat grants, the
-recheck of a lease that looks over on a bound measured earlier, the heartbeats we send,
-and `tick`/`next_deadline` (silence, deadline, lease expiry, forgetting tombstones). What
-ends here ends through `SenderProtocol`'s one exit (`_end_transfer`, via `_fail` once
-writes drained).
+`SenderLeases` is an object `SenderProtocol` owns: the bound on each receiver's clock
+that a receiver heartbeat's echo gives, the lease each Register and heartbeat grants,
+the recheck of a lease that looks over on a bound measured earlier, the heartbeats we
+send, and the timers (`due`, `next_deadline`).
+
+It answers, and never ends a transfer: a lease that ran out is a `Lapsed` verdict, a
+timer that fired is a `Due` one (a receiver gone silent, a deadline passed, a claim
+window closed, a lease expired), and `SenderProtocol` ends the transfer
+(`_end_transfer`, via `_fail` once writes drained).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from kvpush.config import TimingConfig
 from kvpush.errors import FailureReason
 from kvpush.protocol._common import (
     Effect,
     LocalIdentity,
+    PeerClock,
     SenderState,
     SendMessage,
     _Outgoing,
     _Peer,
-    _Side,
     _Tombstone,
 )
-from kvpush.protocol.messages import (
-    Failed,
-    Heartbeat,
-    Message,
-)
+from kvpush.protocol.messages import Heartbeat
 
 
-class SenderLeases(_Side[_Outgoing]):
-    """Leases, heartbeats and timers of the sending side; `SenderProtocol` holds the
-    state (the transfers, their tombstones, the peers' clock bounds)."""
+@dataclass(frozen=True, slots=True)
+class Lapsed:
+    """The lease has run out: the transfer fails (PEER_TIMEOUT) with `detail`.
+    `register`: it was a Register's, refused as stale (`stale_registers`)."""
 
-    _me: LocalIdentity
-    _timing: TimingConfig
-    _tombstones: dict[str, _Tombstone]
-    _early_cancels: dict[tuple[str, str], float]
-    _rechecking: dict[str, None]
-    stale_registers: int
+    detail: str
+    register: bool
 
-    if TYPE_CHECKING:
-        # The transitions these hand on to, in `SenderProtocol`.
-        def _start(self, now: float, rec: _Outgoing) -> list[Effect]: ...
-        def _issue_writes(self, now: float, rec: _Outgoing) -> list[Effect]: ...
-        def _issue_for_peer(self, now: float, peer: str) -> list[Effect]: ...
-        def _maybe_done(self, now: float, rec: _Outgoing) -> list[Effect]: ...
-        def _fail(
-            self, now: float, rec: _Outgoing, reason: FailureReason, detail: str, reply: Message
-        ) -> list[Effect]: ...
-        def _end_transfer(
-            self,
-            now: float,
-            rec: _Outgoing,
-            reason: FailureReason | None,
-            detail: str,
-            reply: Message | None,
-            *,
-            tell: bool = True,
-        ) -> list[Effect]: ...
-        def _send(self, peer: str, message: Message) -> list[Effect]: ...
-        def _is_for(self, rec: _Outgoing, peer: str) -> bool: ...
+
+@dataclass(frozen=True, slots=True)
+class Due:
+    """A timer of `rec` fired: it fails with `reason` and `detail`. `lease`: its lease
+    looks over, which `SenderProtocol._lapsed` decides (it may ask for a fresh bound)."""
+
+    rec: _Outgoing
+    reason: FailureReason
+    detail: str
+    lease: bool = False
+
+
+class SenderLeases:
+    """Leases, heartbeats and timers of the sending side. Its state is its own set of
+    transfers whose lease is being rechecked, and the clock fields of the sender's peer
+    records (`skew_*`, `last_heartbeat_sent`); it reads the sender's transfers and
+    tombstones, and writes only their lease fields (`lease_until_theirs`, `recheck`)."""
+
+    def __init__(
+        self,
+        me: LocalIdentity,
+        timing: TimingConfig,
+        transfers: dict[str, _Outgoing],
+        peers: dict[str, _Peer],
+        tombstones: dict[str, _Tombstone],
+    ) -> None:
+        self._me = me
+        self._timing = timing
+        self._transfers = transfers  # the sender's, as the next three
+        self._peers = peers
+        self._tombstones = tombstones
+        # Ids whose `recheck` waits for a fresh echo, in order (a dict: deterministic).
+        self._rechecking: dict[str, None] = {}
 
     # ----- leases
 
-    def _granted(self, sent_at: float | None) -> float:
+    def granted(self, sent_at: float | None) -> float:
         """Until when (receiver's clock) a message sent at `sent_at` renews a lease."""
         return float("-inf") if sent_at is None else sent_at + self._timing.lease_s
 
-    def _stale_register(self, now: float, peer: str, granted: float) -> str | None:
+    def stale_register(self, now: float, peer: str, granted: float) -> str | None:
+        """Why a Register from `peer` granting a lease until `granted` is stale (its lease
+        certainly ran out already); None: it is not."""
         p = self._peers.get(peer)
         if p is None or p.skew_lb is None or now < granted + p.skew_lb:
             return None
@@ -81,13 +91,13 @@ class SenderLeases(_Side[_Outgoing]):
             f"its {self._timing.lease_s}s lease: refused, nothing written"
         )
 
-    def _on_heartbeat(self, now: float, peer: str, hb: Heartbeat) -> list[Effect]:
-        out: list[Effect] = []
-        p = self._peers.get(peer)
+    def heard(self, now: float, p: _Peer, hb: Heartbeat) -> bool:
+        """A heartbeat from receiver `p`: its echo bounds `p`'s clock, and it renews the
+        leases of the transfers with `p` it lists. True: the first bound on `p`'s clock
+        (writes waited for it)."""
         first_bound = False
         if (
-            p is not None
-            and hb.echo is not None
+            hb.echo is not None
             and hb.sent_at is not None
             and p.skew_echo < hb.echo <= now  # newer than the one in use, and ours
         ):
@@ -97,65 +107,59 @@ class SenderLeases(_Side[_Outgoing]):
             p.skew_echo = hb.echo
             p.skew_lb = hb.echo - hb.sent_at
             p.skew_round_trip = now - hb.echo
-        granted = self._granted(hb.sent_at)
-        window = self._timing.claim_window_s
-        for tid in hb.claimed:
-            rec = self._transfers.get(tid)
-            if (
-                window is not None
-                and rec is not None
-                and rec.register is None
-                and rec.blocks is not None
-                and rec.state is not SenderState.ENDING
-                and self._is_for(rec, peer)
-            ):
-                rec.claim_until = max(rec.claim_until, now + window)
-                rec.claimer = peer
+        granted = self.granted(hb.sent_at)
         for tid in hb.transfer_ids:
             rec = self._transfers.get(tid)
-            if rec is not None and rec.peer == peer:
-                if rec.state is not SenderState.ENDING:
-                    rec.lease_until_theirs = max(rec.lease_until_theirs, granted)
-                continue
-            tomb = self._tombstones.get(tid)
-            if tomb is not None and tomb.peer == peer and tomb.reply is not None:
-                out += self._send(peer, tomb.reply)  # it missed our Done/Failed: again
-        if first_bound and p is not None and p.ready:
-            out += self._issue_for_peer(now, peer)  # writes waited for the bound
-        if p is not None:
-            out += self._settle_rechecks(now, p)
-        return out
+            if rec is not None and rec.peer == p.agent and rec.state is not SenderState.ENDING:
+                rec.lease_until_theirs = max(rec.lease_until_theirs, granted)
+        return first_bound
 
-    def _lapsed(
-        self, now: float, rec: _Outgoing, detail: str, *, register: bool = False
-    ) -> list[Effect]:
-        """`rec`'s lease looks over: fail it, unless our bound on the receiver's clock
-        may be loose and a fresh one could show it holds.
+    def expires_at(self, rec: _Outgoing) -> float | None:
+        """When, on our clock, `rec`'s lease certainly runs out; None while it has no
+        receiver or the receiver's clock is not bounded yet."""
+        p = self._peers.get(rec.peer) if rec.peer is not None else None
+        if p is None or p.skew_lb is None:
+            return None
+        return rec.lease_until_theirs + p.skew_lb
+
+    def expired(self, now: float, rec: _Outgoing) -> bool:
+        """True once the lease has certainly run out on the receiver's clock."""
+        if rec.register is None:
+            return False
+        until = self.expires_at(rec)  # None: no bound yet, and nothing is written either
+        return until is not None and now >= until
+
+    def lapsed(
+        self, now: float, rec: _Outgoing, detail: str, register: bool
+    ) -> list[Effect] | Lapsed:
+        """`rec`'s lease looks over: `Lapsed`, unless our bound on the receiver's clock
+        may be loose and a fresh one could show it holds: then the heartbeat that asks
+        for one (nothing: it was asked for already), and nothing is written meanwhile.
 
         The bound comes from the newest round trip, and a round trip that waited (the
         receiver starved, a message queued) leaves it too small by that wait. With no
         transfers in flight nothing measures it again, so every later Register would look
         stale, for good. So before failing on a bound measured earlier, we send the
         receiver a heartbeat, which it answers at once with a fresh echo (and the ids it
-        still waits for, which renew their leases), and decide on that: nothing is
-        written meanwhile, and silence ends it as any silence does."""
+        still waits for, which renew their leases), and decide on that (`settled`):
+        silence meanwhile ends it as any silence does."""
         p = self._peers.get(rec.peer) if rec.peer is not None else None
         if rec.recheck is None and p is not None and p.ready and p.skew_lb is not None:
             rec.recheck = (now, detail, register)
             self._rechecking[rec.transfer_id] = None
-            return self._heartbeat(now, p, force=True)
+            return self.heartbeat(now, p, force=True)
         if rec.recheck is not None and (p is None or p.skew_echo < rec.recheck[0]):
             return []  # the answer is on its way
         if rec.recheck is not None:
             _, detail, register = rec.recheck
-        if register:
-            self.stale_registers += 1
-        return self._timeout(now, rec, FailureReason.PEER_TIMEOUT, detail)
+        return Lapsed(detail, register)
 
-    def _settle_rechecks(self, now: float, p: _Peer) -> list[Effect]:
-        """A bound measured after a recheck was asked for: decide each that waited on it
-        (only those: this runs on every heartbeat from a receiver)."""
-        out: list[Effect] = []
+    def settled(self, now: float, p: _Peer) -> list[tuple[_Outgoing, Lapsed | None]]:
+        """A bound on `p`'s clock measured after a recheck was asked for: the transfers
+        that waited on it (only those: this runs on every heartbeat from a receiver),
+        each with its verdict: `Lapsed`, or None: the lease holds after all (its recheck
+        is over). One that is ending meanwhile is only cleared."""
+        out: list[tuple[_Outgoing, Lapsed | None]] = []
         for tid in list(self._rechecking):
             rec = self._transfers.get(tid)
             if rec is None or rec.recheck is None:
@@ -166,76 +170,60 @@ class SenderLeases(_Side[_Outgoing]):
             del self._rechecking[tid]
             if rec.state is SenderState.ENDING:
                 rec.recheck = None
-            elif self._lease_expired(now, rec):
-                out += self._lapsed(now, rec, rec.recheck[1])
+            elif self.expired(now, rec):
+                _, detail, register = rec.recheck
+                out.append((rec, Lapsed(detail, register)))
             else:
-                rec.recheck = None  # the lease holds after all
-                if rec.state is SenderState.WRITING:
-                    out += (
-                        self._start(now, rec)
-                        if not rec.issued_layers
-                        else self._issue_writes(now, rec)
-                    )
-                    if self._transfers.get(rec.transfer_id) is rec:
-                        out += self._maybe_done(now, rec)  # its writes landed meanwhile
+                rec.recheck = None
+                out.append((rec, None))
         return out
+
+    def stop_recheck(self, rec: _Outgoing) -> None:
+        """`rec` is no longer bound to the receiver whose lease was being rechecked."""
+        rec.recheck = None
+        self._rechecking.pop(rec.transfer_id, None)
+
+    def clock_bounds(self) -> dict[str, PeerClock]:
+        """Per receiver agent whose clock is bounded (a heartbeat round trip came back
+        since its handshake): the bound, and how wide it is."""
+        return {
+            p.agent: PeerClock(p.skew_lb, p.skew_round_trip, p.skew_echo + p.skew_round_trip)
+            for p in self._peers.values()
+            if p.skew_lb is not None
+        }
 
     # ----- time
 
-    def tick(self, now: float) -> list[Effect]:
-        now = self._clock.advance(now)
-        out: list[Effect] = []
+    def due(self, now: float) -> list[Due]:
+        """What `tick` must end now: transfers whose receiver went silent (silent is not
+        dead: they fail, but only once their writes reported), whose deadline passed,
+        that no receiver registered or claimed within the claim window, or whose lease
+        looks over. Transfers already ending wait for their writes: only the data plane
+        ends a write."""
         t = self._timing
         silent: dict[str, str] = {}
         for p in self._peers.values():
             if now - p.last_heard >= t.liveness_timeout_s:
                 silent[p.agent] = f"receiver {p.agent} silent for {now - p.last_heard:.3f}s"
-        for rec in list(self._transfers.values()):
+        out: list[Due] = []
+        for rec in self._transfers.values():
             if rec.state is SenderState.ENDING:
-                continue  # waits for its writes: only the data plane ends a write
+                continue
             if rec.peer is not None and rec.peer in silent:
-                # Silent is not dead: fail, but only once its writes reported.
-                out += self._timeout(now, rec, FailureReason.PEER_TIMEOUT, silent[rec.peer])
+                out.append(Due(rec, FailureReason.PEER_TIMEOUT, silent[rec.peer]))
             elif now >= rec.deadline:
                 detail = f"not finished within {t.transfer_deadline_s}s"
-                out += self._timeout(now, rec, FailureReason.DEADLINE_EXCEEDED, detail)
+                out.append(Due(rec, FailureReason.DEADLINE_EXCEEDED, detail))
             elif rec.register is None and now >= rec.claim_until:
                 detail = (
                     f"no receiver registered or claimed it for {t.claim_window_s}s "
                     "(its receiver died before registering, or never got the request)"
                 )
-                out += self._timeout(now, rec, FailureReason.PEER_TIMEOUT, detail)
-            elif self._lease_expired(now, rec):
+                out.append(Due(rec, FailureReason.PEER_TIMEOUT, detail))
+            elif self.expired(now, rec):
                 detail = f"lease of {t.lease_s}s not renewed by receiver {rec.peer}"
-                out += self._lapsed(now, rec, detail)
-        # Oldest first: every tombstone lives the same time and `now` never goes back,
-        # so insertion order is expiry order (`_bury` re-inserts). Scanning them all
-        # each tick cost O(transfers of the last minute) and, at thousands of transfers
-        # a second, most of the runtime thread's time.
-        tombs = self._tombstones
-        while tombs:
-            oldest = next(iter(tombs))
-            if now < tombs[oldest].expires:
-                break
-            del tombs[oldest]
-        early = self._early_cancels
-        while early:
-            key = next(iter(early))
-            if now < early[key]:
-                break
-            del early[key]
-        for p in self._peers.values():
-            out += self._heartbeat(now, p)
+                out.append(Due(rec, FailureReason.PEER_TIMEOUT, detail, lease=True))
         return out
-
-    def _lease_expired(self, now: float, rec: _Outgoing) -> bool:
-        """True once the lease has certainly run out on the receiver's clock."""
-        if rec.peer is None or rec.register is None:
-            return False
-        p = self._peers.get(rec.peer)
-        if p is None or p.skew_lb is None:
-            return False  # no bound yet: nothing is written either (`_issue_writes`)
-        return now >= rec.lease_until_theirs + p.skew_lb
 
     def next_deadline(self) -> float | None:
         """When `tick` next has something to do; None while nothing is in flight."""
@@ -267,15 +255,10 @@ class SenderLeases(_Side[_Outgoing]):
             times.append(next(iter(self._tombstones.values())).expires)
         return min(times) if times else None
 
-    def _timeout(
-        self, now: float, rec: _Outgoing, reason: FailureReason, detail: str
-    ) -> list[Effect]:
-        failed = Failed(rec.transfer_id, reason, detail)
-        if rec.blocks is None:  # a registration the engine never submitted (yet)
-            return self._end_transfer(now, rec, reason, detail, failed)
-        return self._fail(now, rec, reason, detail, failed)
-
-    def _heartbeat(self, now: float, p: _Peer, *, force: bool = False) -> list[Effect]:
+    def heartbeat(self, now: float, p: _Peer, *, force: bool = False) -> list[Effect]:
+        """Our heartbeat to receiver `p` when one is due (or `force`d), listing the
+        transfers we hold with it: it renews nothing of ours, but its echo bounds `p`'s
+        clock and its list tells `p` which of its transfers we still hold."""
         if not p.ready:
             return []
         due = now >= p.last_heartbeat_sent + self._timing.heartbeat_interval_s

@@ -1,20 +1,24 @@
 """The sending side's state machine (`SenderProtocol`). The theory of operation, every
 rule this file follows, is in `kvpush.protocol.state`.
 
-`SenderProtocol` is three parts, one per concern, sharing one state:
+`SenderProtocol` owns two objects, one concern each, that answer and never act:
 
 * `kvpush.protocol.identity.SenderGate`: which agent a message may be read from
-  (vouching for unknown agents, `handshake_done`/`handshake_failed`);
-* `kvpush.protocol.leases.SenderLeases`: leases on the receiver's clock, heartbeats,
-  `tick` and `next_deadline`;
-* this file: the engine's calls, the transitions on a believed receiver's messages, the
-  writes, and the one exit every transfer ends through (`_end_transfer`).
+  (`admit`: admit, hold or drop; `answered`/`unanswered`: the side channel's verdict on
+  the agents waiting for it);
+* `kvpush.protocol.leases.SenderLeases`: leases on the receiver's clock, heartbeats, and
+  the timers (`due`: what `tick` must end; `next_deadline`).
+
+This file acts on their verdicts: the engine's calls, the transitions on a believed
+receiver's messages, the writes, and the one exit every transfer ends through
+(`_end_transfer`).
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 from kvpush.config import STRICT_COMPATIBILITY, CompatibilityPolicy, TimingConfig
 from kvpush.errors import (
@@ -27,6 +31,7 @@ from kvpush.protocol._common import (
     LocalIdentity,
     PeerAddress,
     PeerClock,
+    PeerInfo,
     SenderState,
     SendMessage,
     TransferEnded,
@@ -36,10 +41,11 @@ from kvpush.protocol._common import (
     _Compatibility,
     _Outgoing,
     _Peer,
+    _Side,
     _Tombstone,
 )
-from kvpush.protocol.identity import SenderGate
-from kvpush.protocol.leases import SenderLeases
+from kvpush.protocol.identity import Believe, Drop, Hold, Refuse, SenderGate, Vouching
+from kvpush.protocol.leases import Lapsed, SenderLeases
 from kvpush.protocol.messages import (
     Cancel,
     CancelAck,
@@ -53,14 +59,23 @@ from kvpush.protocol.messages import (
 
 __all__ = ["SenderProtocol", "SenderState"]
 
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
 # How many early Cancels are remembered at once.
 _MAX_EARLY_CANCELS = 65536
 # Registers from other receivers held per transfer until its submit (see `_Outgoing.held`).
 _MAX_HELD_REGISTERS = 4
 
 
-class SenderProtocol(SenderGate, SenderLeases):
-    """The sending side of every transfer of one rank. See the module docstring."""
+class SenderProtocol(_Side[_Outgoing]):
+    """The sending side of every transfer of one rank. See the module docstring.
+
+    Where a transfer ends: in `_end_transfer`, and nowhere else. Every path that ends
+    one (finished, failed once its writes drained (`_fail`, `_end`), its receiver gone
+    (`_abandon`), a registration never submitted, a `submit` of an id that already
+    ended, `shutdown`) calls it, and it alone builds the `TransferEnded` the engine
+    gets."""
 
     def __init__(
         self,
@@ -87,13 +102,15 @@ class SenderProtocol(SenderGate, SenderLeases):
         self.stale_registers = 0  # Registers refused because their lease had run out
         # Registers refused because the transfer is for another receiver (`submit`).
         self.wrong_receivers = 0
-        # Ids whose `recheck` waits for a fresh echo, in order (a dict: deterministic).
-        self._rechecking: dict[str, None] = {}
         self.forged = collections.Counter()
         # (agent, transfer id) -> forget after: a Cancel from that agent for an id it had
         # not registered (yet). It ends that agent's Register for the id, nobody else's.
         self._early_cancels: dict[tuple[str, str], float] = {}
         self._tombstone_s = timing.transfer_deadline_s + timing.lease_s
+        self._gate = SenderGate(self._peers, timing, self._compat)
+        self._leases = SenderLeases(
+            identity, timing, self._transfers, self._peers, self._tombstones
+        )
 
     # ----- inspection (read-only; what statistics and tests read)
 
@@ -134,21 +151,16 @@ class SenderProtocol(SenderGate, SenderLeases):
         """When, on our clock, the transfer's lease certainly runs out; None while the
         receiver's clock is not bounded yet (or the transfer is unknown or unregistered)."""
         rec = self._transfers.get(transfer_id)
-        if rec is None or rec.peer is None:
-            return None
-        p = self._peers.get(rec.peer)
-        if p is None or p.skew_lb is None:
-            return None
-        return rec.lease_until_theirs + p.skew_lb
+        return self._leases.expires_at(rec) if rec is not None else None
 
     def clock_bounds(self) -> dict[str, PeerClock]:
         """Per receiver agent whose clock our leases have bounded (a heartbeat round trip
         came back since its handshake): the bound, and how wide it is."""
-        return {
-            p.agent: PeerClock(p.skew_lb, p.skew_round_trip, p.skew_echo + p.skew_round_trip)
-            for p in self._peers.values()
-            if p.skew_lb is not None
-        }
+        return self._leases.clock_bounds()
+
+    def next_deadline(self) -> float | None:
+        """When `tick` next has something to do; None while nothing is in flight."""
+        return self._leases.next_deadline()
 
     # ----- engine calls
 
@@ -176,16 +188,20 @@ class SenderProtocol(SenderGate, SenderLeases):
             raise LocalProtocolError(f"transfer {transfer_id!r} was already submitted")
         tomb = self._tombstones.get(transfer_id)
         if tomb is not None:
+            # Ended before the engine handed it in: it ends at once (its tombstone stays).
             if tomb.pending_failure is None:
                 # The engine cannot know how long ended ids are remembered: an outcome.
-                detail = (
-                    f"transfer id {transfer_id!r} was already used by a transfer that ended "
-                    f"less than {self._tombstone_s}s ago: use a new id per transfer"
+                reason, detail = (
+                    FailureReason.LOCAL_ERROR,
+                    (
+                        f"transfer id {transfer_id!r} was already used by a transfer that ended "
+                        f"less than {self._tombstone_s}s ago: use a new id per transfer"
+                    ),
                 )
-                return [_ended(transfer_id, FailureReason.LOCAL_ERROR, detail, ours)]
-            reason, detail = tomb.pending_failure
-            tomb.pending_failure = None
-            return [_ended(transfer_id, reason, detail, ours)]
+            else:
+                (reason, detail), tomb.pending_failure = tomb.pending_failure, None
+            ended = _Outgoing(transfer_id, SenderState.ENDING, now, blocks=ours)
+            return self._end_transfer(now, ended, reason, detail, None, bury=False)
         if rec is None:
             rec = _Outgoing(
                 transfer_id,
@@ -229,10 +245,10 @@ class SenderProtocol(SenderGate, SenderLeases):
         out: list[Effect] = []
         if rec.register is not None and rec.peer is not None and not self._is_for(rec, rec.peer):
             out += self._refuse_receiver(rec.peer, rec)
-            rec.register, rec.peer, rec.recheck = None, None, None
+            rec.register, rec.peer = None, None
             rec.lease_until_theirs = float("-inf")
             rec.state = SenderState.AWAITING_REGISTER
-            self._rechecking.pop(rec.transfer_id, None)
+            self._leases.stop_recheck(rec)
         held, rec.held = rec.held, []
         started = False
         for peer, msg in held:
@@ -308,15 +324,30 @@ class SenderProtocol(SenderGate, SenderLeases):
         now = self._clock.advance(now)
         out: list[Effect] = []
         for rec in list(self._transfers.values()):
-            if rec.blocks is not None:
-                if rec.state is SenderState.ENDING and rec.reason is not None:
-                    why, what = rec.reason, rec.detail
-                else:
-                    why, what = reason, detail
-                out.append(_ended(rec.transfer_id, why, what, rec.blocks))
-        self._transfers.clear()
+            if rec.state is SenderState.ENDING and rec.reason is not None:
+                why, what = rec.reason, rec.detail
+            else:
+                why, what = reason, detail
+            # No tombstone: nothing comes from a peer once the data plane is closed.
+            out += self._end_transfer(now, rec, why, what, None, bury=False)
         self._writes.clear()
         self._peers.clear()
+        return out
+
+    def tick(self, now: float) -> list[Effect]:
+        """Whatever is due by `now`: timers (`SenderLeases.due`), forgetting tombstones
+        and early Cancels, and heartbeats."""
+        now = self._clock.advance(now)
+        out: list[Effect] = []
+        for due in self._leases.due(now):
+            if due.lease:
+                out += self._lapsed(now, due.rec, due.detail)
+            else:
+                out += self._timeout(now, due.rec, due.reason, due.detail)
+        _forget_expired(self._tombstones, now, lambda tomb: tomb.expires)
+        _forget_expired(self._early_cancels, now, lambda until: until)
+        for p in self._peers.values():
+            out += self._leases.heartbeat(now, p)
         return out
 
     # ----- a receiver believed (the gate let it through), and transport events
@@ -328,7 +359,7 @@ class SenderProtocol(SenderGate, SenderLeases):
         p.outbox.clear()
         # At once, not at the next interval: its echo bounds the receiver's clock, and
         # no write starts before that (first contact only; the bound is kept).
-        out += self._heartbeat(now, p, force=True)
+        out += self._leases.heartbeat(now, p, force=True)
         out += self._issue_for_peer(now, p.agent)
         return out
 
@@ -396,12 +427,18 @@ class SenderProtocol(SenderGate, SenderLeases):
         it"): from an agent no side channel has vouched for yet it is kept unread until
         one does (a Register or Reject names the address to ask), from any other agent
         it is dropped and counted; one that claims an engine other than the one its
-        agent was vouched for is dropped and counted too (the gate: `SenderGate._admit`).
+        agent was vouched for is dropped and counted too (the gate: `SenderGate.admit`).
         What passes the gate is a transition of its transfer."""
         now = self._clock.advance(now)
-        kept = self._admit(now, peer, message)
-        if kept is not None:
-            return kept
+        match self._gate.admit(now, peer, message):
+            case Hold(ask=ask):
+                return [ask] if ask is not None else []
+            case Drop(reason=reason):
+                if reason == "unknown_agent" and isinstance(message, Cancel):
+                    # Counted, and still remembered against that agent's own Register: a
+                    # receiver's Cancel may overtake (or outlive) its first Register.
+                    self._remember_cancel(now, peer, message.transfer_id)
+                return self._drop(reason)
         p = self._peers[peer]
         p.last_heard = now
         match message:
@@ -416,6 +453,101 @@ class SenderProtocol(SenderGate, SenderLeases):
             case _:
                 self.ignored_messages += 1
                 return []
+
+    def handshake_done(self, now: float, address: PeerAddress, info: PeerInfo) -> list[Effect]:
+        """The side channel at `address` answered with `info`: an agent vouched for there
+        before and not named now restarted (PEER_RESTARTED); the gate decides on the
+        agents waiting there (`SenderGate.answered`)."""
+        now = self._clock.advance(now)
+        out = self._restarted(now, address, info)
+        return out + self._vouched(now, address, info, self._gate.answered(now, address, info))
+
+    def handshake_failed(
+        self, now: float, address: PeerAddress, reason: FailureReason, detail: str
+    ) -> list[Effect]:
+        """The lookup of `address` failed (`SenderGate.unanswered`)."""
+        now = self._clock.advance(now)
+        return self._vouched(now, address, None, self._gate.unanswered(now, address, detail))
+
+    def _vouched(
+        self, now: float, address: PeerAddress, info: PeerInfo | None, verdicts: list[Vouching]
+    ) -> list[Effect]:
+        """Act on the gate's verdicts, in order: a believed agent's messages are read, then
+        it is ready for writes (or refused, if its cache is incompatible); a refused
+        one's messages are counted, and, if the runtime loaded it, it is lost."""
+        out: list[Effect] = []
+        for verdict in verdicts:
+            match verdict:
+                case Believe(agent=agent, messages=messages, stale=stale, problem=problem):
+                    self.ignored_messages += stale
+                    for m in messages:
+                        out += self.handle(now, agent, m)
+                    if problem is not None and info is not None:
+                        out += self._incompatible(now, agent, address, info, problem)
+                    elif agent in self._peers:
+                        out += self._peer_ready(now, self._peers[agent])
+                case Refuse(agent=agent, reason=reason, detail=detail, dropped=dropped):
+                    self._drop(reason, dropped)
+                    if verdict.loaded:
+                        out += self.peer_lost(now, agent, FailureReason.UNKNOWN_PEER, detail)
+                case _:
+                    out.append(verdict)  # a Handshake: ask a rival's side channel again
+        return out
+
+    def _incompatible(
+        self, now: float, agent: str, address: PeerAddress, info: PeerInfo, problem: str
+    ) -> list[Effect]:
+        """A believed receiver whose KV cache is incompatible with ours: each of its
+        transfers is told why (nothing was written: writes wait for the handshake), so it
+        gives its blocks back now, not at its deadline; then it is lost."""
+        failure = FailureReason.INCOMPATIBLE_PEER
+        view = f"sender refused our KV cache: {self._compat.their_view(info.compat)}"
+        out: list[Effect] = [
+            SendMessage(agent, Failed(rec.transfer_id, failure, view))
+            for rec in self._transfers.values()
+            if rec.peer == agent
+        ]
+        return out + self.peer_lost(now, agent, failure, f"receiver at {address}: {problem}")
+
+    def _on_heartbeat(self, now: float, peer: str, hb: Heartbeat) -> list[Effect]:
+        """A believed receiver's heartbeat: its echo and the leases it renews
+        (`SenderLeases.heard`), the submitted transfers it claims (their claim window
+        moves on), our Done/Failed again for ended ones it still lists, then the writes
+        that waited for a first bound and the rechecks it settles."""
+        p = self._peers[peer]
+        first_bound = self._leases.heard(now, p, hb)
+        window = self._timing.claim_window_s
+        for tid in hb.claimed:
+            rec = self._transfers.get(tid)
+            if (
+                window is not None
+                and rec is not None
+                and rec.register is None
+                and rec.blocks is not None
+                and rec.state is not SenderState.ENDING
+                and self._is_for(rec, peer)
+            ):
+                rec.claim_until = max(rec.claim_until, now + window)
+                rec.claimer = peer
+        out: list[Effect] = []
+        for tid in hb.transfer_ids:
+            rec, tomb = self._transfers.get(tid), self._tombstones.get(tid)
+            if (rec is not None and rec.peer == peer) or tomb is None or tomb.peer != peer:
+                continue
+            if tomb.reply is not None:
+                out += self._send(peer, tomb.reply)  # it missed our Done/Failed: again
+        if first_bound and p.ready:
+            out += self._issue_for_peer(now, peer)  # writes waited for the bound
+        for rec, lapsed in self._leases.settled(now, p):
+            if lapsed is not None:
+                out += self._run_out(now, rec, lapsed)
+            elif rec.state is SenderState.WRITING:  # the lease holds after all
+                out += (
+                    self._start(now, rec) if not rec.issued_layers else self._issue_writes(now, rec)
+                )
+                if self._transfers.get(rec.transfer_id) is rec:
+                    out += self._maybe_done(now, rec)  # its writes landed meanwhile
+        return out
 
     def _on_register(self, now: float, peer: str, msg: Register) -> list[Effect]:
         tid = msg.transfer_id
@@ -439,7 +571,7 @@ class SenderProtocol(SenderGate, SenderLeases):
             )
             failure = FailureReason.INCOMPATIBLE_PEER
             return out + self._send(peer, Failed(tid, failure, detail))
-        granted = self._granted(msg.sent_at)
+        granted = self._leases.granted(msg.sent_at)
         rec = self._transfers.get(tid)
         if rec is not None and rec.register is not None:
             if rec.peer == peer:
@@ -453,7 +585,7 @@ class SenderProtocol(SenderGate, SenderLeases):
             return out + self._send(peer, self._id_taken(tid))
         if rec is not None and rec.blocks is not None and not self._is_for(rec, peer):
             return out + self._refuse_receiver(peer, rec)
-        stale = self._stale_register(now, peer, granted)
+        stale = self._leases.stale_register(now, peer, granted)
         if rec is None:
             rec = _Outgoing(
                 tid, SenderState.REGISTERED, deadline=now + self._timing.transfer_deadline_s
@@ -551,6 +683,27 @@ class SenderProtocol(SenderGate, SenderLeases):
 
     # ----- transitions
 
+    def _timeout(
+        self, now: float, rec: _Outgoing, reason: FailureReason, detail: str
+    ) -> list[Effect]:
+        failed = Failed(rec.transfer_id, reason, detail)
+        if rec.blocks is None:  # a registration the engine never submitted (yet)
+            return self._end_transfer(now, rec, reason, detail, failed)
+        return self._fail(now, rec, reason, detail, failed)
+
+    def _lapsed(
+        self, now: float, rec: _Outgoing, detail: str, *, register: bool = False
+    ) -> list[Effect]:
+        """`rec`'s lease looks over: it fails, unless the leases ask the receiver for a
+        fresh bound on its clock first (`SenderLeases.lapsed`)."""
+        verdict = self._leases.lapsed(now, rec, detail, register)
+        return self._run_out(now, rec, verdict) if isinstance(verdict, Lapsed) else verdict
+
+    def _run_out(self, now: float, rec: _Outgoing, lapsed: Lapsed) -> list[Effect]:
+        if lapsed.register:
+            self.stale_registers += 1
+        return self._timeout(now, rec, FailureReason.PEER_TIMEOUT, lapsed.detail)
+
     def _start(self, now: float, rec: _Outgoing) -> list[Effect]:
         """Both sides known: check the mapping, then write (or finish on a full hit)."""
         assert rec.blocks is not None and rec.register is not None and rec.peer is not None
@@ -578,7 +731,7 @@ class SenderProtocol(SenderGate, SenderLeases):
         them: its handshake is done, its clock is bounded and the lease holds."""
         assert rec.blocks is not None and rec.register is not None and rec.peer is not None
         if rec.recheck is not None:
-            return []  # its lease looked over: `_settle_rechecks` decides, then issues
+            return []  # its lease looked over: `_on_heartbeat` settles it, then issues
         p = self._peers.get(rec.peer)
         if p is None or not p.ready:
             return []  # its handshake is not done: `_peer_ready` issues these
@@ -589,7 +742,7 @@ class SenderProtocol(SenderGate, SenderLeases):
             return []
         if p.skew_lb is None:
             return []  # the first echo is on its way; it issues these (`_on_heartbeat`)
-        if now >= rec.lease_until_theirs + p.skew_lb:
+        if self._leases.expired(now, rec):
             detail = (
                 f"lease of {self._timing.lease_s}s from receiver {rec.peer} ran out (on its "
                 "clock) before the write could start"
@@ -626,7 +779,7 @@ class SenderProtocol(SenderGate, SenderLeases):
         assert rec.register is not None and rec.peer is not None and rec.blocks is not None
         written_all = len(rec.issued_layers) == self._num_layers or not rec.register.block_ids
         if rec.inflight or not written_all or rec.recheck is not None:
-            return []  # (a lease being rechecked: `_settle_rechecks` comes back here)
+            return []  # (a lease being rechecked: `_on_heartbeat` comes back here)
         done = Done(rec.transfer_id, len(rec.register.block_ids))
         return self._end_transfer(now, rec, None, "", done)
 
@@ -680,28 +833,31 @@ class SenderProtocol(SenderGate, SenderLeases):
         reply: Message | None,
         *,
         tell: bool = True,
+        bury: bool = True,
     ) -> list[Effect]:
         """The one way a sender transfer ends: it is forgotten, its tombstone keeps
         `reply` for late messages, the receiver is sent `reply` (if `tell`), and the
-        engine is told with a `TransferEnded` (`reason` None: finished).
+        engine is told with a `TransferEnded` (`reason` None: finished), built here only.
 
         The caller has made sure no write of it is in flight (or that its peer is gone,
-        so none can land). A transfer the engine never submitted (registered only) is
-        reported to nobody now: its tombstone keeps the failure, and the engine's
-        `submit` of the id gets it."""
+        or the data plane closed, so none can land). A transfer the engine never
+        submitted (registered only) is reported to nobody now: its tombstone keeps the
+        failure, and the engine's `submit` of the id gets it. `bury=False`: no tombstone,
+        for `shutdown` (no message comes once the data plane is closed) and for a `submit`
+        of an id that already ended (its tombstone is there)."""
         tid = rec.transfer_id
-        del self._transfers[tid]
-        if rec.blocks is None:
-            assert reason is not None  # nothing finishes without blocks to write
-            self._bury(now, tid, rec.peer, reply, (reason, detail))
-        else:
-            self._bury(now, tid, rec.peer, reply)
+        if self._transfers.get(tid) is rec:
+            del self._transfers[tid]
+        if bury:
+            failure = (reason, detail) if rec.blocks is None and reason is not None else None
+            assert rec.blocks is not None or failure is not None  # nothing finishes unsubmitted
+            self._bury(now, tid, rec.peer, reply, failure)
         out: list[Effect] = []
         if tell and rec.peer is not None and reply is not None:
             out += self._send(rec.peer, reply)
         if rec.blocks is not None:
             moved = len(rec.register.block_ids) if reason is None and rec.register else 0
-            out.append(_ended(tid, reason, detail, rec.blocks, moved))
+            out.append(TransferEnded(tid, "sender", reason, detail, rec.blocks, moved))
         return out
 
     # ----- helpers
@@ -758,13 +914,13 @@ def _server(address: PeerAddress) -> tuple[str, int]:
     return address.host.strip("[]").lower(), address.port
 
 
-def _ended(
-    transfer_id: str,
-    reason: FailureReason | None,
-    detail: str,
-    blocks: tuple[int, ...],
-    blocks_moved: int = 0,
-) -> TransferEnded:
-    """A sender `TransferEnded`: built here only (`_end_transfer`, and the two calls that
-    report without a transfer to end: `submit` of an ended id, and `shutdown`)."""
-    return TransferEnded(transfer_id, "sender", reason, detail, blocks, blocks_moved)
+def _forget_expired(table: dict[_K, _V], now: float, expires: Callable[[_V], float]) -> None:
+    """Forget the entries of `table` that expired by `now`, oldest first: every entry
+    lives the same time and `now` never goes back, so insertion order is expiry order
+    (re-inserted when renewed). Scanning them all each tick cost O(transfers of the last
+    minute) and, at thousands of transfers a second, most of the runtime thread's time."""
+    while table:
+        oldest = next(iter(table))
+        if now < expires(table[oldest]):
+            break
+        del table[oldest]

@@ -6,11 +6,14 @@ Where each rule lives:
 * `receiver.py` — `ReceiverProtocol`, the receiving side, whole.
 * `sender.py` — `SenderProtocol`: the engine's calls, the transitions on a believed
   receiver's messages, the writes, and `_end_transfer`, the one exit every sender
-  transfer ends through. Two parts of it sit beside it, one concern each:
+  transfer ends through. It owns two objects, one concern each, which answer with
+  verdicts and never call back into it:
 * `identity.py` — "Who sent it": the message-key check in front of `PushProtocol`, and
-  the sender's identity gate in front of `SenderProtocol.handle` (`SenderGate`).
+  the sender's identity gate in front of `SenderProtocol.handle` (`SenderGate`: admit,
+  hold or drop a message; believe or refuse an agent a side channel answered for).
 * `leases.py` — "Leases measured on the receiver's clock": the sender's leases, clock
-  bound, heartbeats and timers (`SenderLeases`, `tick`, `next_deadline`).
+  bound, heartbeats and timers (`SenderLeases`: a lease lapsed or held, what `tick`
+  must end, `next_deadline`).
 * `_common.py` — what both sides share: values, effects, a peer, the clock, the
   compatibility decision, and `ended_unreported`.
 * this file — the theory of operation, and `PushProtocol`, which holds both machines.
