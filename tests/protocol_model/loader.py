@@ -20,6 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 _FILES = (
     "messages",
+    "auth",
     "_common",
     "identity",
     "leases",
