@@ -273,7 +273,8 @@ def _doctor_writes_across_ranks(st: Stack, prefill_tp: int, decode_tp: int) -> N
     with contextlib.redirect_stdout(io.StringIO()) as out:
         code = cli_main(args)
     report = json.loads(out.getvalue())
-    texts = [f["text"] for s in report["steps"] for f in s["findings"]]
+    # Joined, not a list: pytest prints a message whole, a list's repr cut to a line.
+    texts = "\n".join(f["text"] for s in report["steps"] for f in s["findings"])
     data = next(s for s in report["steps"] if s["name"] == "data plane")
     assert data["verdict"] == "ok", texts
     assert sorted(data["figures"]) == [f"prefill0->decode{d}" for d in range(decode_tp)], data
