@@ -129,6 +129,7 @@ CAUGHT_IN = {
     "incarnation": "incarnations",
     "layer-after-end": "layerwise-stall",
     "claim-ignored": "claims",
+    "early-claim-forgotten": "claims-held",
 }
 
 

@@ -183,6 +183,13 @@ class ApiV2(ApiBase):
         """`proto`'s sender holds a Register for `tid`, not submitted yet."""
         return bool(proto.sender.state_of(tid) is self.state.SenderState.REGISTERED)
 
+    def spoken(self, proto: Any, tid: str) -> bool:
+        """A receiver registered for, rejected or claimed `tid` before `proto`'s engine
+        submitted it: what its engine reads to submit a held send."""
+        sender = proto.sender
+        claimed = getattr(sender, "claimed_before_submit", lambda _prefixes: [])
+        return tid in (*sender.spoken_before_submit([tid]), *claimed([tid]))
+
     def expect(
         self, proto: Any, now: float, tid: str, sender_agent: str, spec: Any, blocks: Any
     ) -> list[Any]:

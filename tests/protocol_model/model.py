@@ -83,7 +83,8 @@ KINDS = {
     ),
     "claim-lost": (
         "a sender gave up a transfer as unclaimed less than a claim window after it read "
-        "its receiver's claim of it"
+        "its receiver's claim of it (or, for one its engine holds unsubmitted, did not "
+        "name it to the engine for a liveness timeout after)"
     ),
 }
 
@@ -105,6 +106,10 @@ class TransferSpec:
     # (`kvpush.protocol.parts.RequestParts`), and are started there in one call.
     request: str = ""
     heads: tuple[int, ...] = ()  # () = every head
+    # Its sender's engine holds it, unsubmitted, until a receiver speaks for it (registers,
+    # rejects or claims it: `spoken_before_submit`, `claimed_before_submit`), as a vLLM
+    # prefill holds a send whose decode TP nobody named (issue 39).
+    held: bool = False
 
     @property
     def owner(self) -> str:
@@ -270,6 +275,9 @@ class Tx:
     # sender last read a claim of it from that receiver after its submit.
     claimed: bool = False
     claim_read_at: float = float("-inf")
+    # A held transfer (`TransferSpec.held`): when (its sender's clock) its sender last read
+    # a claim of it before its submit.
+    early_claim_read_at: float = float("-inf")
 
 
 @dataclass
@@ -327,7 +335,18 @@ class Model:
         package = state_module.__name__.rsplit(".", 1)[0]
         # The protocol's modules (one file before the split along the sender/receiver
         # seam, several since), whose classes the keyer pickles quickly.
-        names = ("_common", "sender", "claims", "lookups", "receiver")
+        names = (
+            "_common",
+            "tombstones",
+            "writes",
+            "choice",
+            "sender",
+            "lookups",
+            "claims",
+            "receiver_messages",
+            "receiver_timers",
+            "receiver",
+        )
         parts = [sys.modules.get(f"{package}.{n}") for n in names]
         modules = (state_module, *(m for m in parts if m is not None), self.api.messages)
         from . import mutations
@@ -592,6 +611,7 @@ class Model:
                 and self.group(t.tid, "sender")[0] == t.tid
                 and w.ends[sender_agent].alive
                 and self.free_blocks(w, sender_agent, t.n) is not None
+                and (not t.held or self.api.spoken(w.ends[sender_agent].proto, t.tid))
             ):
                 out.append(("submit", t.tid))
             if tx.s_agent is not None and not tx.s_ended and w.ends[tx.s_agent].alive:
@@ -745,7 +765,31 @@ class Model:
         line: str = handler(w, *action[1:])
         if self.scope.eager_ticks:
             line += self._due_ticks(w)
+        self._check_held(w)
         return f"t={w.now:g} {line}"
+
+    def _check_held(self, w: World) -> None:
+        """`[claim-lost]` for a held transfer: a sender that read a claim of it names it
+        to its engine (`claimed_before_submit`) for a liveness timeout after, or the
+        engine gives up, at its claim window, a send its living receiver claims."""
+        liveness = self.scope.timing.liveness_timeout_s
+        for t in self.scope.transfers:
+            tx = w.tx[t.tid]
+            if not t.held or tx.s_agent is not None:
+                continue
+            agent = w.current[t.sender]
+            e = w.ends[agent]
+            read = tx.early_claim_read_at
+            if not e.alive or self.local(w, agent) >= read + liveness - 1e-9:
+                continue
+            if not self.api.spoken(e.proto, t.tid):
+                raise Violation(
+                    "claim-lost",
+                    f"{agent} read its receiver's claim of {t.tid} (held, not submitted) "
+                    f"{self.local(w, agent) - read:g}s ago and does not name it to its "
+                    f"engine: the engine gives up, at its claim window, a send its living "
+                    "receiver claims",
+                )
 
     def _due_ticks(self, w: World) -> str:
         """The runtime ticks in the same pass when a timer is due (once: a timer that a
@@ -788,6 +832,15 @@ class Model:
             return
         for tid in getattr(msg, "claimed", ()):
             tx = w.tx.get(tid)
+            if (
+                tx is not None
+                and tx.s_agent is None
+                and self.specs[tid].held
+                and w.current.get(self.specs[tid].sender) == dst
+                and w.current.get(self.specs[tid].receiver) == src
+            ):
+                tx.early_claim_read_at = self.local(w, dst)
+                self.note(w, f"{tid} claimed before submit")
             if (
                 tx is not None
                 and tx.s_agent == dst

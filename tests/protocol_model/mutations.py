@@ -28,7 +28,8 @@ Issue 21's, one for each other promise and the two bugs the checker once missed:
   transfer's sender's.
 * `lease-first-write`: the lease is checked only before a transfer's first write, so
   later layer-wise writes skip it.
-* `empty-layers`: `_check_layers` treats `[]` (no layer ready yet) as all layers ready.
+* `empty-layers`: `SenderWrites.check_layers` treats `[]` (no layer ready yet) as all
+  layers ready.
 * `resend-past-deadline`: the fix at `_resend_registers` reverted (`now < rec.deadline`
   dropped): a receiver re-sends its Register past its transfer's deadline.
 
@@ -56,6 +57,10 @@ The `refused-call` invariant's:
 * `claim-ignored` (issue 39): the sender reads a receiver's heartbeat without the
   transfers it claims, so it gives up a queued request's transfer one claim window after
   submit, however often its living receiver claimed it.
+* `early-claim-forgotten` (issue 39): the sender does not remember a claim of a
+  transfer its engine has not submitted (`claimed_before_submit` names nothing), so an
+  engine that holds a send until a receiver speaks for it gives it up at its window
+  while its living receiver claims it.
 * `layer-after-end`: the sender refuses (`LocalProtocolError`) a layer made ready for a
   transfer it has ended, as if the engine could know: one whose end the engine has not
   heard yet (a call queued while the process was stopped) is a legal call.
@@ -102,6 +107,7 @@ MUTATIONS: dict[str, str] = {
     "fence-lease-only": "fence-margin",
     "counterpart": "wrong-bytes",
     "claim-ignored": "claim-lost",
+    "early-claim-forgotten": "claim-lost",
     "incarnation": "late-write",
     "layer-after-end": "refused-call",
 }
@@ -152,6 +158,7 @@ def apply(state: ModuleType, mutation: str | None) -> tuple[type, Any]:
         "incarnation": _incarnation_sender,
         "layer-after-end": _layer_after_end_sender,
         "claim-ignored": _claim_ignored_sender,
+        "early-claim-forgotten": _early_claim_forgotten_sender,
     }
     receivers = {
         "twice": _twice_receiver,
@@ -401,6 +408,15 @@ def _claim_ignored_sender(state: ModuleType) -> type:
     return ClaimIgnoredSender
 
 
+def _early_claim_forgotten_sender(state: ModuleType) -> type:
+    class EarlyClaimForgottenSender(state.SenderProtocol):  # type: ignore[name-defined,misc]
+        def claimed_before_submit(self, prefixes: Any) -> list[str]:
+            return []
+
+    _register(EarlyClaimForgottenSender)
+    return EarlyClaimForgottenSender
+
+
 def _phantom_sender(state: ModuleType) -> type:
     class PhantomSender(state.SenderProtocol):  # type: ignore[name-defined,misc]
         def _end_transfer(self, now: float, rec: Any, *args: Any, **kw: Any) -> list[Any]:
@@ -437,7 +453,7 @@ def _write_after_end_sender(state: ModuleType) -> type:
             if tomb is not None and tomb.peer is None and rec is not None:
                 # The first Register for a transfer that ended before any came starts
                 # it again, instead of being answered from its tombstone.
-                del self._tombstones[tid]
+                self._tombstones.unbury(tid)
                 rec.state = awaiting
                 rec.deadline = now + self._timing.transfer_deadline_s
                 self._transfers[tid] = rec
@@ -502,14 +518,20 @@ def _lease_first_write_sender(state: ModuleType) -> type:
 
 
 def _empty_layers_sender(state: ModuleType) -> type:
-    class EmptyLayersSender(state.SenderProtocol):  # type: ignore[name-defined,misc]
-        def _check_layers(self, tid: str, layers: Any) -> set[int]:
+    class EmptyLayersWrites(_module(state, "writes").SenderWrites):  # type: ignore[misc]
+        def check_layers(self, tid: str, layers: Any) -> set[int]:
             if layers is not None:
                 layers = list(layers)
                 if not layers:
                     layers = None  # [] taken as "all ready"
-            return super()._check_layers(tid, layers)  # type: ignore[no-any-return]
+            return super().check_layers(tid, layers)  # type: ignore[no-any-return]
 
+    class EmptyLayersSender(state.SenderProtocol):  # type: ignore[name-defined,misc]
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            self._writes = EmptyLayersWrites(self._writes._num_layers, self._transfers)
+
+    _register(EmptyLayersWrites)
     _register(EmptyLayersSender)
     return EmptyLayersSender
 
@@ -525,9 +547,15 @@ def _register(cls: type) -> None:
 
 
 def _wrong_receiver_sender(state: ModuleType) -> type:
-    class WrongReceiverSender(state.SenderProtocol):  # type: ignore[name-defined,misc]
-        def _is_for(self, rec: Any, peer: str) -> bool:
+    class WrongReceiverChoice(_module(state, "choice").ReceiverChoice):  # type: ignore[misc]
+        def is_for(self, rec: Any, peer: str) -> bool:
             return True  # any receiver the side channel admitted may take the transfer
 
+    class WrongReceiverSender(state.SenderProtocol):  # type: ignore[name-defined,misc]
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            self._choice = WrongReceiverChoice(self._timing, self._peers)
+
+    _register(WrongReceiverChoice)
     _register(WrongReceiverSender)
     return WrongReceiverSender

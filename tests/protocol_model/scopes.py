@@ -467,7 +467,23 @@ CLAIMS = _ci(
     goals=(*_ok("T1"), "T1 peer_timeout on the sender", "T1 claimed"),
     scenario=("T1 claimed",),
 )
-CI = (*CI, CLAIMS)
+# A held send (issue 39): the sender's engine submits T1 only once a receiver spoke for
+# it, as a vLLM prefill that does not know its decode's TP; the receiver claims it first
+# (its request queued, no blocks yet). A claim read must name T1 to the engine for a
+# liveness timeout (`[claim-lost]`), so that the engine submits it instead of giving it
+# up at its window; and T1 then ends once on each side as any other.
+CLAIMS_HELD = _ci(
+    "claims-held",
+    (T("T1", "S1", 1, held=True),),
+    Budget(),
+    claims=True,
+    timing=CLAIMS.timing,
+    script=("claim T1", "handshake_ok R#1 S1"),
+    max_depth=10,
+    goals=(*_ok("T1"), "T1 claimed before submit"),
+    scenario=("T1 claimed before submit",),
+)
+CI = (*CI, CLAIMS, CLAIMS_HELD)
 
 # A receiver whose runtime thread is stuck while its side channel still answers: finds
 # a late write in the current protocol (see docs/protocol-checking.md, "Findings").

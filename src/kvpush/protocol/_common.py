@@ -123,6 +123,28 @@ class ReceiverState(enum.StrEnum):
     FENCING = "fencing"  # given up; blocks kept until the sender confirms or its lease ran out
 
 
+# A receiver's record of one transfer.
+@dataclass(slots=True)
+class _Incoming:
+    transfer_id: str
+    address: PeerAddress
+    blocks: tuple[int, ...]
+    sender_offset: int
+    deadline: float
+    sender_block_tokens: int = 0
+    first_attempt: bool = True
+    state: ReceiverState = ReceiverState.HANDSHAKING
+    peer: str | None = None  # the sender's agent, once handshaken
+    register: Register | None = None
+    register_sent_at: float = float("-inf")
+    heard_before: int = 0  # the peer's `messages_heard` when the Register went out
+    from_cache: bool = False  # registered from a cached PeerInfo, without a fresh lookup
+    reason: FailureReason | None = None
+    detail: str = ""
+    fence_until: float = float("inf")
+    cancel_sent_at: float = float("-inf")
+
+
 # --------------------------------------------------------------------------- effects
 
 

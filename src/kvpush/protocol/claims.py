@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvpush.protocol._common import LocalIdentity, PeerAddress
+from kvpush.protocol.lookups import Lookups
 from kvpush.protocol.messages import Heartbeat
 
 # How many ids one claiming heartbeat lists at most (more go in the next ones).
@@ -72,6 +73,15 @@ class Claims:
     def addresses(self) -> list[PeerAddress]:
         """The sender side channel of each claim, in claim order (repeats kept)."""
         return [c.address for c in self._by_id.values()]
+
+    def from_agent(self, agent: str, book: Lookups) -> list[str]:
+        """The ids claimed from the sender agent `agent` (its side channel looked up)."""
+        out = []
+        for tid, claim in self._by_id.items():
+            info = book.info(claim.address)
+            if info is not None and info.agent == agent:
+                out.append(tid)
+        return out
 
     def earliest(self) -> float:
         """When the first claim runs out (there must be one)."""

@@ -26,9 +26,9 @@ from kvpush.protocol._common import (
     SendMessage,
     _Outgoing,
     _Peer,
-    _Tombstone,
 )
 from kvpush.protocol.messages import Heartbeat
+from kvpush.protocol.tombstones import Tombstones
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +63,7 @@ class SenderLeases:
         timing: TimingConfig,
         transfers: dict[str, _Outgoing],
         peers: dict[str, _Peer],
-        tombstones: dict[str, _Tombstone],
+        tombstones: Tombstones,
     ) -> None:
         self._me = me
         self._timing = timing
@@ -251,8 +251,9 @@ class SenderLeases:
                 times.append(p.last_heard + self._timing.liveness_timeout_s)
                 if p.ready:
                     times.append(p.last_heartbeat_sent + self._timing.heartbeat_interval_s)
-        if self._tombstones and not times:
-            times.append(next(iter(self._tombstones.values())).expires)
+        first_expiry = self._tombstones.first_expiry()
+        if first_expiry is not None and not times:
+            times.append(first_expiry)
         return min(times) if times else None
 
     def heartbeat(self, now: float, p: _Peer, *, force: bool = False) -> list[Effect]:

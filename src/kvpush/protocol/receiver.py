@@ -3,13 +3,15 @@ every rule this file follows, is in `kvpush.protocol.state`.
 
 Two tables it owns live beside it, each answering what it holds and deciding nothing:
 `claims.Claims`, the requests held before there are blocks for them, and
-`lookups.Lookups`, the senders' side channels being looked up or known."""
+`lookups.Lookups`, the senders' side channels being looked up or known. Its timers are
+an object it owns too, `receiver_timers.ReceiverTimers`, which answers what is due
+(a sender silent, a deadline passed, a fence over, a Cancel to repeat) and when `tick`
+next has work; the receiver fences or ends the transfer."""
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import msgspec
 
@@ -30,10 +32,11 @@ from kvpush.protocol._common import (
     _check_blocks,
     _Clock,
     _Compatibility,
+    _Incoming,
     _Peer,
     _Side,
 )
-from kvpush.protocol.claims import Claims, claiming_heartbeats
+from kvpush.protocol.claims import Claims
 from kvpush.protocol.lookups import Lookup, Lookups
 from kvpush.protocol.messages import (
     Cancel,
@@ -42,34 +45,11 @@ from kvpush.protocol.messages import (
     Failed,
     Heartbeat,
     Message,
-    Register,
-    Reject,
 )
+from kvpush.protocol.receiver_messages import heartbeats_from, register_for, reject_from
+from kvpush.protocol.receiver_timers import CancelAgain, FenceOver, Overdue, ReceiverTimers
 
 __all__ = ["ReceiverProtocol", "ReceiverState"]
-
-# --------------------------------------------------------------------------- receiver
-
-
-@dataclass(slots=True)
-class _Incoming:
-    transfer_id: str
-    address: PeerAddress
-    blocks: tuple[int, ...]
-    sender_offset: int
-    deadline: float
-    sender_block_tokens: int = 0
-    first_attempt: bool = True
-    state: ReceiverState = ReceiverState.HANDSHAKING
-    peer: str | None = None  # the sender's agent, once handshaken
-    register: Register | None = None
-    register_sent_at: float = float("-inf")
-    heard_before: int = 0  # the peer's `messages_heard` when the Register went out
-    from_cache: bool = False  # registered from a cached PeerInfo, without a fresh lookup
-    reason: FailureReason | None = None
-    detail: str = ""
-    fence_until: float = float("inf")
-    cancel_sent_at: float = float("-inf")
 
 
 class ReceiverProtocol(_Side["_Incoming"]):
@@ -95,6 +75,9 @@ class ReceiverProtocol(_Side["_Incoming"]):
         self._peers: dict[str, _Peer] = {}
         self._book = Lookups(revalidate_after_s)  # our senders' side channels
         self._claims = Claims()
+        self._timers = ReceiverTimers(
+            timing, self._transfers, self._peers, self._claims, self._book, self._ended
+        )
         self.ignored_messages = 0
         self.forged = collections.Counter()
 
@@ -207,7 +190,7 @@ class ReceiverProtocol(_Side["_Incoming"]):
         for tid, address in self._claims.items():
             info = self._book.info(address)
             if info is not None:
-                out.append(SendMessage(info.agent, self._reject(tid, detail)))
+                out.append(SendMessage(info.agent, reject_from(self._me, tid, detail)))
         self._claims.clear()
         return out
 
@@ -222,15 +205,6 @@ class ReceiverProtocol(_Side["_Incoming"]):
                 address=address,
             )
         return p
-
-    def _claimed_from(self, agent: str) -> list[str]:
-        """The ids we claim from the sender agent `agent` (its side channel looked up)."""
-        out = []
-        for tid, address in self._claims.items():
-            info = self._book.info(address)
-            if info is not None and info.agent == agent:
-                out.append(tid)
-        return out
 
     def reject(
         self, now: float, transfer_id: str, sender: PeerAddress, detail: str
@@ -251,20 +225,10 @@ class ReceiverProtocol(_Side["_Incoming"]):
             ended.append(TransferEnded(transfer_id, "receiver", FailureReason.REJECTED, why, ()))
         info = self._book.info(sender)
         if info is not None:
-            return [SendMessage(info.agent, self._reject(transfer_id, detail)), *ended]
+            return [SendMessage(info.agent, reject_from(self._me, transfer_id, detail)), *ended]
         lookup, out = self._book.start(sender)
         lookup.rejects.append((transfer_id, detail))
         return out + ended
-
-    def _reject(
-        self, transfer_id: str, detail: str, reason: FailureReason = FailureReason.REJECTED
-    ) -> Reject:
-        """Our Reject, naming us as a Register does, so that a sender that has not heard
-        from us yet can ask our side channel who we are before it believes it."""
-        me = self._me
-        return Reject(
-            transfer_id, detail, reason, me.engine_id, me.incarnation, me.host, me.port, me.rank
-        )
 
     def abort(
         self,
@@ -378,13 +342,13 @@ class ReceiverProtocol(_Side["_Incoming"]):
                 now, address, lookup, FailureReason.INCOMPATIBLE_PEER, problem
             )
             for tid in [*waiting, *(t for t, _ in lookup.rejects)]:
-                reject = self._reject(tid, view, FailureReason.INCOMPATIBLE_PEER)
+                reject = reject_from(self._me, tid, view, FailureReason.INCOMPATIBLE_PEER)
                 out.append(SendMessage(info.agent, reject))
             return out
         out = self._restarted(now, address, info)
         self._book.remember(address, info, now)
         for tid, detail in lookup.rejects:
-            out.append(SendMessage(info.agent, self._reject(tid, detail)))
+            out.append(SendMessage(info.agent, reject_from(self._me, tid, detail)))
         for tid in lookup.transfers:
             rec = self._transfers.get(tid)
             if rec is not None and rec.state is ReceiverState.HANDSHAKING:
@@ -429,30 +393,10 @@ class ReceiverProtocol(_Side["_Incoming"]):
 
     def _register(self, now: float, rec: _Incoming, info: PeerInfo) -> list[Effect]:
         peer = info.agent
-        p = self._peers.get(peer)
-        if p is None:
-            p = self._peers[peer] = _Peer(
-                peer,
-                info.engine_id,
-                last_heard=now,
-                incarnation=info.incarnation,
-                address=rec.address,
-            )
-        elif not any(r.peer == peer for r in self._transfers.values()):
-            p.last_heard = now  # idle until now: its silence so far says nothing
-        me = self._me
-        rec.register = Register(
-            rec.transfer_id,
-            me.engine_id,
-            me.incarnation,
-            me.host,
-            me.port,
-            me.rank,
-            rec.blocks,
-            rec.sender_offset,
-            sent_at=now,
-            sender_block_tokens=rec.sender_block_tokens,
-        )
+        if peer in self._peers and not any(r.peer == peer for r in self._transfers.values()):
+            self._peers[peer].last_heard = now  # idle until now: its silence says nothing
+        p = self._peer_of(now, rec.address, info)
+        rec.register = register_for(self._me, rec, now)
         rec.peer = peer
         rec.state = ReceiverState.WAITING
         rec.register_sent_at = now
@@ -531,45 +475,31 @@ class ReceiverProtocol(_Side["_Incoming"]):
                 return self._end(now, rec, FailureReason.MALFORMED_MESSAGE, detail)
 
     def tick(self, now: float) -> list[Effect]:
+        """Whatever is due by `now` (`ReceiverTimers`): silent senders, deadlines, fences
+        and Cancels; then forgetting ended ids, claims, Registers to resend, heartbeats."""
         now = self._clock.advance(now)
         t = self._timing
         out: list[Effect] = []
-        for p in list(self._peers.values()):
-            live = [r for r in self._transfers.values() if r.peer == p.agent]
-            if live and now - p.last_heard >= t.liveness_timeout_s:
-                detail = f"sender {p.agent} silent for {now - p.last_heard:.3f}s"
-                for rec in live:
-                    if rec.state is ReceiverState.WAITING:
-                        out += self._fence(now, rec, FailureReason.PEER_TIMEOUT, detail)
-                # Silent is not dead: it stays loaded (our Cancels keep going to it, and a
-                # send the data plane cannot deliver proves it gone), but its cached
-                # handshake is not trusted for a new transfer.
-                self._book.forget(p.agent)
-        for rec in list(self._transfers.values()):
-            if rec.state is not ReceiverState.FENCING and now >= rec.deadline:
-                detail = f"not finished within {t.transfer_deadline_s}s"
-                if rec.state is ReceiverState.HANDSHAKING:
-                    detail += f" (the handshake with {rec.address} did not finish)"
+        for silent in self._timers.silent(now):
+            for rec in silent.waiting:
+                out += self._fence(now, rec, FailureReason.PEER_TIMEOUT, silent.detail)
+            # Silent is not dead: it stays loaded (our Cancels keep going to it, and a
+            # send the data plane cannot deliver proves it gone), but its cached
+            # handshake is not trusted for a new transfer.
+            self._book.forget(silent.agent)
+        for due in self._timers.due(now):
+            match due:
+                case Overdue(rec=rec, detail=detail, handshaking=True):
                     out += self._end_handshaking(now, rec, FailureReason.DEADLINE_EXCEEDED, detail)
-                else:
+                case Overdue(rec=rec, detail=detail):
                     out += self._fence(now, rec, FailureReason.DEADLINE_EXCEEDED, detail)
-            elif rec.state is ReceiverState.FENCING:
-                assert rec.reason is not None
-                if now >= rec.fence_until:
+                case FenceOver(rec=rec):
+                    assert rec.reason is not None
                     out += self._end(now, rec, rec.reason, rec.detail)
-                elif (
-                    rec.peer in self._peers
-                    and now >= rec.cancel_sent_at + t.heartbeat_interval_s
-                    and rec.peer is not None
-                ):
+                case CancelAgain(rec=rec):
                     rec.cancel_sent_at = now
                     out += self._cancel(now, rec)
-        ended = self._ended  # oldest first, as the sender's tombstones
-        while ended:
-            oldest = next(iter(ended))
-            if now < ended[oldest]:
-                break
-            del ended[oldest]
+        self._timers.forget_ended(now)
         out += self._tick_claims(now)
         for p in self._peers.values():
             out += self._resend_registers(now, p.agent)
@@ -592,39 +522,17 @@ class ReceiverProtocol(_Side["_Incoming"]):
 
     def _heartbeat(self, now: float, p: _Peer, *, only_if_live: bool = False) -> list[Effect]:
         live = [r for r in self._transfers.values() if r.peer == p.agent]
-        claimed = self._claimed_from(p.agent) if self._claims else []
+        claimed = self._claims.from_agent(p.agent, self._book) if self._claims else []
         if only_if_live and not live and not claimed:
             return []
         p.last_heartbeat_sent = now
         ids = tuple(r.transfer_id for r in live if r.state is ReceiverState.WAITING)
-        me = self._me
-        if not claimed:
-            hb = Heartbeat("receiver", me.engine_id, me.incarnation, ids, sent_at=now, echo=p.echo)
-            return [SendMessage(p.agent, hb)]
-        hbs = claiming_heartbeats(me, ids, claimed, now, p.echo)
-        return [SendMessage(p.agent, hb) for hb in hbs]
+        return [
+            SendMessage(p.agent, hb) for hb in heartbeats_from(self._me, ids, claimed, now, p.echo)
+        ]
 
     def next_deadline(self) -> float | None:
-        t = self._timing
-        times: list[float] = []
-        for rec in self._transfers.values():
-            if rec.state is ReceiverState.HANDSHAKING:
-                times.append(rec.deadline)
-            elif rec.state is ReceiverState.WAITING:
-                times += [rec.deadline, rec.register_sent_at + t.heartbeat_interval_s]
-            else:
-                times += [rec.fence_until, rec.cancel_sent_at + t.heartbeat_interval_s]
-        for p in self._peers.values():
-            if any(r.peer == p.agent for r in self._transfers.values()):
-                times.append(p.last_heard + t.liveness_timeout_s)
-                times.append(p.last_heartbeat_sent + t.heartbeat_interval_s)
-            elif self._claims and self._claimed_from(p.agent):
-                times.append(p.last_heartbeat_sent + t.heartbeat_interval_s)
-        if self._claims:
-            times.append(self._claims.earliest())
-        if self._ended and not times:
-            times.append(next(iter(self._ended.values())))
-        return min(times) if times else None
+        return self._timers.next_deadline()
 
     # ----- transitions
 

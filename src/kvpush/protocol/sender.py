@@ -1,24 +1,32 @@
 """The sending side's state machine (`SenderProtocol`). The theory of operation, every
 rule this file follows, is in `kvpush.protocol.state`.
 
-`SenderProtocol` owns two objects, one concern each, that answer and never act:
+`SenderProtocol` owns objects, one concern each, that answer and never act:
 
 * `kvpush.protocol.identity.SenderGate`: which agent a message may be read from
   (`admit`: admit, hold or drop; `answered`/`unanswered`: the side channel's verdict on
   the agents waiting for it);
 * `kvpush.protocol.leases.SenderLeases`: leases on the receiver's clock, heartbeats, and
-  the timers (`due`: what `tick` must end; `next_deadline`).
+  the timers (`due`: what `tick` must end; `next_deadline`);
+* `kvpush.protocol.tombstones.Tombstones`: the ids that ended, with the answer a late
+  message about one gets, and the Cancels that came before their Register;
+* `kvpush.protocol.writes.SenderWrites`: the write ledger (which writes are in flight,
+  for which transfer) and what a transfer's next write carries;
+* `kvpush.protocol.choice.ReceiverChoice`: which receiver a transfer may go to (the one
+  named at submit, the Registers held until then, the receivers' claims).
 
 This file acts on their verdicts: the engine's calls, the transitions on a believed
 receiver's messages, the writes, and the one exit every transfer ends through
-(`_end_transfer`).
+(`_end_transfer`). It is the sender's transition table and is kept whole, as h11 keeps
+its transitions in one file: every transition may end a transfer, and so must reach
+`_end_transfer`; a second class holding some of them would either call back into this
+one or hand back a verdict per transition, two places to read each rule instead of one.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvpush.config import STRICT_COMPATIBILITY, CompatibilityPolicy, TimingConfig
 from kvpush.errors import (
@@ -35,15 +43,14 @@ from kvpush.protocol._common import (
     SenderState,
     SendMessage,
     TransferEnded,
-    WriteBlocks,
     _check_blocks,
     _Clock,
     _Compatibility,
     _Outgoing,
     _Peer,
     _Side,
-    _Tombstone,
 )
+from kvpush.protocol.choice import ReceiverChoice
 from kvpush.protocol.identity import Believe, Drop, Hold, Refuse, SenderGate, Vouching
 from kvpush.protocol.leases import Lapsed, SenderLeases
 from kvpush.protocol.messages import (
@@ -56,16 +63,10 @@ from kvpush.protocol.messages import (
     Register,
     Reject,
 )
+from kvpush.protocol.tombstones import Tombstones
+from kvpush.protocol.writes import SenderWrites
 
 __all__ = ["SenderProtocol", "SenderState"]
-
-_K = TypeVar("_K")
-_V = TypeVar("_V")
-
-# How many early Cancels are remembered at once.
-_MAX_EARLY_CANCELS = 65536
-# Registers from other receivers held per transfer until its submit (see `_Outgoing.held`).
-_MAX_HELD_REGISTERS = 4
 
 
 class SenderProtocol(_Side[_Outgoing]):
@@ -90,23 +91,18 @@ class SenderProtocol(_Side[_Outgoing]):
             raise LocalProtocolError(f"num_layers must be at least 1, got {num_layers}")
         self._me = identity
         self._timing = timing
-        self._num_layers = num_layers
         self._compat = _Compatibility(compat, compatibility)
         self._clock = _Clock()
         self._transfers: dict[str, _Outgoing] = {}
-        self._tombstones: dict[str, _Tombstone] = {}
+        self._tombstones = Tombstones(timing.transfer_deadline_s + timing.lease_s)
         self._peers: dict[str, _Peer] = {}
-        self._writes: dict[int, str] = {}
-        self._next_write_id = 1
+        self._writes = SenderWrites(num_layers, self._transfers)
         self.ignored_messages = 0
         self.stale_registers = 0  # Registers refused because their lease had run out
         # Registers refused because the transfer is for another receiver (`submit`).
         self.wrong_receivers = 0
         self.forged = collections.Counter()
-        # (agent, transfer id) -> forget after: a Cancel from that agent for an id it had
-        # not registered (yet). It ends that agent's Register for the id, nobody else's.
-        self._early_cancels: dict[tuple[str, str], float] = {}
-        self._tombstone_s = timing.transfer_deadline_s + timing.lease_s
+        self._choice = ReceiverChoice(timing, self._peers)
         self._gate = SenderGate(self._peers, timing, self._compat)
         self._leases = SenderLeases(
             identity, timing, self._transfers, self._peers, self._tombstones
@@ -136,12 +132,15 @@ class SenderProtocol(_Side[_Outgoing]):
             for t, r in self._transfers.items()
             if r.blocks is None and r.register is not None and t.startswith(wanted)
         ]
-        rejected = [
-            t
-            for t, tomb in self._tombstones.items()
-            if tomb.pending_failure is not None and t.startswith(wanted)
-        ]
-        return registered + rejected
+        return registered + self._tombstones.rejected(wanted)
+
+    def claimed_before_submit(self, prefixes: Iterable[str]) -> list[str]:
+        """Transfer ids starting with one of `prefixes` that a receiver's heartbeats
+        claim (it holds the request queued) and the engine has not submitted: as
+        `spoken_before_submit`, what says the receiver's shape before it registers.
+        Forgotten a liveness timeout after the last heartbeat that claimed it."""
+        wanted = tuple(prefixes)
+        return self._choice.early(wanted) if wanted else []
 
     def writes_in_flight(self) -> int:
         """Writes issued whose outcome the data plane has not reported yet."""
@@ -182,7 +181,7 @@ class SenderProtocol(_Side[_Outgoing]):
         it. Registers that came before submit are held until it says which is the one."""
         now = self._clock.advance(now)
         ours = _check_blocks(blocks, "submit", transfer_id)
-        layers = self._check_layers(transfer_id, ready_layers)
+        layers = self._writes.check_layers(transfer_id, ready_layers)
         rec = self._transfers.get(transfer_id)
         if rec is not None and rec.blocks is not None:
             raise LocalProtocolError(f"transfer {transfer_id!r} was already submitted")
@@ -195,7 +194,7 @@ class SenderProtocol(_Side[_Outgoing]):
                     FailureReason.LOCAL_ERROR,
                     (
                         f"transfer id {transfer_id!r} was already used by a transfer that ended "
-                        f"less than {self._tombstone_s}s ago: use a new id per transfer"
+                        f"less than {self._tombstones.keep_s}s ago: use a new id per transfer"
                     ),
                 )
             else:
@@ -211,51 +210,32 @@ class SenderProtocol(_Side[_Outgoing]):
             self._transfers[transfer_id] = rec
         rec.blocks = ours
         rec.ready_layers = layers
-        if receiver is not None:
-            rec.receiver = _server(receiver)
-        if self._timing.claim_window_s is not None:
-            rec.claim_until = now + self._timing.claim_window_s
+        self._choice.submitted(now, rec, receiver)
         out, started = self._choose_receiver(now, rec)
         if started or rec.register is None:
             return out
         rec.state = SenderState.WRITING
         return out + self._start(now, rec)
 
-    def _is_for(self, rec: _Outgoing, peer: str) -> bool:
-        """Whether `peer` is a receiver `rec` may go to (the one named at submit)."""
-        if rec.receiver is None:
-            return True
-        p = self._peers.get(peer)
-        return p is not None and p.address is not None and _server(p.address) == rec.receiver
-
     def _refuse_receiver(self, peer: str, rec: _Outgoing) -> list[Effect]:
         self.wrong_receivers += 1
-        assert rec.receiver is not None
-        host, port = rec.receiver
-        detail = (
-            f"transfer {rec.transfer_id!r} is for the decode server whose side channel is "
-            f"{PeerAddress(host, port)} (named by its sender), not receiver {peer}"
-        )
-        return self._send(peer, Failed(rec.transfer_id, FailureReason.MALFORMED_MESSAGE, detail))
+        return self._send(peer, self._choice.refusal(peer, rec))
 
     def _choose_receiver(self, now: float, rec: _Outgoing) -> tuple[list[Effect], bool]:
         """At submit: the receiver bound before it stays only if it is the one named;
         of the Registers held, the first from the named one takes the transfer (and
         starts it: True), the others are told the id is taken."""
         out: list[Effect] = []
-        if rec.register is not None and rec.peer is not None and not self._is_for(rec, rec.peer):
-            out += self._refuse_receiver(rec.peer, rec)
-            rec.register, rec.peer = None, None
-            rec.lease_until_theirs = float("-inf")
-            rec.state = SenderState.AWAITING_REGISTER
+        unnamed = self._choice.unbind_unnamed(rec)
+        if unnamed is not None:
+            out += self._refuse_receiver(unnamed, rec)
             self._leases.stop_recheck(rec)
-        held, rec.held = rec.held, []
         started = False
-        for peer, msg in held:
-            if rec.register is None and self._is_for(rec, peer):
+        for peer, msg in self._choice.take_held(rec):
+            if rec.register is None and self._choice.is_for(rec, peer):
                 out += self._on_register(now, peer, msg)
                 started = rec.register is not None
-            elif rec.receiver is not None and not self._is_for(rec, peer):
+            elif rec.receiver is not None and not self._choice.is_for(rec, peer):
                 out += self._refuse_receiver(peer, rec)
             else:
                 out += self._send(peer, self._id_taken(rec.transfer_id))
@@ -264,7 +244,7 @@ class SenderProtocol(_Side[_Outgoing]):
     def layers_ready(self, now: float, transfer_id: str, layers: Iterable[int]) -> list[Effect]:
         now = self._clock.advance(now)
         rec = self._transfers.get(transfer_id)
-        new = self._check_layers(transfer_id, layers)
+        new = self._writes.check_layers(transfer_id, layers)
         if rec is None or rec.blocks is None:
             if transfer_id in self._tombstones:
                 return []  # it already ended; the engine learns that from poll()
@@ -336,7 +316,7 @@ class SenderProtocol(_Side[_Outgoing]):
 
     def tick(self, now: float) -> list[Effect]:
         """Whatever is due by `now`: timers (`SenderLeases.due`), forgetting tombstones
-        and early Cancels, and heartbeats."""
+        and early Cancels and claims, and heartbeats."""
         now = self._clock.advance(now)
         out: list[Effect] = []
         for due in self._leases.due(now):
@@ -344,8 +324,8 @@ class SenderProtocol(_Side[_Outgoing]):
                 out += self._lapsed(now, due.rec, due.detail)
             else:
                 out += self._timeout(now, due.rec, due.reason, due.detail)
-        _forget_expired(self._tombstones, now, lambda tomb: tomb.expires)
-        _forget_expired(self._early_cancels, now, lambda until: until)
+        self._tombstones.expire(now)
+        self._choice.expire(now)
         for p in self._peers.values():
             out += self._leases.heartbeat(now, p)
         return out
@@ -385,14 +365,13 @@ class SenderProtocol(_Side[_Outgoing]):
         if not known:
             return out
         why = f"the receiver that claimed it is gone ({detail})"
-        for rec in list(self._transfers.values()):
-            if rec.claimer == peer and rec.register is None and rec.state is not SenderState.ENDING:
-                out += self._timeout(now, rec, reason, why)
+        for rec in self._choice.claimed_by(self._transfers, peer):
+            out += self._timeout(now, rec, reason, why)
         return out
 
     def write_done(self, now: float, write_id: int) -> list[Effect]:
         now = self._clock.advance(now)
-        rec = self._pop_write(write_id)
+        rec = self._writes.landed(write_id)
         if rec is None:
             return []
         if rec.done_write == write_id:
@@ -405,7 +384,7 @@ class SenderProtocol(_Side[_Outgoing]):
         self, now: float, write_id: int, reason: FailureReason, detail: str
     ) -> list[Effect]:
         now = self._clock.advance(now)
-        rec = self._pop_write(write_id)
+        rec = self._writes.landed(write_id)
         if rec is None:
             return []
         if rec.state is SenderState.ENDING:
@@ -437,7 +416,7 @@ class SenderProtocol(_Side[_Outgoing]):
                 if reason == "unknown_agent" and isinstance(message, Cancel):
                     # Counted, and still remembered against that agent's own Register: a
                     # receiver's Cancel may overtake (or outlive) its first Register.
-                    self._remember_cancel(now, peer, message.transfer_id)
+                    self._tombstones.remember_cancel(now, peer, message.transfer_id)
                 return self._drop(reason)
         p = self._peers[peer]
         p.last_heard = now
@@ -516,19 +495,11 @@ class SenderProtocol(_Side[_Outgoing]):
         that waited for a first bound and the rechecks it settles."""
         p = self._peers[peer]
         first_bound = self._leases.heard(now, p, hb)
-        window = self._timing.claim_window_s
         for tid in hb.claimed:
             rec = self._transfers.get(tid)
-            if (
-                window is not None
-                and rec is not None
-                and rec.register is None
-                and rec.blocks is not None
-                and rec.state is not SenderState.ENDING
-                and self._is_for(rec, peer)
-            ):
-                rec.claim_until = max(rec.claim_until, now + window)
-                rec.claimer = peer
+            self._choice.claimed(now, rec, peer)
+            if rec is None and tid not in self._tombstones:
+                self._choice.claimed_early(now, tid)  # `claimed_before_submit`
         out: list[Effect] = []
         for tid in hb.transfer_ids:
             rec, tomb = self._transfers.get(tid), self._tombstones.get(tid)
@@ -552,7 +523,7 @@ class SenderProtocol(_Side[_Outgoing]):
     def _on_register(self, now: float, peer: str, msg: Register) -> list[Effect]:
         tid = msg.transfer_id
         out: list[Effect] = []
-        if self._early_cancels.pop((peer, tid), None) is not None:
+        if self._tombstones.take_cancel(peer, tid):
             return self._cancelled_before_register(now, peer, tid)
         tomb = self._tombstones.get(tid)
         if tomb is not None:
@@ -577,13 +548,11 @@ class SenderProtocol(_Side[_Outgoing]):
             if rec.peer == peer:
                 rec.lease_until_theirs = max(rec.lease_until_theirs, granted)
                 return out  # a duplicate
-            if rec.blocks is None and len(rec.held) < _MAX_HELD_REGISTERS:
+            if rec.blocks is None and self._choice.hold(rec, peer, msg):
                 # Not submitted yet: which receiver the transfer is for is not known.
-                if all(p != peer for p, _ in rec.held):
-                    rec.held.append((peer, msg))
                 return out
             return out + self._send(peer, self._id_taken(tid))
-        if rec is not None and rec.blocks is not None and not self._is_for(rec, peer):
+        if rec is not None and rec.blocks is not None and not self._choice.is_for(rec, peer):
             return out + self._refuse_receiver(peer, rec)
         stale = self._leases.stale_register(now, peer, granted)
         if rec is None:
@@ -605,11 +574,6 @@ class SenderProtocol(_Side[_Outgoing]):
             return out
         return out + self._start(now, rec)
 
-    def _remember_cancel(self, now: float, peer: str, tid: str) -> None:
-        if len(self._early_cancels) < _MAX_EARLY_CANCELS:
-            self._early_cancels.pop((peer, tid), None)  # insertion order = expiry order
-            self._early_cancels[(peer, tid)] = now + self._tombstone_s
-
     def _cancelled_before_register(self, now: float, peer: str, tid: str) -> list[Effect]:
         """`peer` cancelled `tid` before its Register for it came: the transfer ends
         CANCELLED for that receiver (nothing was written), and it gets its CancelAck."""
@@ -621,7 +585,7 @@ class SenderProtocol(_Side[_Outgoing]):
             rec.peer = peer
             return self._fail(now, rec, reason, why, CancelAck(tid))
         if rec is None and tomb is None:
-            self._bury(now, tid, peer, CancelAck(tid), (reason, why))
+            self._tombstones.bury(now, tid, peer, CancelAck(tid), (reason, why))
             return self._send(peer, CancelAck(tid))
         if tomb is not None and tomb.peer in (None, peer):
             tomb.peer = peer
@@ -644,17 +608,16 @@ class SenderProtocol(_Side[_Outgoing]):
         tomb = self._tombstones.get(tid)
         if tomb is not None and tomb.peer == peer:
             return self._send(peer, CancelAck(tid))
-        if rec is not None and any(p == peer for p, _ in rec.held):
+        if self._choice.withdraw_held(rec, peer):
             # A held Register withdrawn; a copy of it still on the way must not be held.
-            rec.held = [(p, m) for p, m in rec.held if p != peer]
-            self._remember_cancel(now, peer, tid)
+            self._tombstones.remember_cancel(now, peer, tid)
             return self._send(peer, CancelAck(tid))
         if rec is None or rec.register is None:
             # The Cancel overtook its Register (or the Register was lost): it ends that
             # receiver's Register for the id when it comes, nobody else's. (Its blocks
             # stay fenced on its side; ours, if submitted, wait for that Register or the
             # deadline: an unregistered transfer names no receiver that could end it.)
-            self._remember_cancel(now, peer, tid)
+            self._tombstones.remember_cancel(now, peer, tid)
             return self._send(peer, CancelAck(tid))
         return self._drop("not_counterpart")  # the transfer is another receiver's
 
@@ -671,7 +634,7 @@ class SenderProtocol(_Side[_Outgoing]):
             why = f"receiver {peer} rejected the request: {detail}"
         if rec is None:
             if tid not in self._tombstones:
-                self._bury(now, tid, peer, None, (failure, why))
+                self._tombstones.bury(now, tid, peer, None, (failure, why))
             return []
         if rec.register is not None and rec.peer != peer:
             return self._drop("not_counterpart")
@@ -707,20 +670,7 @@ class SenderProtocol(_Side[_Outgoing]):
     def _start(self, now: float, rec: _Outgoing) -> list[Effect]:
         """Both sides known: check the mapping, then write (or finish on a full hit)."""
         assert rec.blocks is not None and rec.register is not None and rec.peer is not None
-        reg = rec.register
-        detail = None
-        if reg.sender_block_tokens != self._compat.block_tokens:
-            detail = (
-                f"receiver counted in blocks of {reg.sender_block_tokens} tokens, but the "
-                f"sender's blocks hold {self._compat.block_tokens}: expected the receiver to "
-                f"name the sender's block size (its kv_transfer_params)"
-            )
-        elif reg.sender_offset + len(reg.block_ids) != len(rec.blocks):
-            detail = (
-                f"receiver registered {len(reg.block_ids)} blocks at offset "
-                f"{reg.sender_offset}, but the sender has {len(rec.blocks)} blocks: expected "
-                f"offset + registered blocks = {len(rec.blocks)}"
-            )
+        detail = self._writes.mapping_problem(rec, self._compat.block_tokens)
         if detail is not None:
             failure = FailureReason.BLOCK_MISMATCH
             return self._fail(now, rec, failure, detail, Failed(rec.transfer_id, failure, detail))
@@ -748,37 +698,11 @@ class SenderProtocol(_Side[_Outgoing]):
                 "clock) before the write could start"
             )
             return self._lapsed(now, rec, detail)
-        all_now = not rec.issued_layers and len(new) == self._num_layers
-        rec.issued_layers |= new
-        wid = self._next_write_id
-        self._next_write_id += 1
-        self._writes[wid] = rec.transfer_id
-        # The last write carries Done, which the data plane delivers after its bytes: no
-        # round trip after the data. Only when no other write of the transfer is in
-        # flight, though (Done promises that nothing more will land): else Done goes
-        # alone once the last WriteDone is in (`_maybe_done`).
-        done: Done | None = None
-        if not rec.inflight and len(rec.issued_layers) == self._num_layers:
-            done = Done(rec.transfer_id, len(rec.register.block_ids))
-            rec.done_write = wid
-        rec.inflight.add(wid)
-        off = rec.register.sender_offset
-        return [
-            WriteBlocks(
-                rec.peer,
-                rec.transfer_id,
-                wid,
-                rec.blocks[off:],
-                rec.register.block_ids,
-                None if all_now else tuple(sorted(new)),
-                done,
-            )
-        ]
+        return [self._writes.issue(rec, new)]
 
     def _maybe_done(self, now: float, rec: _Outgoing) -> list[Effect]:
         assert rec.register is not None and rec.peer is not None and rec.blocks is not None
-        written_all = len(rec.issued_layers) == self._num_layers or not rec.register.block_ids
-        if rec.inflight or not written_all or rec.recheck is not None:
+        if rec.inflight or not self._writes.all_written(rec) or rec.recheck is not None:
             return []  # (a lease being rechecked: `_on_heartbeat` comes back here)
         done = Done(rec.transfer_id, len(rec.register.block_ids))
         return self._end_transfer(now, rec, None, "", done)
@@ -818,8 +742,7 @@ class SenderProtocol(_Side[_Outgoing]):
     ) -> list[Effect]:
         """The peer is certainly gone: end at once, tell nobody; its write events are
         ignored (a write to a process that is gone lands nowhere)."""
-        for wid in rec.inflight:
-            self._writes.pop(wid, None)
+        self._writes.forget(rec)
         if rec.state is SenderState.ENDING and rec.reason is not None:
             reason, detail = rec.reason, rec.detail
         return self._end_transfer(now, rec, reason, detail, None)
@@ -851,7 +774,7 @@ class SenderProtocol(_Side[_Outgoing]):
         if bury:
             failure = (reason, detail) if rec.blocks is None and reason is not None else None
             assert rec.blocks is not None or failure is not None  # nothing finishes unsubmitted
-            self._bury(now, tid, rec.peer, reply, failure)
+            self._tombstones.bury(now, tid, rec.peer, reply, failure)
         out: list[Effect] = []
         if tell and rec.peer is not None and reply is not None:
             out += self._send(rec.peer, reply)
@@ -862,25 +785,6 @@ class SenderProtocol(_Side[_Outgoing]):
 
     # ----- helpers
 
-    def _check_layers(self, tid: str, layers: Iterable[int] | None) -> set[int]:
-        if layers is None:
-            return set(range(self._num_layers))
-        out = set(layers)
-        bad = [x for x in out if not isinstance(x, int) or not 0 <= x < self._num_layers]
-        if bad:
-            raise LocalProtocolError(
-                f"transfer {tid!r}: layers {sorted(map(str, bad))} out of range: "
-                f"expected 0..{self._num_layers - 1}"
-            )
-        return out
-
-    def _pop_write(self, write_id: int) -> _Outgoing | None:
-        tid = self._writes.pop(write_id, None)
-        rec = self._transfers.get(tid) if tid is not None else None
-        if rec is not None:
-            rec.inflight.discard(write_id)
-        return rec
-
     def _send(self, peer: str, message: Message) -> list[Effect]:
         p = self._peers.get(peer)
         if p is None:
@@ -890,37 +794,7 @@ class SenderProtocol(_Side[_Outgoing]):
             return []
         return [SendMessage(peer, message)]
 
-    def _bury(
-        self,
-        now: float,
-        tid: str,
-        peer: str | None,
-        reply: Message | None,
-        pending_failure: tuple[FailureReason, str] | None = None,
-    ) -> None:
-        keep = self._tombstone_s
-        self._tombstones.pop(tid, None)  # keep insertion order = expiry order
-        self._tombstones[tid] = _Tombstone(peer, reply, now + keep, pending_failure)
-
     @staticmethod
     def _id_taken(tid: str) -> Failed:
         detail = f"transfer id {tid!r} is already in use by another receiver"
         return Failed(tid, FailureReason.MALFORMED_MESSAGE, detail)
-
-
-def _server(address: PeerAddress) -> tuple[str, int]:
-    """A decode server as a transfer names it: its side channel's host (as spelt,
-    without brackets, in lower case) and port; the rank is not part of it."""
-    return address.host.strip("[]").lower(), address.port
-
-
-def _forget_expired(table: dict[_K, _V], now: float, expires: Callable[[_V], float]) -> None:
-    """Forget the entries of `table` that expired by `now`, oldest first: every entry
-    lives the same time and `now` never goes back, so insertion order is expiry order
-    (re-inserted when renewed). Scanning them all each tick cost O(transfers of the last
-    minute) and, at thousands of transfers a second, most of the runtime thread's time."""
-    while table:
-        oldest = next(iter(table))
-        if now < expires(table[oldest]):
-            break
-        del table[oldest]

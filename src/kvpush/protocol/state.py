@@ -3,10 +3,17 @@
 
 Where each rule lives:
 
-* `receiver.py` — `ReceiverProtocol`, the receiving side, whole.
+* `receiver.py` — `ReceiverProtocol`, the receiving side: the engine's calls, the
+  handshakes, the transitions on a sender's messages, and `_end`, where each of its
+  transfers ends. Beside it, tables and timers that answer and never act: `claims.py`
+  (`Claims`), `lookups.py` (`Lookups`), `receiver_timers.py` (`ReceiverTimers`: a sender
+  silent, a deadline passed, a fence over, a Cancel to repeat, `next_deadline`), and
+  `receiver_messages.py`, where what it sends is built, naming it the same way in each.
+  What is left in `ReceiverProtocol` is its transition table, kept whole for the reason
+  `sender.py` gives: each transition may end a transfer, and must reach `_end`.
 * `sender.py` — `SenderProtocol`: the engine's calls, the transitions on a believed
   receiver's messages, the writes, and `_end_transfer`, the one exit every sender
-  transfer ends through. It owns two objects, one concern each, which answer with
+  transfer ends through. It owns objects, one concern each, which answer with
   verdicts and never call back into it:
 * `identity.py` — "Who sent it": the message-key check in front of `PushProtocol`, and
   the sender's identity gate in front of `SenderProtocol.handle` (`SenderGate`: admit,
@@ -14,6 +21,13 @@ Where each rule lives:
 * `leases.py` — "Leases measured on the receiver's clock": the sender's leases, clock
   bound, heartbeats and timers (`SenderLeases`: a lease lapsed or held, what `tick`
   must end, `next_deadline`).
+* `tombstones.py` — the sender's memory of what is over: the ids that ended and the
+  answer a late message about one gets, and Cancels that overtook their Register
+  (`Tombstones`).
+* `writes.py` — the sender's write ledger and what its next write carries, Done riding
+  on the last one (`SenderWrites`).
+* `choice.py` — which receiver a sender transfer goes to: the one named at submit, the
+  Registers held until then, claims (`ReceiverChoice`).
 * `_common.py` — what both sides share: values, effects, a peer, the clock, the
   compatibility decision, and `ended_unreported`.
 * this file — the theory of operation, and `PushProtocol`, which holds both machines.
@@ -134,9 +148,9 @@ channel (token-authenticated, when a token is configured) has named it:
 * Only a transfer's own counterpart can end it: `Cancel`, `Reject`, `Done`, `Failed`,
   `CancelAck` and heartbeats act only on transfers bound to the agent they came from.
   A `Cancel` for an id its agent has not registered (yet) is remembered for that agent
-  only (`_early_cancels`): it ends that agent's Register for the id when it comes, and
-  a transfer of ours that nobody registered yet waits for its own receiver's Register
-  or its deadline, since it names no receiver that could end it.
+  only (`Tombstones.remember_cancel`): it ends that agent's Register for the id when it
+  comes, and a transfer of ours that nobody registered yet waits for its own receiver's
+  Register or its deadline, since it names no receiver that could end it.
 
 The data plane does not authenticate agent names: any process holding our NIXL metadata
 can connect and send notifications under any name, a real peer's included (how that was
@@ -242,6 +256,11 @@ it ends as PEER_TIMEOUT. A claiming heartbeat names the receiver's side channel,
 Register does, so that a sender that never heard from that receiver vouches for it
 first (`SenderGate`); a claim of a transfer named for another receiver (`submit(
 receiver=)`) keeps nothing. The claimer certainly gone ends what it claimed at once.
+A claim of an id not submitted yet keeps nothing either: the sender only remembers the
+id for a liveness timeout after the last heartbeat that claimed it
+(`claimed_before_submit`, kept by `ReceiverChoice`), so that an engine that learns the
+receiver's shape from the parts it names (as from an early Register) can split and
+submit it.
 
 A claim only keeps or ends a transfer nothing was written for (it has no Register), so
 it cannot touch the fencing rules; what it bounds is liveness. A receiver that died
@@ -251,7 +270,8 @@ after its last claim (or the submit), and of one it registered for the liveness 
 less than the liveness timeout) keeps its transfers. The window is off by default
 (None: the deadline): a sender cannot know whether its receivers claim, and one that
 does not would lose a request queued longer than the window. The exhaustive checker
-explores claims, stalls of the claiming receiver and the window (scope `claims`).
+explores claims, stalls of the claiming receiver and the window (scope `claims`), and
+a send held until a claim names it (scope `claims-held`).
 
 One exception to "a lost peer ends its transfers": a receiver's first `Register` sent
 from a cached `PeerInfo` that certainly reached no live sender (the runtime saw the data
