@@ -35,9 +35,10 @@ Theory of operation.
   peer itself.
 
 Beside this module: `nixl_memory` prepares what is prepared once (our registered memory,
-each peer's descriptor lists), `nixl_calls.WriteCalls` binds NIXL's per-write calls once
-per agent, and `nixl_ledger.Ledger` keeps what was posted and what became of it (writes in
-flight, the events owed to `poll()`, the counts of `statistics()`).
+each peer's descriptor lists), `nixl_registry.Registry` holds what was registered with the
+agent and loaded into it until it is released, `nixl_calls.WriteCalls` binds NIXL's
+per-write calls once per agent, and `nixl_ledger.Ledger` keeps what was posted and what
+became of it (writes in flight, the events owed to `poll()`, the counts of `statistics()`).
 """
 
 from __future__ import annotations
@@ -51,12 +52,7 @@ import numpy.typing as npt
 
 from kvpush.errors import ClosedError, FailureReason, LocalProtocolError, TransportError
 from kvpush.geometry import CacheGeometry, ScratchRegion
-from kvpush.transports._checks import (
-    check_region_fits,
-    check_scratch_registration,
-    validate_scratch_write,
-    validate_write,
-)
+from kvpush.transports._checks import check_region_fits, validate_scratch_write, validate_write
 from kvpush.transports._nixl_import import NixlModule, load_nixl
 from kvpush.transports.base import (
     MessageReceived,
@@ -64,16 +60,10 @@ from kvpush.transports.base import (
     Transport,
     TransportEvent,
 )
-from kvpush.transports.nixl_calls import WriteCalls, quietly, release_quietly
+from kvpush.transports.nixl_calls import WriteCalls, release_quietly
 from kvpush.transports.nixl_ledger import Ledger, NixlStatistics
-from kvpush.transports.nixl_memory import (
-    LocalMemory,
-    NixlPeer,
-    merged_descriptor_count,
-    prepare_peer,
-    register_local,
-    scratch_memory_type,
-)
+from kvpush.transports.nixl_memory import NixlPeer, merged_descriptor_count, scratch_memory_type
+from kvpush.transports.nixl_registry import Registry
 
 
 class NixlTransport(Transport):
@@ -104,11 +94,7 @@ class NixlTransport(Transport):
         self._calls: WriteCalls | None = None
         self._agent: Any = None
         self._closed = False
-        self._local: LocalMemory | None = None  # our KV cache, once registered
-        self._registered: list[Any] = []
-        self._backends = [backend]
-        self._scratch: ScratchRegion | None = None
-        self._peers: dict[str, NixlPeer] = {}
+        self._registry = Registry(name, backend)
         self._writes = Ledger()
 
     # ----------------------------------------------------------------- lifecycle
@@ -153,17 +139,7 @@ class NixlTransport(Transport):
         if agent is None:
             return
         self._writes.release_in_flight()
-        for peer in list(self._peers.values()):
-            if peer.dlist is not None:
-                release_quietly(peer.dlist)
-            quietly(agent.remove_remote_agent, peer.name)
-        self._peers.clear()
-        if self._local is not None and self._local.dlist is not None:
-            release_quietly(self._local.dlist)
-            self._local.dlist = None
-        for reg in self._registered:
-            quietly(agent.deregister_memory, reg)
-        self._registered.clear()
+        self._registry.release(agent)
         self._writes.events.clear()
         del agent  # the last reference: NIXL tears the agent down here
 
@@ -176,36 +152,14 @@ class NixlTransport(Transport):
 
     # ---------------------------------------------------------------- memory, peers
     def register_memory(self, geometry: CacheGeometry) -> None:
-        agent = self._live_agent()
-        if self._local is not None:
-            raise LocalProtocolError(
-                f"NIXL endpoint {self._name}: memory is registered once; it already is"
-            )
-        self._local = register_local(agent, self._backend, geometry, self._registered)
+        self._registry.register_memory(self._live_agent(), geometry)
 
     def register_scratch(self, scratch: ScratchRegion) -> None:
-        agent = self._live_agent()
-        geometry = None if self._local is None else self._local.geometry
-        check_scratch_registration(f"NIXL endpoint {self._name}", geometry, self._scratch)
-        mem_type, device = scratch_memory_type(scratch)
-        try:
-            reg = agent.register_memory(
-                [(scratch.base_addr, scratch.nbytes, device, "")], mem_type, [self._backend]
-            )
-        except Exception as exc:
-            raise TransportError(
-                FailureReason.LOCAL_ERROR,
-                f"NIXL could not register the {scratch.nbytes}-byte scratch buffer: {exc!r}",
-            ) from exc
-        self._registered.append(reg)
-        self._scratch = scratch
+        self._registry.register_scratch(self._live_agent(), scratch)
 
     def metadata(self) -> bytes:
         agent = self._live_agent()
-        if self._local is None:
-            raise LocalProtocolError(
-                f"NIXL endpoint {self._name}: register_memory() before metadata()"
-            )
+        self._registry.registered_local("metadata()")
         return bytes(agent.get_agent_metadata())
 
     def add_peer(
@@ -218,49 +172,22 @@ class NixlTransport(Transport):
         ours: CacheGeometry | None = None,
     ) -> None:
         agent = self._live_agent()
-        local = self._local
-        if local is None:
-            raise LocalProtocolError(
-                f"NIXL endpoint {self._name}: register_memory() before add_peer()"
-            )
-        source = local.geometry if ours is None else ours
+        local = self._registry.registered_local("add_peer()")
         if not messages_only:
-            check_region_fits(source, geometry, peer)
-        if peer in self._peers:
+            check_region_fits(local.geometry if ours is None else ours, geometry, peer)
+        if peer in self._registry.peers:
             self.remove_peer(peer)
-        try:
-            loaded = agent.add_remote_agent(bytes(metadata))
-        except Exception as exc:
-            raise TransportError(
-                FailureReason.HANDSHAKE_FAILED,
-                f"NIXL could not load the agent metadata for {peer}: {exc!r}",
-            ) from exc
-        loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-        if loaded_name != peer:
-            if loaded_name not in self._peers:
-                quietly(agent.remove_remote_agent, loaded_name)
-            raise TransportError(
-                FailureReason.HANDSHAKE_FAILED,
-                f"metadata names agent {loaded_name!r}, expected {peer!r}",
-            )
-        if messages_only:
-            self._peers[peer] = NixlPeer(peer, geometry, None, None)
-            return
-        self._peers[peer] = prepare_peer(agent, self._backend, local, peer, geometry, ours)
+        self._registry.add_peer(agent, peer, metadata, geometry, messages_only, ours)
 
     def remove_peer(self, peer: str) -> None:
-        state = self._peers.pop(peer, None)
+        state = self._registry.take_peer(peer)
         if state is None:
             return
         self._writes.fail_peer(peer)
-        for dlist in (state.dlist, state.source_dlist):
-            if dlist is not None:
-                release_quietly(dlist)
-        if self._agent is not None:
-            quietly(self._agent.remove_remote_agent, peer)
+        self._registry.release_peer(self._agent, state)
 
     def has_peer(self, peer: str) -> bool:
-        return peer in self._peers
+        return peer in self._registry.peers
 
     # --------------------------------------------------------------------- writes
     def write_blocks(
@@ -273,8 +200,8 @@ class NixlTransport(Transport):
         regions: Sequence[int] | None = None,
     ) -> None:
         self._live_agent()
-        target = self._peers.get(peer)
-        local = self._local
+        target = self._registry.peers.get(peer)
+        local = self._registry.local
         if target is None or local is None:
             raise TransportError(
                 FailureReason.UNKNOWN_PEER, f"write to {peer}: peer was not added (add_peer)"
@@ -354,7 +281,7 @@ class NixlTransport(Transport):
     ) -> None:
         """Make and post one checked write of `num_blocks` blocks: the descriptor rows
         given on each side, the same regions of each block."""
-        calls, local = self._calls, self._local
+        calls, local = self._calls, self._registry.local
         assert calls is not None  # set with the agent
         assert local is not None  # write_blocks checked it
         try:
@@ -403,25 +330,27 @@ class NixlTransport(Transport):
 
     def write_scratch(self, peer: str, write_id: int, nbytes: int, theirs: ScratchRegion) -> None:
         agent = self._live_agent()
-        if peer not in self._peers:
+        if peer not in self._registry.peers:
             raise TransportError(
                 FailureReason.UNKNOWN_PEER,
                 f"scratch write to {peer}: peer was not added (add_peer)",
             )
-        validate_scratch_write(self._scratch, theirs, peer, nbytes)
-        assert self._scratch is not None  # checked above
+        validate_scratch_write(self._registry.scratch, theirs, peer, nbytes)
+        assert self._registry.scratch is not None  # checked above
         if write_id in self._writes:
             raise TransportError(
                 FailureReason.LOCAL_ERROR, f"write id {write_id} is already in flight"
             )
-        our_type, our_device = scratch_memory_type(self._scratch)
+        our_type, our_device = scratch_memory_type(self._registry.scratch)
         their_type, their_device = scratch_memory_type(theirs)
         self._writes.posted += 1
         try:
             # Not prepared ahead: a test write is rare, and its size is the caller's.
             handle = agent.initialize_xfer(
                 "WRITE",
-                agent.get_xfer_descs([(self._scratch.base_addr, nbytes, our_device)], our_type),
+                agent.get_xfer_descs(
+                    [(self._registry.scratch.base_addr, nbytes, our_device)], our_type
+                ),
                 agent.get_xfer_descs([(theirs.base_addr, nbytes, their_device)], their_type),
                 peer,
                 b"",
@@ -454,12 +383,12 @@ class NixlTransport(Transport):
             out.update(
                 {k: os.environ[k] for k in ("UCX_TLS", "UCX_NET_DEVICES") if k in os.environ}
             )
-        out["memory"] = "DRAM" if self._local is None else self._local.mem_type
+        out["memory"] = "DRAM" if self._registry.local is None else self._registry.local.mem_type
         return out
 
     def send_message(self, peer: str, payload: bytes) -> None:
         self._live_agent()
-        if peer not in self._peers:
+        if peer not in self._registry.peers:
             raise TransportError(
                 FailureReason.UNKNOWN_PEER, f"message to {peer}: peer was not added (add_peer)"
             )
