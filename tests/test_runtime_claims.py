@@ -116,6 +116,10 @@ def test_a_claimed_transfer_outlives_several_windows_and_its_bytes_arrive(pair: 
     pair.sender.send("t1", [3, 4])
     pair.receiver.claim("t1", pair.sender_address)
     assert pair.receiver.statistics().claimed == 1
+    # The lookup of the sender runs on a thread of its own, in real time: until it is
+    # done the receiver has no one to send its claim to, and the protocol's time must
+    # not run past the window meanwhile (a loaded CI host took longer than 4 s of it).
+    wait_until(lambda: pair.receiver.statistics().peers == 1)
     pair.run(3 * WINDOW)
     assert pair.sender.transfer_state("t1", "sender") is not None, "given up while claimed"
     pair.receiver.receive("t1", pair.sender_address, [9, 10])

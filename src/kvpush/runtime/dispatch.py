@@ -266,8 +266,10 @@ class Dispatcher:
             case StateRequest(transfer_id=tid, side=side):
                 cmd.result = self.state_of(tid, side)
                 cmd.done.set()
-            case SpokenRequest(prefixes=prefixes):
+            case SpokenRequest(prefixes=prefixes, claimed=claimed):
                 cmd.result = sender.spoken_before_submit(prefixes)
+                if claimed:
+                    cmd.result += sender.claimed_before_submit(prefixes)
                 cmd.done.set()
             case Wake():
                 pass

@@ -24,7 +24,6 @@ The runtime is split along what each part owns:
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,7 +31,7 @@ from collections.abc import Callable, Sequence
 from kvpush.errors import FailureReason
 from kvpush.geometry import CacheGeometry
 from kvpush.protocol import PushProtocol, ReceiverState, SenderState, Side
-from kvpush.runtime.commands import Command, RunForService, Stop, Wake
+from kvpush.runtime.commands import Command, CommandQueue, RunForService, Stop, Wake
 from kvpush.runtime.directory import PeerDirectory
 from kvpush.runtime.dispatch import Dispatcher
 from kvpush.runtime.outcomes import Sink
@@ -69,7 +68,7 @@ class Driver:
         services: Sequence[RuntimeService] = (),
     ) -> None:
         self._transport = transport
-        self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self.commands = CommandQueue()
         # Its lookups' threads are ours to start and join; their results come back as
         # commands, for a later pass.
         self._peers = Peers(transport, geometry, protocol, directory, self.commands.put)
@@ -174,7 +173,7 @@ class Driver:
     # ----------------------------------------------------------------- the loop
 
     def _loop(self) -> None:
-        take = self._take_commands
+        take = self.commands.take
         while True:
             if self._in_step_crash is not None:
                 raise self._in_step_crash  # an engine thread's pass failed: end as a crash
@@ -214,7 +213,7 @@ class Driver:
                 if command is not None:
                     self.commands.put(command)
                 return False
-            commands = self._take_commands(0.0)
+            commands = self.commands.take()
             if command is not None:
                 commands.append(command)
             try:
@@ -230,21 +229,6 @@ class Driver:
         if self._pacer.thread_should_wake():
             self.commands.put(Wake())
         return True
-
-    def _take_commands(self, timeout: float) -> list[Command]:
-        # Two threads may take (this one waiting, an engine thread driving in-step), so
-        # a queue seen non-empty can still be empty by the get. Looked at before each
-        # get: an empty queue (most in-step passes) costs no raised exception.
-        q = self.commands
-        out: list[Command] = []
-        try:
-            if timeout > 0 and q.empty():
-                out.append(q.get(timeout=timeout))
-            while len(out) < 1024 and not q.empty():
-                out.append(q.get_nowait())
-        except queue.Empty:
-            pass
-        return out
 
     # ----------------------------------------------------------------- services
 

@@ -355,15 +355,17 @@ class PushRuntime:
                 return req.result
         return self._driver.state_of(transfer_id, side)
 
-    def spoken_before_send(self, prefixes: Iterable[str]) -> list[str]:
+    def spoken_before_send(self, prefixes: Iterable[str], *, claimed: bool = False) -> list[str]:
         """Transfer ids starting with one of `prefixes` that a receiver registered for,
         or rejected, before we sent them: an engine that lets the receiver say how the
         transfer is split (its TP size, in the part ids of `kvpush.topology.part_id`)
-        reads what it said here. Answered on the runtime's thread; [] once it ended."""
+        reads what it said here. With `claimed`, also those a receiver's heartbeats
+        claim (`claim`: it holds the request queued) and we have not sent, which name
+        the same parts. Answered on the runtime's thread; [] once it ended."""
         wanted = tuple(prefixes)
         if not wanted or not self._driver.alive():
             return []
-        req = SpokenRequest(wanted)
+        req = SpokenRequest(wanted, claimed)
         self._driver.commands.put(req)
         return req.result if req.done.wait(_JOIN_TIMEOUT_S) else []
 
