@@ -108,6 +108,22 @@ class KVCacheGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         return fields if self.state is None else (*fields, self.state)
 
 
+class PipelineStage(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """Which stage of a pipeline-parallel engine a rank's cache belongs to: the stage
+    holds a contiguous slice of the model's layers, its regions named by the model's
+    layer names. A peer without stages holds every layer: the stage's regions must be a
+    subset of its regions, matched by name, each alike, and the peer must hold as many
+    regions as the stages together (`model_regions`), so that every one of its layers
+    is some stage's to write (`regions_not_carried`); a write moves the stage's regions
+    into theirs of the same name (`write_plan`)."""
+
+    size: int  # the engine's pipeline-parallel size
+    rank: int  # this stage's pipeline rank, 0 .. size - 1
+    # The regions of every stage together: the whole model's, one per layer (an engine
+    # registers a stage only where each of its layers holds one KV cache).
+    model_regions: int
+
+
 class CacheGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     layout: str  # e.g. "kv_separate/NHD" (kvcache.KVLayout names the legal values)
     block_size_tokens: int
@@ -119,6 +135,8 @@ class CacheGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     # The KV-cache groups whose block ids share these regions, in the engine's order;
     # empty: one full-attention group (every block id of a request moves).
     groups: tuple[KVCacheGroup, ...] = ()
+    # The pipeline stage this rank is of; None: the engine holds every layer.
+    stage: PipelineStage | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -163,6 +181,14 @@ class CacheGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         if self.groups:
             # Only where there are groups, so that one-group engines keep their hash.
             fields["kv_cache_groups"] = [g.compat() for g in self.groups]
+        if self.stage is not None:
+            # Only where there are stages (engines without keep their hash): the
+            # regions are then a slice of a whole model's (`regions_not_carried`).
+            fields["pipeline"] = {
+                "size": self.stage.size,
+                "rank": self.stage.rank,
+                "model_regions": self.stage.model_regions,
+            }
         return fields
 
     def compat_hash(self) -> str:
@@ -204,15 +230,65 @@ def block_sizes_may_differ(a: Mapping[str, object], b: Mapping[str, object]) -> 
     return a.get("kv_heads") is not None and b.get("kv_heads") is not None
 
 
+def _one_stage(
+    a: Mapping[str, object], b: Mapping[str, object]
+) -> tuple[Mapping[str, object], Mapping[str, object]] | None:
+    """(the stage's, the whole model's) where exactly one of two peers' compat fields is
+    a pipeline stage's (`PipelineStage`); None otherwise (both whole, or both stages:
+    then every field, regions and stage included, must be equal)."""
+    if ("pipeline" in a) == ("pipeline" in b):
+        return None
+    return (a, b) if "pipeline" in a else (b, a)
+
+
+def regions_not_carried(stage: Mapping[str, object], whole: Mapping[str, object]) -> list[str]:
+    """What keeps a pipeline stage's regions (`compat_fields()["regions"]`: name, number,
+    bytes) from being written into a whole model's, one phrase per region: a region
+    whose name the whole model lacks, or whose bytes (per block, or per head per token)
+    differ; and a whole model of another number of regions than the stages hold
+    together, whose layers no stage holds would never be written. Regions are matched
+    by name only: a stage numbers its own layers from 0."""
+    rows = _region_rows(whole.get("regions"))
+    theirs = {str(r[0]): r[2] for r in rows}
+    out: list[str] = []
+    pipeline = stage.get("pipeline")
+    model_regions = pipeline.get("model_regions") if isinstance(pipeline, Mapping) else None
+    if model_regions != len(rows):
+        out.append(
+            f"the whole model's {len(rows)} regions against the stages' {model_regions} "
+            "together (a layer no stage holds would never be written)"
+        )
+    for row in _region_rows(stage.get("regions")):
+        name, size = str(row[0]), row[2]
+        if name not in theirs:
+            out.append(f"{name} (none of that name)")
+        elif theirs[name] != size:
+            out.append(f"{name} ({size} bytes per unit, theirs {theirs[name]})")
+    return out
+
+
+def _region_rows(value: object) -> list[Sequence[object]]:
+    rows = value if isinstance(value, (list, tuple)) else ()
+    return [r for r in rows if isinstance(r, (list, tuple)) and len(r) == 3]
+
+
 def differing_compat_fields(a: Mapping[str, object], b: Mapping[str, object]) -> list[str]:
     """The `CacheGeometry.compat_fields()` keys whose values differ, sorted; the block
-    size only where it must be equal (`block_sizes_may_differ`)."""
+    size only where it must be equal (`block_sizes_may_differ`). Where exactly one peer
+    is a pipeline stage, its regions need only be a name-matched subset of the other's
+    (`regions_not_carried`), and the stage itself is no difference."""
     sizes_may_differ = block_sizes_may_differ(a, b)
-    return [
-        key
-        for key in sorted(set(a) | set(b))
-        if a.get(key) != b.get(key) and not (key == "block_size_tokens" and sizes_may_differ)
-    ]
+    staged = _one_stage(a, b)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) == b.get(key) or (key == "block_size_tokens" and sizes_may_differ):
+            continue
+        if staged is not None and key == "pipeline":
+            continue
+        if staged is not None and key == "regions" and not regions_not_carried(*staged):
+            continue
+        out.append(key)
+    return out
 
 
 def describe_compat_differences(
@@ -224,7 +300,25 @@ def describe_compat_differences(
     out: list[str] = []
     for key in differing_compat_fields(theirs, ours):
         ours_value, their_value = ours.get(key), theirs.get(key)
-        if key == "regions":
+        staged = _one_stage(theirs, ours)
+        if key == "regions" and staged is not None:
+            stage_is = "theirs" if staged[0] is theirs else "ours"
+            other_is = "ours" if stage_is == "theirs" else "theirs"
+            pipeline = staged[0].get("pipeline")
+            stage = (
+                f"{pipeline.get('rank')} of {pipeline.get('size')}"
+                if isinstance(pipeline, Mapping)
+                else repr(pipeline)
+            )
+            missing = regions_not_carried(*staged)
+            more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+            whole = len(_region_rows(staged[1].get("regions")))
+            out.append(
+                f"regions: {stage_is} are pipeline stage {stage}'s, which must each be one "
+                f"of {other_is} (a whole model's {whole} regions) by name, with equal bytes; "
+                f"not carried: {', '.join(missing[:4])}{more}"
+            )
+        elif key == "regions":
             out.append(_describe_region_difference(their_value, ours_value))
         else:
             out.append(f"{key}: theirs {their_value!r}, ours {ours_value!r}")
@@ -308,7 +402,13 @@ def write_plan(ours: CacheGeometry, theirs: CacheGeometry) -> WritePlan:
     refused the pair) or hold the same heads in blocks of one size. A rank pair the plan
     gives no heads to gets views of empty blocks (or maps its ids to none): its writes
     move nothing and still notify. Raises `UnsupportedShape` for a pair the plan cannot
-    carry, or a layout in which a block's heads (or runs) are not one run each."""
+    carry, or a layout in which a block's heads (or runs) are not one run each.
+
+    Where one side is a pipeline stage (`PipelineStage`) and the other holds every
+    layer, the whole side's view holds only the stage's regions, matched by name, in
+    the stage's order (the stage's view is its own regions): a write moves each of the
+    stage's layers into the layer of that name."""
+    ours, theirs = _by_name(ours, theirs)
     a, b = ours.heads, theirs.heads
     if a is None or b is None:
         return WritePlan(ours, theirs)
@@ -368,6 +468,31 @@ def write_plan(ours: CacheGeometry, theirs: CacheGeometry) -> WritePlan:
     our_view, our_ids = _parts_view(ours, first_ours, count, tokens, shape)
     their_view, their_ids = _parts_view(theirs, first_theirs, count, tokens, shape)
     return WritePlan(our_view, their_view, our_ids, their_ids)
+
+
+def _by_name(ours: CacheGeometry, theirs: CacheGeometry) -> tuple[CacheGeometry, CacheGeometry]:
+    """Both geometries as `write_plan` pairs their regions: unchanged unless exactly one
+    is a pipeline stage, whose regions the other's view is cut to, by name."""
+    if (ours.stage is None) == (theirs.stage is None):
+        return ours, theirs
+    stage, whole = (ours, theirs) if ours.stage is not None else (theirs, ours)
+    assert stage.stage is not None
+    if len(whole.regions) != stage.stage.model_regions:
+        raise UnsupportedShape(
+            f"pipeline stage {stage.stage.rank} of {stage.stage.size}: the whole model's "
+            f"{len(whole.regions)} regions against the stages' {stage.stage.model_regions} "
+            "together (a layer no stage holds would never be written): expected as many"
+        )
+    by_name = {r.name: r for r in whole.regions}
+    missing = [r.name for r in stage.regions if r.name not in by_name]
+    if missing:
+        raise UnsupportedShape(
+            f"pipeline stage {stage.stage} holds regions {', '.join(missing[:4])} that the "
+            f"peer, which holds every layer, does not ({len(whole.regions)} regions): "
+            "expected each of the stage's regions among the peer's, by name"
+        )
+    view = msgspec.structs.replace(whole, regions=tuple(by_name[r.name] for r in stage.regions))
+    return (ours, view) if stage is ours else (view, theirs)
 
 
 def _block_ratio(ours: CacheGeometry, theirs: CacheGeometry) -> int:

@@ -4,8 +4,8 @@
   decode's) or "both". A runtime is started with one, and peers read it from its
   side-channel metadata.
 - A server's role (`SERVER_ROLES`): "both", "prefill" or "decode", as `kvpush serve
-  --role` takes it; `PAIR_ROLES` are the two sides of a pair that the doctor checks and
-  the bench runs. `runtime_role` maps a prefill or decode server to its ranks' role.
+  --role` takes it; `PAIR_ROLES` are the two sides of a pair, as the tools that check or
+  measure a pair name them. `runtime_role` maps a prefill or decode server to its ranks' role.
 - vLLM's `kv_role` (`VLLM_KV_ROLES`): "kv_producer", "kv_consumer" or "kv_both", each
   with the runtime role its connector runs.
 """

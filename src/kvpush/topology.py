@@ -366,20 +366,32 @@ def part_id(
     return f"{transfer_id}#{prefill_rank}>{decode_rank}/{decode_tp}"
 
 
+def stage_part_id(part: str, stage: int, stages: int) -> str:
+    """The id of pipeline stage `stage`'s share of a rank pair's part `part` (`part_id`),
+    where the prefill runs `stages` pipeline stages, each sending its own layers: the
+    part itself without stages (ids are what they were), else `part` and `|pp1/2`
+    (stage 1 of 2). The same on both sides: the decode registers one per stage."""
+    return part if stages == 1 else f"{part}{STAGE_MARK}{stage}/{stages}"
+
+
+# What begins a pipeline stage's suffix in a part's id (`stage_part_id`).
+STAGE_MARK = "|pp"
+
+
 def decode_tp_named(part: str, transfer_id: str, prefill_tp: int) -> int | None:
     """The decode TP size that `part`, an id a receiver registered for, says it split
     `transfer_id` for: `prefill_tp` for the id itself (rank to rank), the size after
-    the `/` of a rank pair's part; a KV-cache group's suffix (`@g1`) is ignored. None
-    if `part` is no part of `transfer_id`, or names no usable size."""
+    the `/` of a rank pair's part; a pipeline stage's suffix (`|pp1/2`) and a KV-cache
+    group's (`@g1`) are ignored. None if `part` is no part of `transfer_id`, or names
+    no usable size."""
     if not part.startswith(transfer_id):
         return None
-    rest = part[len(transfer_id) :]
-    if rest == "" or rest.startswith("@g"):
+    rest = part[len(transfer_id) :].split("@g", 1)[0].split(STAGE_MARK, 1)[0]
+    if rest == "":
         return prefill_tp
     if not rest.startswith("#"):
         return None
-    pair = rest[1:].split("@g", 1)[0]
-    ranks, _, size = pair.partition("/")
+    ranks, _, size = rest[1:].partition("/")
     if ">" not in ranks or not size.isascii() or not size.isdigit():
         return None
     decode_tp = int(size)

@@ -59,6 +59,8 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     decode_tp_size: int | None = None
     # The prefill's block size in tokens (None: not said; taken to be the decode's).
     block_size: int | None = None
+    # The prefill's pipeline-parallel size: each stage sends its own layers (None: 1).
+    pp_size: int | None = None
 
     def to_params(self) -> dict[str, Any]:
         return {REMOTE_PREFILL: True, **msgspec.to_builtins(self)}
@@ -166,6 +168,7 @@ def parse_remote_prefill(
             params, "decode_tp_size", "the decode TP the prefill split the transfer for"
         ),
         block_size=_block_size(params),
+        pp_size=_stages(params),
     )
 
 
@@ -198,6 +201,13 @@ def _tp_size(params: Mapping[str, Any], key: str, hint: str) -> int | None:
         f"kv_transfer_params.{key} must be an integer in 1..{MAX_TP_SIZE} ({hint}), got "
         f"{type(value).__name__} {value!r}"
     )
+
+
+def _stages(params: Mapping[str, Any]) -> int | None:
+    """The prefill's pipeline-parallel size; 1, which every vLLM prefill answer says,
+    is read as unnamed (None): no stages."""
+    pp_size = _tp_size(params, "pp_size", "the prefill's pipeline-parallel size")
+    return None if pp_size == 1 else pp_size
 
 
 def _block_size(params: Mapping[str, Any]) -> int | None:

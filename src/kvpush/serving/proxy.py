@@ -242,7 +242,8 @@ class ProxyRoutes:
         return (await self._info(inst, "decode", named=False)).side_channel_address
 
     async def _shape(self, inst: Instance, side_channel: tuple[str, int] | None) -> ServerShape:
-        """A vLLM server's tensor-parallel size and block size, from its side channel
+        """A vLLM server's tensor-parallel, block and pipeline-parallel sizes (the
+        decode registers every stage's parts), from its side channel
         (once, kept until a failure resets it). Unknown (None) where it is not a vLLM
         server given to us, or its side channel does not say: the legs then name none,
         and both sides take their own."""
@@ -267,7 +268,10 @@ class ProxyRoutes:
         heads = meta.geometry.heads
         if heads is None:
             return ServerShape()
-        inst.shape = ServerShape(heads.tp_size, meta.geometry.block_size_tokens)
+        stage = meta.geometry.stage
+        inst.shape = ServerShape(
+            heads.tp_size, meta.geometry.block_size_tokens, None if stage is None else stage.size
+        )
         return inst.shape
 
     async def _read_body(self, request: Request) -> dict[str, Any] | Response:
@@ -320,6 +324,7 @@ class ProxyRoutes:
             tp_size=p.tp_size,
             decode_tp_size=d_tp,
             block_size=p.block_size,
+            pp_size=p.pp_size,
         )
         d_body = {**body, "kv_transfer_params": remote.to_params()}
         # The prefill leg keeps the client's max_tokens: its checks (context length) then

@@ -14,10 +14,12 @@ from kvpush.health import ServerHealth
 
 @dataclass(frozen=True, slots=True)
 class ServerShape:
-    """A vLLM server's tensor-parallel size and block size (tokens); None: not known."""
+    """A vLLM server's tensor-parallel size, block size (tokens) and pipeline-parallel
+    size; None: not known."""
 
     tp_size: int | None = None
     block_size: int | None = None
+    pp_size: int | None = None
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ from kvpush.errors import (
     SideChannelError,
     UnknownRank,
 )
-from kvpush.geometry import PROTOCOL_VERSION, CacheGeometry
+from kvpush.geometry import PROTOCOL_VERSION, CacheGeometry, differing_compat_fields
 from kvpush.net import is_ipv6_literal, unbracket_host, zmq_address
 from kvpush.roles import RUNTIME_ROLES
 from kvpush.sidechannel.wire import (
@@ -309,7 +309,11 @@ def _check_reply(
     expected = expect_compat_hash
     if expected is None and expect_geometry is not None:
         expected = expect_geometry.compat_hash()
-    if expected is not None and header.compat_hash != expected:
+    if (
+        expected is not None
+        and header.compat_hash != expected
+        and not _one_stage_compatible(frames[1], expect_geometry)
+    ):
         raise IncompatiblePeer(
             _incompatibility(header, frames[1], where, expected, expect_geometry)
         )
@@ -355,6 +359,19 @@ def _raise_refusal(header: ReplyHeader, where: str) -> None:
     if header.refusal == Refusal.MALFORMED_REQUEST:
         raise SideChannelError(f"{where}: the peer could not read our request: {header.detail}")
     raise SideChannelError(f"{where}: refused ({header.refusal}): {header.detail}")
+
+
+def _one_stage_compatible(payload: bytes, ours: CacheGeometry | None) -> bool:
+    """Whether a peer whose hash differs from ours is compatible all the same: a hash
+    cannot say that a pipeline stage's regions are a subset of a whole model's, so
+    where exactly one side is a stage, the fields themselves are compared
+    (`differing_compat_fields`), as the runtime compares them on every handshake."""
+    if ours is None:
+        return False
+    theirs = decode_geometry_leniently(payload)
+    if theirs is None or (theirs.stage is None) == (ours.stage is None):
+        return False
+    return not differing_compat_fields(theirs.compat_fields(), ours.compat_fields())
 
 
 def _incompatibility(

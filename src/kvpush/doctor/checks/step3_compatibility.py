@@ -6,7 +6,12 @@ from __future__ import annotations
 from kvpush.doctor.checks.options import DoctorOptions, Observed
 from kvpush.doctor.report import StepResult, Verdict
 from kvpush.doctor.routers import behind_routers
-from kvpush.geometry import CacheGeometry, differing_compat_fields, write_views
+from kvpush.geometry import (
+    CacheGeometry,
+    differing_compat_fields,
+    regions_not_carried,
+    write_views,
+)
 from kvpush.sidechannel.client import FetchResult
 from kvpush.topology import UnsupportedShape, rank_pairs
 
@@ -34,6 +39,9 @@ def check_compatibility(options: DoctorOptions, seen: Observed, step: StepResult
         pair = f"rank {p.metadata.rank}"
         if len(p_ranks) != len(d_ranks):
             pair = f"prefill rank {p.metadata.rank} -> decode rank {d.metadata.rank}"
+        stage = p.metadata.geometry.stage
+        if stage is not None:
+            pair += f" (pipeline stage {stage.rank} of {stage.size})"
         differences = geometry_differences(p.metadata.geometry, d.metadata.geometry)
         if not differences:
             try:
@@ -82,7 +90,23 @@ def _paired_ranks(
 ) -> list[tuple[FetchResult, FetchResult]]:
     """The rank pairs a transfer between the two servers uses: rank r with rank r, or,
     where every rank says how it holds KV heads (vLLM engines), `rank_pairs` of the two
-    TP sizes when one is a whole multiple of the other. What cannot pair is a fail."""
+    TP sizes when one is a whole multiple of the other. A prefill of pipeline stages
+    (`PipelineStage`) pairs each stage's ranks with the decode's so, as each stage sends
+    its own layers. What cannot pair is a fail."""
+    stages: dict[int, list[FetchResult]] = {}
+    for r in p_ranks:
+        stage = r.metadata.geometry.stage
+        stages.setdefault(0 if stage is None else stage.rank, []).append(r)
+    if len(stages) > 1:
+        return [
+            pair for _, ranks in sorted(stages.items()) for pair in _tp_pairs(ranks, d_ranks, step)
+        ]
+    return _tp_pairs(p_ranks, d_ranks, step)
+
+
+def _tp_pairs(
+    p_ranks: list[FetchResult], d_ranks: list[FetchResult], step: StepResult
+) -> list[tuple[FetchResult, FetchResult]]:
     if len(p_ranks) == len(d_ranks):
         return list(zip(p_ranks, d_ranks, strict=True))
     knows_heads = all(r.metadata.geometry.heads is not None for r in (*p_ranks, *d_ranks))
@@ -112,7 +136,17 @@ def geometry_differences(prefill: CacheGeometry, decode: CacheGeometry) -> list[
     out: list[tuple[str, str]] = []
     for key in differing_compat_fields(ours, theirs):
         a, b = ours.get(key), theirs.get(key)
-        if key == "regions":
+        if key == "regions" and prefill.stage is not None and decode.stage is None:
+            stage = prefill.stage
+            missing = ", ".join(regions_not_carried(ours, theirs))
+            out.append(
+                (
+                    key,
+                    f"regions: pipeline stage {stage.rank} of {stage.size}'s must each be one "
+                    f"of the decode's by name, with equal bytes; not carried: {missing}",
+                )
+            )
+        elif key == "regions":
             if _same_bytes_per_token(prefill, decode) and "block_size_tokens" in dict(out):
                 # Only a consequence of the block size: one field to fix, named once.
                 continue
