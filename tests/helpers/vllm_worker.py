@@ -3,7 +3,9 @@ with: a real `WorkerSide` per rank, over the loopback data plane (no vLLM)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from typing import Any, Protocol
 
 from kvpush.config import TimingConfig
 from kvpush.integrations.vllm.params import ConnectorConfig
@@ -25,6 +27,8 @@ def worker_config(
     total_kv_heads: int,
     block_size_tokens: int,
     tp_size: int = 1,
+    pp_size: int = 1,
+    model_layers: int | None = None,
     use_mla: bool = False,
     token: str | None = None,
     timing: TimingConfig = TIMING,
@@ -40,7 +44,8 @@ def worker_config(
         tp_size=tp_size,
         total_kv_heads=total_kv_heads,
         use_mla=use_mla,
-        pp_size=1,
+        pp_size=pp_size,
+        model_layers=model_layers,
         dcp_size=1,
         block_size_tokens=block_size_tokens,
         handshake_timeout_ms=1000,
@@ -58,11 +63,12 @@ def loopback_factory(fabric: LoopbackFabric) -> Callable[[str], Transport]:
 
 class RecordingStats:
     """The worker's counts as a test reads them: why requests failed (at once or a part
-    ending), and the bytes each side counts as moved."""
+    ending), the bytes each side counts as moved, and each part's id as it ended."""
 
     def __init__(self) -> None:
         self.details: list[str] = []
         self.bytes: dict[str, int] = {}  # per side: what the worker counts as moved
+        self.parts_ended: list[str] = []
 
     def opened(self, push: str) -> None:
         pass
@@ -77,10 +83,46 @@ class RecordingStats:
         self.details.append(why)
 
     def ended(self, result: TransferResult, seconds: float, bytes_per_block: int) -> None:
+        self.parts_ended.append(result.transfer_id)
         if not result.ok:
             self.details.append(f"{result.reason}: {result.detail}")
         moved = result.blocks_moved * bytes_per_block
         self.bytes[result.side] = self.bytes.get(result.side, 0) + moved
 
     def is_empty(self) -> bool:
-        return not self.details and not self.bytes
+        return not (self.details or self.bytes or self.parts_ended)
+
+
+class SteppedEngine(Protocol):
+    """A test engine of worker ranks that `step()` runs one engine step on, each rank's
+    results collected in `ended`."""
+
+    ended: Any
+
+    def step(self) -> None: ...
+
+
+def run_until(done: Callable[[], bool], *engines: SteppedEngine, seconds: float = 30) -> None:
+    """Step every engine in turn until `done()`, or fail after `seconds` naming what each
+    engine's ranks had ended."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if done():
+            return
+        for engine in engines:
+            engine.step()
+        time.sleep(0.002)
+    raise AssertionError(f"not ended in {seconds} s: {[e.ended for e in engines]}")
+
+
+def run_until_ended(prefill: SteppedEngine, decode: SteppedEngine, seconds: float = 30) -> None:
+    """Until every prefill rank sent "req-p" and every decode rank received "req-d"."""
+    run_until(
+        lambda: (
+            all("req-p" in e.finished_sending for e in prefill.ended)
+            and all("req-d" in e.finished_recving for e in decode.ended)
+        ),
+        prefill,
+        decode,
+        seconds=seconds,
+    )

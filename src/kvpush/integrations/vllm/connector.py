@@ -8,11 +8,13 @@ kvpush's (`PushRuntime`); this class only translates vLLM's calls.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
 import vllm
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -21,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpush.errors import ConfigError
 from kvpush.geometry import KVCacheGroup
@@ -28,6 +31,7 @@ from kvpush.integrations.vllm.compat import check_vllm
 from kvpush.integrations.vllm.metadata import RankMetadata, StepPlan
 from kvpush.integrations.vllm.params import ConnectorConfig
 from kvpush.integrations.vllm.scheduler import SchedulerSide
+from kvpush.integrations.vllm.side_channel import EngineSideChannel
 from kvpush.integrations.vllm.stats import KvpushPromMetrics, TransferStats
 from kvpush.integrations.vllm.worker import WorkerSide
 
@@ -52,6 +56,12 @@ log = logging.getLogger(__name__)
 class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
     """Push-mode KV transfer through kvpush. See `kvpush.integrations.vllm`."""
 
+    # What vLLM's `vllm:prompt_tokens_cached_by_source` calls the tokens this connector
+    # loads: KV moved from another vLLM instance, as vLLM's NIXL connectors say. Beside
+    # an offload tier in a MultiConnector, vLLM then counts each request's tokens under
+    # the child that loaded them (`get_external_cache_hit_sources`).
+    _cache_hit_source = CacheHitSource.P2P
+
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -65,6 +75,7 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
             vllm.__version__, KVConnectorBase_V1, allow_untested=self._config.allow_untested_vllm
         )
         self._scheduler: SchedulerSide | None = None
+        self._side_channel: EngineSideChannel | None = None
         self._worker: WorkerSide[TransferStats] | None = None
         refused = self._config.layerwise_refused()
         if self._config.layerwise and not hasattr(KVConnectorBase_V1, "bind_kv_cache_manager"):
@@ -74,8 +85,9 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("KvpushConnector: layer-wise push is off (%s): requests go whole", refused)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self._config, groups)
+            self._side_channel = EngineSideChannel(self._config)
         else:
-            from vllm.distributed.parallel_state import get_tp_group
+            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
             self._worker = WorkerSide(
                 self._config,
@@ -83,6 +95,7 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
                 new_stats=TransferStats,
                 groups=groups,
                 state_layers=state_layers(kv_cache_config),
+                stage=get_pp_group().rank_in_group,
             )
 
     @classmethod
@@ -160,6 +173,17 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        """Every worker's metadata, keyed by (pipeline rank, tensor-parallel rank): the
+        side channel answers for each as rank `pp_rank * tp_size + tp_rank` (what the
+        worker registered as, `WorkerSide`), so each pipeline stage is a rank of its own."""
+        tp = self._config.tp_size
+        self.set_xfer_handshake_metadata(
+            {pp_rank * tp + tp_rank: meta for (pp_rank, tp_rank), meta in metadata.items()}
+        )
+
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
@@ -171,12 +195,35 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
                     "expected KvpushConnector's (are all workers running KvpushConnector?)"
                 )
             ranks[rank] = meta
-        self._sched().serve_ranks(ranks)
+        assert self._side_channel is not None, "a scheduler-side call on a worker connector"
+        self._side_channel.serve(ranks)
 
     # ----------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._config.pp_size > 1:
+            self._check_stage_layers(kv_caches)
         self._work().register_kv_caches(kv_caches, kv_scales(self._vllm_config, kv_caches))
+
+    def _check_stage_layers(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """A pipeline stage must hold one KV cache per layer of its slice: what makes the
+        stages' regions, together, the model's layers (`PipelineStage.model_regions`),
+        which a decode's must number. A hybrid model's state or window groups, a draft
+        model's layers or an indexer's cache break that count: refused, naming it."""
+        from vllm.distributed.parallel_state import get_pp_group
+        from vllm.distributed.utils import get_pp_indices
+
+        cfg, stage = self._config, get_pp_group().rank_in_group
+        assert cfg.model_layers is not None  # set wherever pp_size > 1 (`from_vllm`)
+        start, end = get_pp_indices(cfg.model_layers, stage, cfg.pp_size)
+        if len(kv_caches) != end - start:
+            raise ConfigError(
+                f"pipeline stage {stage} of {cfg.pp_size} holds layers {start}..{end - 1} "
+                f"({end - start}) but vLLM hands it {len(kv_caches)} KV caches: "
+                "KvpushConnector carries a pipeline-parallel prefill only for a model with "
+                "one KV cache per layer (no hybrid, draft-model or indexer caches). "
+                "Next: run this prefill with --pipeline-parallel-size 1"
+            )
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         meta = self._worker.handshake_metadata() if self._worker is not None else None
@@ -253,8 +300,22 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
-        if self._scheduler is not None:
-            self._scheduler.shutdown()
+        if self._side_channel is not None:
+            self._side_channel.close()
+
+
+# vLLM's MultiConnector rebuilds its children's stats in the API server by connector
+# *name*, from the factory's registry (multi_connector.py:677,
+# `KVConnectorFactory.get_connector_class_by_name`), where only vLLM's own connectors
+# are; with KvpushConnector unregistered, its first stats under a MultiConnector killed
+# the server ("Connector 'KvpushConnector' is not registered"). The API server loads
+# this class (by `kv_connector_module_path`) when its Prometheus logger builds each
+# child's metrics at start-up, before any stats arrive: registered here, the name is
+# there in time.
+with contextlib.suppress(ValueError):  # registered already (a second import)
+    KVConnectorFactory.register_connector(
+        KvpushConnector.__name__, "kvpush.integrations.vllm", KvpushConnector.__name__
+    )
 
 
 def kv_cache_groups(

@@ -20,10 +20,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpush.integrations.vllm import plan
-from kvpush.integrations.vllm.plan import Receive, Refuse, Send
+from kvpush.integrations.vllm.plan import Claim, Receive, Refuse, Send
 from kvpush.sidechannel import PeerMetadata
 
-__all__ = ["RankMetadata", "Receive", "Refuse", "Send", "StepPlan"]
+__all__ = ["Claim", "RankMetadata", "Receive", "Refuse", "Send", "StepPlan"]
 
 
 @dataclass

@@ -43,7 +43,21 @@ from kvpush.transfer_params import (
 
 log = logging.getLogger(__name__)
 
-TIMING_KEYS = ("heartbeat_interval_s", "liveness_timeout_s", "lease_s", "transfer_deadline_s")
+TIMING_KEYS = (
+    "heartbeat_interval_s",
+    "liveness_timeout_s",
+    "lease_s",
+    "transfer_deadline_s",
+    "claim_window_s",
+)
+# How long a prefill holds a transfer no decode registered for nor claimed (decodes
+# claim every request they hold queued): what a decode that died before registering
+# costs it, instead of the transfer deadline. 20 heartbeat intervals and more than three
+# liveness timeouts: a living decode that claims never loses a transfer to it unless
+# its heartbeats stop that long. Null in `kv_connector_extra_config`: off (the deadline),
+# for decodes of kvpush before claims, which register only once vLLM gives the request
+# blocks (docs/vllm.md, "A decode that dies").
+DEFAULT_CLAIM_WINDOW_S = 10.0
 PUSH_MODES = ("layerwise", "whole")
 # Every key `kv_connector_extra_config` may hold (docs/vllm.md lists them); others are refused.
 EXTRA_CONFIG_KEYS = frozenset(
@@ -64,37 +78,31 @@ EXTRA_CONFIG_KEYS = frozenset(
 
 
 def pipeline_refusal(kv_role: str, pp_size: int, tp_size: int) -> str:
-    """Why a server at pipeline parallelism `pp_size` cannot run KvpushConnector, what
-    does run, and what to do instead (raised at start-up, on either side).
+    """Why a server that may receive KV (`kv_consumer`, `kv_both`) cannot run
+    KvpushConnector at pipeline parallelism `pp_size`, what does run, and what to do
+    instead (raised at start-up).
 
-    A pipeline stage holds a contiguous slice of the model's layers, but the connector
-    names a worker rank by its tensor-parallel rank alone, which every stage shares:
-    two stages would answer for one rank in the side channel, and each registers its
-    slice as if it were the model, whose regions a PP 1 decode's compatibility check
-    refuses (docs/vllm.md, "Pipeline parallelism", says what carrying it needs)."""
+    A prefill's pipeline stages each push their own layers into a decode that holds
+    every layer (`kvpush.geometry.PipelineStage`). A decode of several stages would
+    have each stage register only its layers, and every prefill stage (or rank) pair
+    with the decode stages holding its layers: not built, and carried by none of
+    vLLM's NIXL connectors either (its NixlPushConnector counts completions per
+    consumer rank and refuses a PP consumer)."""
     workers = pp_size * tp_size
-    if kv_role == "kv_consumer":
-        elsewhere = (
-            "a decode with pipeline stages is carried by none of vLLM's NIXL connectors "
-            "either (its NixlPushConnector refuses a kv_consumer at "
-            "pipeline_parallel_size > 1)"
-        )
-    else:
-        elsewhere = (
-            "for a pipeline-parallel prefill, vLLM's own NixlPushConnector on both "
-            "servers carries it into a decode at pipeline_parallel_size 1"
-        )
     return (
-        f"pipeline_parallel_size is {pp_size}: KvpushConnector pairs ranks by their "
-        "tensor-parallel rank, which the stages of a pipeline share; expected 1 "
-        "(pipeline parallelism is not supported yet). "
+        f"pipeline_parallel_size is {pp_size} on a server with kv_role {kv_role!r}: "
+        "KvpushConnector carries a pipeline-parallel prefill into a decode without "
+        "pipeline stages, not a decode (or kv_both server) with them; expected 1. "
         f"Found: kv_role {kv_role!r}, {pp_size} pipeline stages of "
         f"tensor_parallel_size {tp_size} ({workers} workers). "
-        "Supported: pipeline_parallel_size 1 on both servers, with any tensor-parallel "
-        'sizes docs/vllm.md lists under "Deployment shapes". '
+        "Supported: a kv_producer at any pipeline_parallel_size into a kv_consumer at "
+        "pipeline_parallel_size 1, with the tensor-parallel sizes docs/vllm.md lists under "
+        '"Deployment shapes". '
         f"Next: start this server with --pipeline-parallel-size 1 (to keep {workers} "
         f"workers: --tensor-parallel-size {workers}, if the model's attention heads "
-        f"divide by {workers}); {elsewhere}."
+        f"divide by {workers}); a decode with pipeline stages is carried by none of vLLM's "
+        "NIXL connectors either (its NixlPushConnector refuses a kv_consumer at "
+        "pipeline_parallel_size > 1)."
     )
 
 
@@ -119,6 +127,10 @@ class ConnectorConfig:
     # vLLM's `--kv-cache-dtype` ("auto": the model's dtype). A quantized one (fp8*) is
     # named in the compatibility check with its scales (`kvcache.cache_dtype_name`).
     cache_dtype: str = "auto"
+    # The model's layers, every pipeline stage's together (vLLM's total hidden layers):
+    # with stages, what a decode must hold as many regions as (`PipelineStage`). None
+    # where the engine has no stages.
+    model_layers: int | None = None
     # How long an idle engine step (nothing scheduled, a transfer in flight) may wait
     # for a transfer to end. It returns as soon as one ends, so transfers lose nothing;
     # a request arriving meanwhile waits up to this long. Without it vLLM's loop comes
@@ -183,10 +195,10 @@ class ConnectorConfig:
                 f"kv_connector_extra_config.push is {push!r}: expected one of "
                 f"{', '.join(repr(m) for m in PUSH_MODES)}"
             )
-        timing = TimingConfig(**{k: float(extra[k]) for k in TIMING_KEYS if k in extra})
+        timing = _timing(extra)
         parallel = vllm_config.parallel_config
         pp_size = int(parallel.pipeline_parallel_size)
-        if pp_size > 1:
+        if pp_size > 1 and kv.kv_role != "kv_producer":
             raise ConfigError(pipeline_refusal(kv.kv_role, pp_size, parallel.tensor_parallel_size))
         # vLLM's NIXL connectors take the side channel from these variables; so do we,
         # so a deployment keeps its ports when it switches connector. Each data-parallel
@@ -208,6 +220,9 @@ class ConnectorConfig:
             total_kv_heads=1 if use_mla else int(vllm_config.model_config.get_total_num_kv_heads()),
             use_mla=use_mla,
             pp_size=pp_size,
+            model_layers=(
+                int(vllm_config.model_config.get_total_num_hidden_layers()) if pp_size > 1 else None
+            ),
             dcp_size=int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
             block_size_tokens=int(vllm_config.cache_config.block_size),
             cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
@@ -255,6 +270,31 @@ class ConnectorConfig:
     @property
     def receives(self) -> bool:
         return self.role in ("receiver", "both")
+
+
+def _timing(extra: Mapping[str, Any]) -> TimingConfig:
+    """`kv_connector_extra_config`'s timing keys over kvpush's defaults, with the claim
+    window on (`DEFAULT_CLAIM_WINDOW_S`) unless set, or set to null (off)."""
+    values: dict[str, float | None] = {"claim_window_s": DEFAULT_CLAIM_WINDOW_S}
+    for key in TIMING_KEYS:
+        if key not in extra:
+            continue
+        value = extra[key]
+        if value is None and key == "claim_window_s":
+            values[key] = None
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise ConfigError(
+                f"kv_connector_extra_config.{key} is {value!r}: expected a number of seconds"
+                + (" (or null: off)" if key == "claim_window_s" else "")
+            )
+        try:
+            values[key] = float(value)
+        except ValueError:
+            raise ConfigError(
+                f"kv_connector_extra_config.{key} is {value!r}: expected a number of seconds"
+            ) from None
+    return TimingConfig(**values)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,6 +393,7 @@ def prefill_answer(
 
 
 __all__ = [
+    "DEFAULT_CLAIM_WINDOW_S",
     "EXTRA_CONFIG_KEYS",
     "ConnectorConfig",
     "PrefillTransfer",

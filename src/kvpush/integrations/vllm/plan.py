@@ -1,9 +1,10 @@
 """What the connector's halves hand each other, as plain values (no vLLM needed).
 
 - `StepPlan` (scheduler -> every worker, once per engine step): the transfers to start,
-  refuse or abort on this step. Each worker rank carries out the same plan with its own
-  runtime, towards the ranks of the peer it pairs with (`kvpush.topology.rank_pairs`:
-  the rank of the same number where the TP sizes are equal), one part per pair.
+  refuse, abort or claim on this step. Each worker rank carries out the same plan with
+  its own runtime, towards the ranks of the peer it pairs with
+  (`kvpush.topology.rank_pairs`: the rank of the same number where the TP sizes are
+  equal), one part per pair.
 - `StepResults` (worker -> vLLM, every step): the requests whose transfers ended.
 
 `kvpush.integrations.vllm.metadata` wraps the plan into vLLM's own connector metadata
@@ -46,6 +47,9 @@ class Receive:
     # The prefill's block size where the decode's is a whole multiple of it: `blocks`
     # and `sender_offset` are then parts of our blocks, one per prefill block (None: ours).
     sender_block_tokens: int | None = None
+    # The prefill's pipeline-parallel size: each stage sends its own layers, a part of
+    # its own per rank pair (`kvpush.topology.stage_part_id`). None: 1.
+    sender_pp_size: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +64,24 @@ class Refuse:
     detail: str
     sender_tp_size: int | None = None  # as in `Receive`
     split_for_tp: int | None = None
+    sender_pp_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """Decode side: a request for `transfer_id` is queued here, its blocks not allocated
+    yet. Each worker rank claims the parts it will receive, from the prefill ranks it
+    pairs with (the parts `Receive` would register, named the same way), so a prefill
+    with a claim window (`claim_window_s`) keeps them while we live, however long the
+    request queues, and gives them up a window after we die. The claim ends when the
+    request's `Receive` registers those parts, or a `Refuse` or abort names them."""
+
+    transfer_id: str
+    host: str
+    port: int
+    sender_tp_size: int | None = None  # as in `Receive`
+    split_for_tp: int | None = None
+    sender_pp_size: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +119,7 @@ class StepPlan:
     # Nothing is computed on this step: the worker may wait a little for a transfer to
     # end instead of returning at once (an engine that only waits must not spin).
     idle: bool = False
+    claims: list[Claim] = field(default_factory=list)
 
 
 @dataclass

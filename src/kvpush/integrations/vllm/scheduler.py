@@ -3,8 +3,8 @@
 It runs in vLLM's engine-core process, next to the scheduler, and does no transfer
 itself: each engine step it hands the workers a `StepPlan` (what to receive, send,
 refuse or abort), and it learns from vLLM's aggregated worker output which transfers
-ended. It also serves the engine's side channel: one `MetadataServer` for every rank,
-fed with the ranks' metadata that vLLM collects from the workers at start-up.
+ended. (The engine's side channel, in the same process, is
+`kvpush.integrations.vllm.side_channel`.)
 
 Decode side (`do_remote_prefill`): the request waits for remote KV (`get_num_new_matched_tokens`
 answers "the rest of the prompt, asynchronously"); once vLLM allocated its blocks, the
@@ -15,6 +15,11 @@ worker reports the request in `finished_recving` (failed ones also in `failed_re
 so vLLM's `kv_load_failure_policy` decides: fail the request or recompute it). A decode
 request aborted while it waits has its transfer aborted; vLLM keeps its blocks until
 the runtime reports that transfer ended, so no late write lands in reused blocks.
+From the moment vLLM adds such a request (`on_new_request`) until it has blocks, the
+workers claim its transfer (`Claim`: the parts each rank will register), so a prefill
+with a claim window keeps it however long the request queues here, and frees its
+blocks a window after this decode died; the registration, or the `Refuse` of a request
+dropped before it was scheduled, ends the claim.
 
 Prefill side (`do_remote_decode`): when the request finishes, its blocks are offered
 (`Send`) and kept (`request_finished` -> delay free) until the worker reports the
@@ -52,6 +57,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvpush.geometry import KVCacheGroup
+from kvpush.integrations.vllm.claims import claim_of
 from kvpush.integrations.vllm.groups import (
     in_sender_blocks,
     prefill_backoff,
@@ -82,9 +88,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-    from kvpush.integrations.vllm.metadata import RankMetadata
-    from kvpush.sidechannel import MetadataServer, PeerMetadata
 
 log = logging.getLogger(__name__)
 
@@ -121,46 +124,15 @@ class SchedulerSide:
         # Prefill, Mamba: requests whose prompt's last token was dropped (never twice,
         # even when vLLM adds a preempted request again).
         self._truncated: set[str] = set()
+        # Decode: requests whose transfer was claimed (`Claim`), never twice.
+        self._claimed: set[str] = set()
         # Both: the transfer id of each request whose params name none (`pairing_id`).
         self._pairing: dict[str, str] = {}
         self._block_ids_of: Callable[[str], BlockIds] | None = None
-        self._ranks: dict[int, PeerMetadata] = {}
-        self._server: MetadataServer | None = None
 
     def bind_block_ids(self, block_ids_of: Callable[[str], BlockIds]) -> None:
         """How to read a running request's blocks, per group (vLLM's KV cache manager)."""
         self._block_ids_of = block_ids_of
-
-    # ----------------------------------------------------------------- side channel
-
-    def serve_ranks(self, metadata: dict[int, RankMetadata]) -> None:
-        """Start (once) the side channel that answers every rank's metadata."""
-        from kvpush.config import SideChannelConfig
-        from kvpush.sidechannel import MetadataServer
-
-        self._ranks = {rank: meta.decode() for rank, meta in sorted(metadata.items())}
-        if self._server is not None:
-            return
-        cfg = self._config
-        server = MetadataServer(
-            cfg.side_channel_host,
-            cfg.side_channel_port,
-            SideChannelConfig(token=cfg.token),
-            lambda: self._ranks,
-        )
-        server.start()
-        self._server = server
-        log.info(
-            "kvpush side channel for engine %s serving ranks %s on %s",
-            cfg.engine_id,
-            sorted(self._ranks),
-            ", ".join(server.endpoints),
-        )
-
-    def shutdown(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
 
     # ----------------------------------------------------------------- prefill side
 
@@ -185,6 +157,8 @@ class SchedulerSide:
                 cache_salt=getattr(request, "cache_salt", None),
                 lora_name=getattr(lora, "lora_name", None),
             )
+        if receives:
+            self._claim(rid, params)
         if not sends:
             return
         prompt = request.prompt_token_ids
@@ -200,6 +174,22 @@ class SchedulerSide:
         self._truncated.add(rid)
 
     # ----------------------------------------------------------------- decode side
+
+    def _claim(self, rid: str, params: dict[str, Any]) -> None:
+        """Claim the transfer of a decode request vLLM just queued, once (see the
+        module and `claims.claim_of`)."""
+        if rid in self._claimed or rid in self._planned:
+            return
+        claim = claim_of(params, self._pairing.get(rid))
+        if claim is not None:
+            self._claimed.add(rid)
+            self._plan.claims.append(claim)
+
+    def _unclaim(self, remote: RemotePrefill) -> None:
+        """A claim still in this step's plan whose request registers or is refused on
+        the same step: the registration or refusal speaks for it, no need to claim."""
+        tid = remote.transfer_id
+        self._plan.claims = [c for c in self._plan.claims if c.transfer_id != tid]
 
     def _tokens_moved(self, request: Request) -> int:
         """The prompt tokens whose KV a decode request receives (`groups.tokens_moved`)."""
@@ -245,6 +235,7 @@ class SchedulerSide:
             self._plan.receives.append(Receive(rid, "", "", 0, (), 0))
             self._receiving[rid] = ""
             return
+        self._unclaim(remote)
         local_hits = self._local_hits.pop(rid, 0)
         num_tokens = self._tokens_moved(request)
         if num_external_tokens <= 0:
@@ -290,6 +281,7 @@ class SchedulerSide:
                 remote.decode_tp_size,
                 more_groups=ours[1:],
                 sender_block_tokens=None if sender_size == own_size else sender_size,
+                sender_pp_size=remote.pp_size,
             )
         )
         self._receiving[rid] = remote.transfer_id
@@ -311,6 +303,7 @@ class SchedulerSide:
                 detail,
                 remote.tp_size,
                 remote.decode_tp_size,
+                remote.pp_size,
             )
         )
 
@@ -329,6 +322,7 @@ class SchedulerSide:
         self._layerwise_candidates.pop(rid, None)
         self._truncated.discard(rid)
         pairing = self._pairing.pop(rid, None)
+        self._claimed.discard(rid)
         planned = rid in self._planned
         self._planned.discard(rid)
         if rid in self._receiving:
@@ -345,6 +339,7 @@ class SchedulerSide:
                 remote = parse_remote_prefill(params, pairing_id=pairing)
             except BadTransferParams:
                 return False, None
+            self._unclaim(remote)
             self._refuse(remote, "the decode request ended before it was scheduled")
             return False, None
         if not self._config.sends or not wants_remote_decode(params):
@@ -491,4 +486,4 @@ class SchedulerSide:
         """True only while a prefill's blocks are held for a transfer (vLLM must keep
         stepping to hear that it ended) or a plan is waiting for the next step."""
         plan = self._plan
-        return bool(self._sending or plan.sends or plan.aborts or plan.refusals)
+        return bool(self._sending or plan.sends or plan.aborts or plan.refusals or plan.claims)
