@@ -655,3 +655,37 @@ def test_one_percentile_convention_for_every_tool() -> None:
     assert math.isnan(stats.percentile([], 50))
     with pytest.raises(ValueError, match=r"percentile 150: expected 0\.\.100"):
         stats.percentile(values, 150)
+
+
+def _sleep_a_while() -> None:
+    import time
+
+    time.sleep(30)
+
+
+def test_each_child_of_a_mode_runs_on_a_cpu_of_its_own() -> None:
+    """`pin_one_per_cpu`, on real child processes: the i-th on the i-th CPU we may use
+    (cycling), so every mode's receiver and sender sit on the same two cores; a child
+    gone already is skipped, not an error."""
+    import multiprocessing as mp
+
+    from kvpush.bench.interleave import pin_one_per_cpu
+
+    cpus = sorted(os.sched_getaffinity(0))
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_sleep_a_while) for _ in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        procs[2].kill()
+        procs[2].join()
+        pin_one_per_cpu(procs)
+        got = [os.sched_getaffinity(p.pid) for p in procs[:2] if p.pid is not None]
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    if len(cpus) < 2:
+        assert got == [set(cpus), set(cpus)], got  # one CPU: nothing to choose
+    else:
+        assert got == [{cpus[0]}, {cpus[1]}], got

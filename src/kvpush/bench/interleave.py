@@ -18,11 +18,19 @@ the load at both ends of the run (docs/benchmarks.md, "Interleaved rounds"). Eve
 round's figures are kept; `kvpush.bench.rounds` merges them and pairs them into ratios
 with their spread. Then each mode's idle endpoint is measured, alone, and its children
 stop.
+
+Each mode's children are pinned, one per CPU (`pin_one_per_cpu`): every mode's receiver
+on one core and its sender on another, where the host has two. Left to the scheduler, a side's
+threads moved between cores from run to run, and five `--quick` runs in a row disagreed
+by up to 24 % on a ratio's median at a quiet hour; pinned, within 9 % (docs/benchmarks.md,
+"Third pass").
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import os
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
@@ -84,6 +92,20 @@ class ModeProcesses(Protocol):
 StartMode = Callable[[str, Workload], ModeProcesses]
 
 
+def pin_one_per_cpu(procs: Sequence[mp.process.BaseProcess]) -> None:
+    """Each of a mode's children on a CPU of its own, the same ones for every mode (the
+    module says why); nothing where the host lets us use fewer than two."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return
+    for i, p in enumerate(procs):
+        if p.pid is not None:
+            with contextlib.suppress(OSError):  # gone already: its pipe says so
+                os.sched_setaffinity(p.pid, {cpus[i % len(cpus)]})
+
+
 class ChildProcesses:
     """One mode of an interleaved run in its own child processes: our end of its pipe,
     and its result."""
@@ -99,6 +121,7 @@ class ChildProcesses:
         ]
         for p in self.procs:
             p.start()
+        pin_one_per_cpu(self.procs)
         child_end.close()
 
     @property
