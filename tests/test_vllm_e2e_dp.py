@@ -86,10 +86,17 @@ ENGINES = tuple(range(DP))
 # went 13 s without answering a handshake (the 10 s of the other modules failed every
 # pinned pair once). No test here kills a peer, so a long bound costs nothing.
 HANDSHAKE_TIMEOUT_MS = 30000
-# Four engine cores and four workers on two cores: a worker's heartbeat thread went 8 s
-# without the GIL (peer_timeout on a live pair, in a run at load average 9). No test
-# here kills a peer either, so liveness gets the same slack.
-DP_TIMING = {**TIMING, "liveness_timeout_s": 20.0}
+# Live pairs went silent here for 8 s, then 20 s (peer_timeout, "sender silent"). Part
+# of that was the runtime's thread stuck in its command queue once its engine went idle
+# (`kvpush.runtime.commands.CommandQueue`, fixed). With it fixed, legs in turn still
+# failed here, alone and at the end of a fresh-clone run: a decode's registration met a
+# prefill engine that started the write only after the registration's 5 s lease, and
+# the decode heard nothing from it for 20 s (a sender heartbeats a receiver only once it
+# holds a transfer with it and has its handshake). Four engine cores spinning
+# beside four workers on two cores are that slow to step and to answer handshakes; no
+# test here kills a peer, so the lease and liveness get the room the 60 s transfer
+# deadline leaves. What stalls a DP engine that long is not understood yet.
+DP_TIMING = {**TIMING, "liveness_timeout_s": 45.0, "lease_s": 30.0}
 # How long a server's engines may take to show a finished transfer in /metrics (vLLM
 # sends each engine's connector stats to the API server with its step outputs) and to
 # hand back its blocks.

