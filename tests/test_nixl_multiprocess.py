@@ -51,14 +51,16 @@ def test_bytes_arrive_intact(
 # Whole ranks in separate processes, killed with SIGKILL mid-transfer.
 #
 # Each process (tests/runtime_peer.py) runs a PushRuntime with a NixlTransport and its own
-# side channel. Liveness and lease are short (1 s and 2 s) so deaths are noticed fast. A
+# side channel. Liveness and lease are short (3 s and 4 s) so deaths are noticed fast. A
 # death that went unnoticed would end its transfers only at their deadline (30 s in
 # runtime_peer.py): the bounds asserted are well below that, and generous for a loaded
-# machine, where noticing takes the settings plus scheduling noise.
+# machine, where noticing takes the settings plus scheduling noise. Not shorter: at 1 s a
+# fresh-clone CI run, its vLLM half computing beside this one, timed out a live sender
+# that had gone unheard for 1.04 s, in a transfer of two blocks.
 
 RANK_PEER = Path(__file__).with_name("runtime_peer.py")
-LIVENESS_S = 1.0
-LEASE_S = 2.0
+LIVENESS_S = 3.0
+LEASE_S = 4.0
 TRANSFER_DEADLINE_S = 30.0  # runtime_peer.py's
 NOTICED_S = TRANSFER_DEADLINE_S / 3  # noticed, not left to the deadline
 
