@@ -61,6 +61,7 @@ from kvpush_lab.vllm_servers import (
     metric_in,
     ngram_speculation,
     sequential,
+    servers_said,
     speculation,
     start_kvpush_proxy,
     vllm_python,
@@ -641,14 +642,18 @@ def test_prefill_killed_mid_batch_fails_the_waiting_requests_in_bound_then_recov
     rest, waited, decode_nixl = asyncio.run(run())
     for outcome in rest:
         assert not outcome.ok, f"{outcome.prompt!r} succeeded without its prefill"
-    assert waited < LIVENESS_BOUND_S, f"the waiting requests took {waited:.1f}s to fail"
+    assert waited < LIVENESS_BOUND_S, (
+        f"the waiting requests took {waited:.1f}s to fail\n{servers_said([family.decode])}"
+    )
 
     async def decode_drained() -> dict[str, float]:
         async with client() as http:
             return await _metrics(family, http)
 
     m = asyncio.run(decode_drained())
-    assert m["waiting"] + m["running"] == 0, f"decode server still holds requests: {m}"
+    assert m["waiting"] + m["running"] == 0, (
+        f"decode server still holds requests: {m}\n{servers_said([family.decode])}"
+    )
 
     async def decode_failures() -> dict[str, float]:
         """What a dashboard reads on the decode: exactly the transfers the kill failed
@@ -735,7 +740,8 @@ def test_decode_stopped_with_sigterm_drains_the_requests_waiting_for_their_kv(
             outcomes = await batch(decode_legs)
             while family.decode.alive():
                 assert time.monotonic() - stopped_at < DRAIN_S + 30, (
-                    f"the decode still runs {DRAIN_S + 30} s after SIGTERM"
+                    f"the decode still runs {DRAIN_S + 30} s after SIGTERM; its legs: "
+                    f"{[o.error or 'ok' for o in outcomes]}\n{servers_said([family.decode])}"
                 )
                 await asyncio.sleep(0.2)
             return outcomes, time.monotonic() - stopped_at
