@@ -13,13 +13,11 @@ from the lookup pool's threads; `Wake` and `Stop` are the driver's own.
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvpush.mailbox import Mailbox
 from kvpush.protocol import PeerAddress, ReceiverState, SenderState, Side
 from kvpush.runtime.values import RuntimeStatistics
 from kvpush.sidechannel import PeerMetadata
@@ -160,51 +158,10 @@ Command = (
 )
 
 
-class CommandQueue:
+class CommandQueue(Mailbox[Command]):
     """The driver's commands, put by any thread and taken by two: the runtime's thread,
     the one taker that waits (with a timeout: its next poll is due then), and an engine
-    thread driving a pass in-step, which takes what is there and never waits.
-
-    Not one `queue.SimpleQueue`, whose timed `get` breaks with a second taker: woken for
-    an item the other thread took first, it recomputes its timeout, and once that is
-    past it waits with a negative one, which CPython (3.11 to 3.13 at least) takes as
-    forever, until the next put. In vLLM the engine thread took the runtime thread's
-    wake-ups that way, then went idle: the runtime's thread stopped polling, so the
-    peers' writes into this rank and its heartbeats stopped until the next request
-    (seen as "sender silent" on live pairs, and a doctor's test write that never ended).
-    Here the commands lie in a deque both take from, and each put also drops a token in
-    a `SimpleQueue` that only the waiting taker gets from (a wait at C speed: the
-    runtime's thread waits 20 us between polls right after activity). A token whose
-    command the engine took is left over: it ends that thread's next wait early, once."""
-
-    _TAKE_AT_MOST = 1024
-
-    def __init__(self) -> None:
-        self._items: collections.deque[Command] = collections.deque()
-        self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
-
-    def put(self, command: Command) -> None:
-        self._items.append(command)
-        self._tokens.put(None)  # after the command: a woken taker finds it there
-
-    def take(self, timeout: float = 0.0) -> list[Command]:
-        """What is queued (up to `_TAKE_AT_MOST`, oldest first); with a `timeout`, on the
-        one thread that waits, and nothing queued, wait up to `timeout` seconds for a put
-        first. Never waits longer, whoever else takes."""
-        items = self._items
-        if timeout > 0:
-            tokens = self._tokens
-            if not items:
-                with contextlib.suppress(queue.Empty):
-                    tokens.get(timeout=timeout)
-            # Spent tokens go before the commands are taken: a put from here on leaves
-            # its token for the next wait, whose command this take or that one finds.
-            while not tokens.empty():
-                tokens.get_nowait()
-        out: list[Command] = []
-        while items and len(out) < self._TAKE_AT_MOST:
-            try:
-                out.append(items.popleft())
-            except IndexError:  # the other taker emptied it since
-                break
-        return out
+    thread driving a pass in-step, which takes what is there and never waits. Not a
+    `queue.SimpleQueue` (`kvpush.mailbox` says why): its timed get, with the engine
+    thread taking the runtime thread's wake-ups or with none, could sleep until the next
+    command, and the runtime's thread then stopped polling."""

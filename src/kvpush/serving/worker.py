@@ -24,7 +24,6 @@ table of requests (`Jobs`), and only the engine thread touches either.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from kvpush.errors import ClosedError
+from kvpush.mailbox import Mailbox
 from kvpush.serving.engine import Engine, EngineStats, FinishReason, RequestStats
 from kvpush.serving.sampling import RequestRejected, SamplingParams
 
@@ -248,7 +248,9 @@ class EngineWorker:
         # Set when a step placed and ran nothing (every block held): waiting requests
         # then wait for a command or a transfer's end instead of spinning.
         self._stalled = False
-        self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        # Not a queue.SimpleQueue: its timed get could sleep past its timeout until
+        # the next command (kvpush.mailbox), with transfers in flight.
+        self._commands: Mailbox[tuple[str, object]] = Mailbox()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._stats = engine.statistics()
@@ -309,27 +311,22 @@ class EngineWorker:
     def _run(self) -> None:
         while not self._stopping.is_set():
             # Only engine work runs without waiting. A transfer in flight is waited for in
-            # `role.idle_wait()` slices: a zero-timeout get never drops the GIL, so spinning
+            # `role.idle_wait()` slices: a take without a timeout never drops the GIL, so spinning
             # here would hold off the push runtime's thread (which must poll NIXL to move
             # this very transfer) by the interpreter's 5 ms switch interval per pass.
             busy = self.engine.has_work and not self._stalled
-            try:
-                cmd = self._commands.get(timeout=0.0 if busy else self.role.idle_wait())
-            except queue.Empty:
-                cmd = None
-            while cmd is not None:
-                self._stalled = False
-                try:
-                    self._handle(*cmd)
-                except Exception as exc:  # a bug: that command fails, the thread serves on
-                    log.exception("engine command %r failed", cmd[0])
-                    if cmd[0] == "submit" and isinstance(cmd[1], Job):
-                        self.jobs.pop(cmd[1].request_id)
-                        cmd[1].sink(Rejected(500, f"internal error: {type(exc).__name__}"))
-                try:
-                    cmd = self._commands.get_nowait()
-                except queue.Empty:
-                    cmd = None
+            commands = self._commands.take(timeout=0.0 if busy else self.role.idle_wait())
+            while commands:
+                for cmd in commands:
+                    self._stalled = False
+                    try:
+                        self._handle(*cmd)
+                    except Exception as exc:  # a bug: that command fails, the thread serves on
+                        log.exception("engine command %r failed", cmd[0])
+                        if cmd[0] == "submit" and isinstance(cmd[1], Job):
+                            self.jobs.pop(cmd[1].request_id)
+                            cmd[1].sink(Rejected(500, f"internal error: {type(exc).__name__}"))
+                commands = self._commands.take()
             if self._stopping.is_set():
                 break
             try:
