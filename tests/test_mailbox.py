@@ -56,22 +56,26 @@ def test_a_signal_whose_item_another_thread_took_ends_the_next_wait_once() -> No
 def test_a_short_wait_never_lasts_until_a_later_put() -> None:
     """The runtime's thread waits 20 us between NIXL polls right after activity. A wait
     of `queue.SimpleQueue` that was preempted past its deadline waited for the next put
-    instead (here, in 5 of 40,000 tries on CPython 3.11.7, the put a timer thread makes
-    50 ms later). Each try: a command put and taken by the waiting thread (so the
-    signal is spent), a timer thread started to put another in 50 ms (starting it is
-    what preempts), then a 20 us wait."""
-    slow = []
+    instead: here, on CPython 3.11.7, in 5 of 40,000 tries, for a put a timer thread
+    made 50 ms later. Each try: a command put and taken by the waiting thread (so the
+    signal is spent), a timer thread started to put another in 5 s (starting it is what
+    preempts), then a 20 us wait. A wait that returns the timer's command after 4.5 s
+    slept until that put; a loaded host can make a wait late, but not return a command
+    nobody put before its end."""
+    slept_until_the_put = []
     for _ in range(20_000):
         box = CommandQueue()
         box.put(Wake())
         assert len(box.take(timeout=1.0)) == 1
-        timer = threading.Timer(0.05, box.put, args=(Wake(),))
+        timer = threading.Timer(5.0, box.put, args=(Wake(),))
         timer.start()
         start = time.monotonic()
-        box.take(timeout=20e-6)
+        got = box.take(timeout=20e-6)
         waited = time.monotonic() - start
         timer.cancel()
         timer.join()
-        if waited >= 0.04:
-            slow.append(waited)
-    assert not slow, f"20 us waits that lasted until a put 50 ms later: {slow}"
+        if got and waited >= 4.5:
+            slept_until_the_put.append(waited)
+    assert not slept_until_the_put, (
+        f"20 us waits that lasted until a put 5 s later: {slept_until_the_put}"
+    )
