@@ -403,7 +403,17 @@ def test_the_nixl_series_a_dashboard_reads_count_the_transfers_run(family: Famil
             outcomes = await batch([complete(http, family.proxy_url, b) for b in _bodies(family)])
             took = time.monotonic() - started
             _check_identical(family, outcomes, "the round the nixl series count")
-            return before, await settled(http), took
+            # Quiescent is not always exported: a run here read 1 send ended of 10 at
+            # once. Read again, up to 30 s, until the round's sends are all counted.
+            deadline = time.monotonic() + 30
+            after = await settled(http)
+            while (
+                after["prefill"]["sends ended"] - before["prefill"]["sends ended"] < len(PROMPTS)
+                and time.monotonic() < deadline
+            ):
+                await asyncio.sleep(0.5)
+                after = await settled(http)
+            return before, after, took
 
     before, after, took = asyncio.run(run())
     for role in servers:
