@@ -18,7 +18,7 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from helpers.vllm_worker import RecordingStats, loopback_factory, worker_config
+from helpers.vllm_worker import RecordingStats, loopback_factory, step_each, worker_config
 from kvpush.config import SideChannelConfig, TimingConfig
 from kvpush.integrations.vllm.plan import Claim, Receive, Refuse, Send, StepPlan, StepResults
 from kvpush.integrations.vllm.worker import WorkerSide
@@ -86,15 +86,7 @@ class Engine:
 
     def step(self, plan: StepPlan | None = None) -> None:
         """One engine step on every rank (each rank gets its own copy of the plan)."""
-        for rank, worker in enumerate(self.workers):
-            mine = plan or StepPlan(idle=True)
-            worker.start_step(mine)
-            worker.step_saved(mine)
-            out = worker.transfer_results()
-            ended = self.ended[rank]
-            ended.finished_recving |= out.finished_recving
-            ended.failed_recving |= out.failed_recving
-            ended.finished_sending |= out.finished_sending
+        step_each(self.workers, self.ended, plan)
 
     def sent(self) -> bool:
         return all("req-p" in e.finished_sending for e in self.ended)

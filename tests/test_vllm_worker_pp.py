@@ -28,6 +28,7 @@ from helpers.vllm_worker import (
     RecordingStats,
     loopback_factory,
     run_until_ended,
+    step_each,
     worker_config,
 )
 from kvpush.config import SideChannelConfig, TimingConfig
@@ -129,15 +130,7 @@ class Engine:
     def step(self, plan: StepPlan | None = None) -> None:
         """One engine step on every worker, all stages given the same plan (as vLLM
         hands every worker the scheduler's connector metadata)."""
-        for i, worker in enumerate(self.workers):
-            step = plan or StepPlan(idle=True)
-            worker.start_step(step)
-            worker.step_saved(step)
-            out = worker.transfer_results()
-            ended = self.ended[i]
-            ended.finished_recving |= out.finished_recving
-            ended.failed_recving |= out.failed_recving
-            ended.finished_sending |= out.finished_sending
+        for i, out in enumerate(step_each(self.workers, self.ended, plan)):
             for rid in out.finished_recving | out.finished_sending:
                 self.reports[i][rid] = self.reports[i].get(rid, 0) + 1
 

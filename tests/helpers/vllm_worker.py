@@ -4,14 +4,18 @@ with: a real `WorkerSide` per rank, over the loopback data plane (no vLLM)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpush.config import TimingConfig
 from kvpush.integrations.vllm.params import ConnectorConfig
+from kvpush.integrations.vllm.plan import StepPlan, StepResults
 from kvpush.runtime import TransferResult
 from kvpush.transports.base import Transport
 from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
+
+if TYPE_CHECKING:
+    from kvpush.integrations.vllm.worker import WorkerSide
 
 HOST = "127.0.0.1"
 # Liveness 10 s: a loaded 2-core host (vLLM servers beside it) starves in-process ranks'
@@ -126,3 +130,22 @@ def run_until_ended(prefill: SteppedEngine, decode: SteppedEngine, seconds: floa
         decode,
         seconds=seconds,
     )
+
+
+def step_each(
+    workers: Sequence[WorkerSide], ended: Sequence[StepResults], plan: StepPlan | None
+) -> list[StepResults]:
+    """One engine step on every worker, each given `plan` (or an idle step), as vLLM hands
+    every worker the scheduler's connector metadata; each worker's ends are added to its
+    `ended`, and returned as that step's."""
+    outs = []
+    for worker, so_far in zip(workers, ended, strict=True):
+        step = plan or StepPlan(idle=True)
+        worker.start_step(step)
+        worker.step_saved(step)
+        out = worker.transfer_results()
+        so_far.finished_recving |= out.finished_recving
+        so_far.failed_recving |= out.failed_recving
+        so_far.finished_sending |= out.finished_sending
+        outs.append(out)
+    return outs
