@@ -14,8 +14,8 @@ DEFAULT_MODES = ("memcpy", "nixl-raw", "kvpush", "mooncake")
 # MAC (`kvpush.protocol.auth`): its cost beside kvpush's, in one run.
 ALL_MODES = (*DEFAULT_MODES, "kvpush-token")
 # Counted rounds of the interleaved local run (`interleave`), after its warm-up round:
-# each ratio is the median of this many paired ones. `--quick` takes 8 short ones (a
-# quarter of its bytes per size each, at least one transfer), an even count so that each
-# pair of modes runs as often in one order as in the other.
+# each ratio is the median of this many paired ones. `--quick` takes 8 short ones (an
+# eighth of its bytes per size each, and never under `workload.ROUND_MIN_BYTES`), an even
+# count so that each pair of modes runs as often in one order as in the other.
 DEFAULT_ROUNDS = 5
 QUICK_ROUNDS = 8

@@ -31,6 +31,16 @@ _ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 RATE_INFLIGHT = 8
 # Tags of round r start at r * ROUND_TAGS, so that no two transfers of a mode share one.
 ROUND_TAGS = 1_000_000
+# Each round's batch of a size moves at least this many bytes, and its 1-block runs make
+# at least this many transfers (the whole count, where that is fewer), whatever the
+# number of rounds: a batch of a few milliseconds is one scheduler tick of a shared host,
+# and its first window's start-up weighs on its median. Where a run's bytes were simply
+# divided among its rounds, `--quick`'s batches at 2 MiB were six transfers (12 MiB,
+# about 4 ms), and `--rounds 32` instead of 8 moved kvpush/nixl-raw's p50 at 512 KiB
+# from 1.1 to 2.1: more rounds measured something else (docs/benchmarks.md, "Fifth
+# pass").
+ROUND_MIN_BYTES = 64 * MIB
+ROUND_MIN_TRANSFERS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,15 +93,18 @@ class Workload:
 
     def iterations(self, blocks: int) -> int:
         """Transfers of `blocks` blocks in one round: enough to move one round's share of
-        the target bytes, within `min_iters`..`max_iters` (small sizes get many, so that
-        one descheduled moment does not decide a round's figure)."""
+        the target bytes and at least `ROUND_MIN_BYTES`, within `min_iters`..`max_iters`
+        (small sizes get many, so that one descheduled moment does not decide a round's
+        figure)."""
         size = blocks * self.bytes_per_block
-        wanted = math.ceil(self.target_bytes_per_size / self.rounds / size)
+        share = max(self.target_bytes_per_size / self.rounds, ROUND_MIN_BYTES)
+        wanted = math.ceil(share / size)
         return max(self.min_iters, min(self.max_iters, wanted))
 
     def round_share(self, count: int) -> int:
-        """One round's share of `count` 1-block transfers."""
-        return max(1, math.ceil(count / self.rounds))
+        """One round's share of `count` 1-block transfers, at least `ROUND_MIN_TRANSFERS`
+        of them (or all `count`, where that is fewer)."""
+        return max(min(count, ROUND_MIN_TRANSFERS), math.ceil(count / self.rounds))
 
     def describe(self) -> dict[str, object]:
         return {
@@ -211,7 +224,7 @@ def make_workload(
         inflight=inflight,
         target_bytes_per_size=(96 * MIB) if quick else (2 * GIB),
         min_iters=1 if quick else 3,
-        max_iters=50 if quick else 200,
+        max_iters=128 if quick else 200,
         rate_transfers=300 if quick else 1000,
         idle_s=1.0 if quick else 3.0,
         latency_transfers=200 if quick else 300,
