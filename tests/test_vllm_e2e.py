@@ -128,11 +128,7 @@ def _kvpush_spec(
     push: str | None = None,
     extra_args: tuple[str, ...] = (),
 ) -> ServerSpec:
-    # A claim window of 30 s, not the default 10: a fresh-clone run's round 4 on ::1 lost
-    # five requests whose decode registered 0.5 s after their prefill had given them up
-    # ("no receiver registered or claimed it for 10.0s"), both servers busy beside the
-    # other half of make test. The crash test (test_vllm_e2e_crash.py) checks the window.
-    extra: dict[str, object] = {**TIMING, "handshake_timeout_ms": 10000, "claim_window_s": 30}
+    extra: dict[str, object] = {**TIMING, "handshake_timeout_ms": 10000}
     if push is not None:
         extra["push"] = push
     return ServerSpec(

@@ -16,7 +16,7 @@ a test can wait for. Before the kill the decode is stopped (SIGSTOP) for 4 s and
 resumed: a window after the stop began, the prefill still holds every block (a slow
 decode keeps its transfers), and the decode then receives the KV of the first
 registered request, whose prefill leg is sent only then, and answers it. The prefill
-runs the vLLM default claim window (10 s), the heartbeat timing of the other
+runs the connector's default claim window (30 s), the heartbeat timing of the other
 end-to-end modules (liveness 8 s) and, as the decode, a transfer deadline of 120 s, so
 a transfer held until its deadline cannot pass for one freed in time, and the decode
 legs registered first outlive a slow set-up on a loaded host.

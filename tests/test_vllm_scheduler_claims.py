@@ -159,11 +159,11 @@ def test_the_push_dialect_is_claimed_by_its_pairing_id_and_bad_params_not_at_all
     assert answers["bad"]["claims"] == []
 
 
-def test_the_prefills_claim_window_is_10_s_unless_set_and_null_turns_it_off(
+def test_the_prefills_claim_window_is_30_s_unless_set_and_null_turns_it_off(
     answers: dict[str, Any],
 ) -> None:
     got = answers["window"]
-    assert got["default"] == 10.0
+    assert got["default"] == 30.0
     assert got["set"] == 4.0
     assert got["null"] is None
     assert got["bad"] == (

@@ -52,12 +52,14 @@ TIMING_KEYS = (
 )
 # How long a prefill holds a transfer no decode registered for nor claimed (decodes
 # claim every request they hold queued): what a decode that died before registering
-# costs it, instead of the transfer deadline. 20 heartbeat intervals and more than three
-# liveness timeouts: a living decode that claims never loses a transfer to it unless
-# its heartbeats stop that long. Null in `kv_connector_extra_config`: off (the deadline),
-# for decodes of kvpush before claims, which register only once vLLM gives the request
-# blocks (docs/vllm.md, "A decode that dies").
-DEFAULT_CLAIM_WINDOW_S = 10.0
+# costs it, instead of the transfer deadline. 60 heartbeat intervals and ten liveness
+# timeouts: a living decode that claims never loses a transfer to it unless its
+# heartbeats stop that long, nor one whose decode leg reaches the decode's engine that
+# long after the prefill offered it (a router's time between its legs, the decode
+# server's time to add the request). Null in `kv_connector_extra_config`: off (the
+# deadline), for decodes of kvpush before claims, which register only once vLLM gives
+# the request blocks (docs/vllm.md, "A decode that dies").
+DEFAULT_CLAIM_WINDOW_S = 30.0
 PUSH_MODES = ("layerwise", "whole")
 # Every key `kv_connector_extra_config` may hold (docs/vllm.md lists them); others are refused.
 EXTRA_CONFIG_KEYS = frozenset(
