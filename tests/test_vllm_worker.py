@@ -18,11 +18,10 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from helpers.vllm_worker import loopback_factory, worker_config
+from helpers.vllm_worker import RecordingStats, loopback_factory, worker_config
 from kvpush.config import SideChannelConfig, TimingConfig
 from kvpush.integrations.vllm.plan import Receive, Send, StepPlan, StepResults
 from kvpush.integrations.vllm.worker import WorkerSide
-from kvpush.runtime import TransferResult
 from kvpush.sidechannel import MetadataServer, PeerMetadata
 from kvpush.transports.loopback import LoopbackFabric
 
@@ -31,36 +30,6 @@ pytestmark = pytest.mark.timeout(60)
 HOST = "127.0.0.1"
 TOKEN = "s3cret"
 BLOCKS, LAYERS, HEADS, TOKENS, C = 8, 3, 2, 16, 32  # C = head_size + head_size_v
-
-
-class Stats:
-    """The worker's counts (what vLLM's `TransferStats` holds), plain."""
-
-    def __init__(self) -> None:
-        self.pushes: Counter[str] = Counter()
-        self.announced: Counter[str] = Counter()
-        self.nbytes: Counter[str] = Counter()
-        self.failed_at_once: list[str] = []
-        self.registered_first_total = 0
-
-    def opened(self, push: str) -> None:
-        self.pushes[push] += 1
-
-    def layers_announced(self, by: str, n: int) -> None:
-        self.announced[by] += n
-
-    def registered_first(self, n: int) -> None:
-        self.registered_first_total += n
-
-    def ended_at_once(self, side: str, why: str) -> None:
-        self.failed_at_once.append(why)
-
-    def ended(self, result: TransferResult, seconds: float, bytes_per_block: int) -> None:
-        if result.ok:
-            self.nbytes[result.side] += result.blocks_moved * bytes_per_block
-
-    def is_empty(self) -> bool:
-        return not (self.pushes or self.announced or self.nbytes or self.failed_at_once)
 
 
 def kv_caches(seed: int) -> dict[str, torch.Tensor]:
@@ -102,8 +71,8 @@ class Engine:
         )
         loopback = loopback_factory(fabric)
 
-        self.worker: WorkerSide[Stats] = WorkerSide(
-            config, 0, new_stats=Stats, transport_factory=loopback
+        self.worker: WorkerSide[RecordingStats] = WorkerSide(
+            config, 0, new_stats=RecordingStats, transport_factory=loopback
         )
         stack.callback(self.worker.shutdown)
         self.caches = kv_caches(seed)
@@ -175,7 +144,7 @@ def test_a_prefill_worker_pushes_its_blocks_into_the_decode_workers_cache(
     if layerwise:  # each layer announced as the CPU forward saved it
         assert stats.announced == Counter({"save_kv_layer": LAYERS})
     received = decode.worker.take_stats()
-    assert received is not None and received.nbytes["receiver"] > 0
+    assert received is not None and received.bytes.get("receiver", 0) > 0
 
 
 @pytest.mark.parametrize("registered_first", [True, False], ids=["decode-first", "prefill-first"])

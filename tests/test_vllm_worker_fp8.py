@@ -22,13 +22,12 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from helpers.vllm_worker import loopback_factory, worker_config
+from helpers.vllm_worker import RecordingStats, loopback_factory, worker_config
 from kvpush.config import SideChannelConfig, TimingConfig
 from kvpush.errors import FailureReason
 from kvpush.integrations.vllm.kvcache import cache_dtype_name
 from kvpush.integrations.vllm.plan import Receive, Send, StepPlan, StepResults
 from kvpush.integrations.vllm.worker import WorkerSide
-from kvpush.runtime import TransferResult
 from kvpush.sidechannel import MetadataServer, PeerMetadata
 from kvpush.transports.loopback import LoopbackFabric
 
@@ -38,32 +37,6 @@ HOST = "127.0.0.1"
 BLOCKS, LAYERS, HEADS, TOKENS, C = 8, 2, 2, 16, 64  # C = head_size + head_size_v
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 UNIT = {name: (1.0, 1.0) for name in NAMES}
-
-
-class Ended:
-    """The worker's counts, keeping each failed part's reason and detail."""
-
-    def __init__(self) -> None:
-        self.failed: list[tuple[FailureReason | None, str]] = []
-
-    def opened(self, push: str) -> None:
-        pass
-
-    def layers_announced(self, by: str, n: int) -> None:
-        pass
-
-    def registered_first(self, n: int) -> None:
-        pass
-
-    def ended_at_once(self, side: str, why: str) -> None:
-        self.failed.append((None, why))
-
-    def ended(self, result: TransferResult, seconds: float, bytes_per_block: int) -> None:
-        if not result.ok:
-            self.failed.append((result.reason, result.detail))
-
-    def is_empty(self) -> bool:
-        return not self.failed
 
 
 class Engine:
@@ -91,10 +64,10 @@ class Engine:
             block_size_tokens=TOKENS,
             timing=TimingConfig(heartbeat_interval_s=0.2, liveness_timeout_s=5.0, lease_s=3.0),
         )
-        self.worker: WorkerSide[Ended] = WorkerSide(
+        self.worker: WorkerSide[RecordingStats] = WorkerSide(
             dataclasses.replace(config, cache_dtype=cache_dtype),
             0,
-            new_stats=Ended,
+            new_stats=RecordingStats,
             transport_factory=loopback_factory(fabric),
         )
         stack.callback(self.worker.shutdown)
@@ -111,7 +84,7 @@ class Engine:
         assert meta is not None
         self.ranks[0] = meta
         self.ended = StepResults()
-        self.stats = Ended()
+        self.stats = RecordingStats()
 
     def step(self, plan: StepPlan | None = None) -> None:
         plan = plan or StepPlan(idle=True)

@@ -20,7 +20,7 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from helpers.vllm_worker import loopback_factory, run_until_ended, worker_config
+from helpers.vllm_worker import RecordingStats, loopback_factory, run_until_ended, worker_config
 from kvpush.config import SideChannelConfig
 from kvpush.geometry import KVCacheGroup, sub_block_ids
 from kvpush.integrations.vllm.groups import in_sender_blocks, received_blocks
@@ -33,7 +33,6 @@ from kvpush.integrations.vllm.plan import (
     StepResults,
 )
 from kvpush.integrations.vllm.worker import WorkerSide
-from kvpush.runtime import TransferResult
 from kvpush.sidechannel import MetadataServer, PeerMetadata
 from kvpush.topology import UnsupportedShape, rank_heads
 from kvpush.transports.loopback import LoopbackFabric
@@ -42,30 +41,6 @@ pytestmark = pytest.mark.timeout(120)
 
 HOST = "127.0.0.1"
 BLOCKS, LAYERS, TOKENS, C = 8, 2, 16, 32  # C = head_size + head_size_v
-
-
-class Stats:
-    def __init__(self) -> None:
-        self.failed_at_once: list[str] = []
-        self.parts_ended: list[str] = []  # each part's transfer id, as it ended
-
-    def opened(self, push: str) -> None:
-        pass
-
-    def layers_announced(self, by: str, n: int) -> None:
-        pass
-
-    def registered_first(self, n: int) -> None:
-        pass
-
-    def ended_at_once(self, side: str, why: str) -> None:
-        self.failed_at_once.append(why)
-
-    def ended(self, result: TransferResult, seconds: float, bytes_per_block: int) -> None:
-        self.parts_ended.append(result.transfer_id)
-
-    def is_empty(self) -> bool:
-        return not (self.failed_at_once or self.parts_ended)
 
 
 def model_kv(
@@ -118,13 +93,13 @@ class Engine:
 
         self.mla = mla
         self.model = model_kv(seed, total_heads, tokens, kv_first)
-        self.workers: list[WorkerSide[Stats]] = []
+        self.workers: list[WorkerSide[RecordingStats]] = []
         self.caches: list[torch.Tensor] = []
         for rank in range(tp):
             held = rank_heads(rank, tp, total_heads, mla)
             cache = self.model.narrow(self.head_axis, held.first_head, held.num_heads).clone()
-            worker: WorkerSide[Stats] = WorkerSide(
-                config, rank, new_stats=Stats, transport_factory=loopback
+            worker: WorkerSide[RecordingStats] = WorkerSide(
+                config, rank, new_stats=RecordingStats, transport_factory=loopback
             )
             stack.callback(worker.shutdown)
             # MLA's cache is vLLM's [blocks, tokens, latent] per layer: no head axis.

@@ -4,10 +4,12 @@ with: a real `WorkerSide` per rank, over the loopback data plane (no vLLM)."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpush.config import TimingConfig
+from kvpush.errors import FailureReason
 from kvpush.integrations.vllm.params import ConnectorConfig
 from kvpush.integrations.vllm.plan import StepPlan, StepResults
 from kvpush.runtime import TransferResult
@@ -66,35 +68,53 @@ def loopback_factory(fabric: LoopbackFabric) -> Callable[[str], Transport]:
 
 
 class RecordingStats:
-    """The worker's counts as a test reads them: why requests failed (at once or a part
-    ending), the bytes each side counts as moved, and each part's id as it ended."""
+    """The worker's counts as a test reads them (what vLLM's `TransferStats` holds, plain):
+    pushes opened by kind, layers announced, requests registered first, why requests
+    failed (at once, or a part ending), the bytes each side counts as moved, and each
+    part's id as it ended."""
 
     def __init__(self) -> None:
-        self.details: list[str] = []
+        self.pushes: Counter[str] = Counter()
+        self.announced: Counter[str] = Counter()
+        self.registered_first_total = 0
+        self.failed_at_once: list[str] = []
+        # Every failure in order: (reason, detail) of a part, (None, why) of one at once.
+        self.failed: list[tuple[FailureReason | None, str]] = []
+        self.details: list[str] = []  # the same, as text
         self.bytes: dict[str, int] = {}  # per side: what the worker counts as moved
         self.parts_ended: list[str] = []
 
     def opened(self, push: str) -> None:
-        pass
+        self.pushes[push] += 1
 
     def layers_announced(self, by: str, n: int) -> None:
-        pass
+        self.announced[by] += n
 
     def registered_first(self, n: int) -> None:
-        pass
+        self.registered_first_total += n
 
     def ended_at_once(self, side: str, why: str) -> None:
+        self.failed_at_once.append(why)
+        self.failed.append((None, why))
         self.details.append(why)
 
     def ended(self, result: TransferResult, seconds: float, bytes_per_block: int) -> None:
         self.parts_ended.append(result.transfer_id)
         if not result.ok:
+            self.failed.append((result.reason, result.detail))
             self.details.append(f"{result.reason}: {result.detail}")
         moved = result.blocks_moved * bytes_per_block
         self.bytes[result.side] = self.bytes.get(result.side, 0) + moved
 
     def is_empty(self) -> bool:
-        return not (self.details or self.bytes or self.parts_ended)
+        return not (
+            self.pushes
+            or self.announced
+            or self.registered_first_total
+            or self.failed
+            or self.bytes
+            or self.parts_ended
+        )
 
 
 class SteppedEngine(Protocol):
