@@ -18,11 +18,9 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from helpers.vllm_worker import RecordingStats, loopback_factory, worker_config
-from kvpush.config import SideChannelConfig, TimingConfig
+from helpers.vllm_worker import EngineRanks, worker_config
+from kvpush.config import TimingConfig
 from kvpush.integrations.vllm.plan import Receive, Send, StepPlan, StepResults
-from kvpush.integrations.vllm.worker import WorkerSide
-from kvpush.sidechannel import MetadataServer, PeerMetadata
 from kvpush.transports.loopback import LoopbackFabric
 
 pytestmark = pytest.mark.timeout(60)
@@ -56,30 +54,19 @@ class Engine:
     def __init__(
         self, stack: ExitStack, fabric: LoopbackFabric, name: str, role: str, seed: int
     ) -> None:
-        self.ranks: dict[int, PeerMetadata] = {}
-        self.server = stack.enter_context(
-            MetadataServer(HOST, 0, SideChannelConfig(token=TOKEN), self.ranks)
-        )
+        engine = EngineRanks(stack, fabric, token=TOKEN)
+        self.ranks, self.server = engine.ranks, engine.server
         config = worker_config(
             name,
             role,
-            self.server.port,
+            engine.port,
             total_kv_heads=HEADS,
             block_size_tokens=TOKENS,
             token=TOKEN,
             timing=TimingConfig(heartbeat_interval_s=0.2, liveness_timeout_s=2.0, lease_s=3.0),
         )
-        loopback = loopback_factory(fabric)
-
-        self.worker: WorkerSide[RecordingStats] = WorkerSide(
-            config, 0, new_stats=RecordingStats, transport_factory=loopback
-        )
-        stack.callback(self.worker.shutdown)
         self.caches = kv_caches(seed)
-        self.worker.register_kv_caches(self.caches)
-        meta = self.worker.handshake_metadata()
-        assert meta is not None
-        self.ranks[0] = meta
+        self.worker = engine.start_rank(config, 0, self.caches)
         self.ended = StepResults()
 
     def step(self, plan: StepPlan | None = None) -> StepResults:

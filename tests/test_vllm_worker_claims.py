@@ -18,11 +18,10 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from helpers.vllm_worker import RecordingStats, loopback_factory, step_each, worker_config
-from kvpush.config import SideChannelConfig, TimingConfig
+from helpers.vllm_worker import EngineRanks, RecordingStats, step_each, worker_config
+from kvpush.config import TimingConfig
 from kvpush.integrations.vllm.plan import Claim, Receive, Refuse, Send, StepPlan, StepResults
 from kvpush.integrations.vllm.worker import WorkerSide
-from kvpush.sidechannel import MetadataServer, PeerMetadata
 from kvpush.topology import rank_heads
 from kvpush.transports.loopback import LoopbackFabric
 
@@ -49,12 +48,12 @@ class Engine:
         self, stack: ExitStack, fabric: LoopbackFabric, name: str, role: str, tp: int, seed: int
     ) -> None:
         self.tp = tp
-        self.ranks: dict[int, PeerMetadata] = {}
-        self.server = stack.enter_context(MetadataServer(HOST, 0, SideChannelConfig(), self.ranks))
+        engine = EngineRanks(stack, fabric)
+        self.ranks, self.server = engine.ranks, engine.server
         config = worker_config(
             name,
             role,
-            self.server.port,
+            engine.port,
             total_kv_heads=HEADS,
             block_size_tokens=TOKENS,
             tp_size=tp,
@@ -70,17 +69,8 @@ class Engine:
         for rank in range(tp):
             held = rank_heads(rank, tp, HEADS, False)
             cache = model.narrow(2, held.first_head, held.num_heads).clone()
-            worker: WorkerSide[RecordingStats] = WorkerSide(
-                config, rank, new_stats=RecordingStats, transport_factory=loopback_factory(fabric)
-            )
-            stack.callback(worker.shutdown)
-            worker.register_kv_caches(
-                {f"model.layers.{i}.self_attn.attn": cache[i] for i in range(LAYERS)}
-            )
-            meta = worker.handshake_metadata()
-            assert meta is not None
-            self.ranks[rank] = meta
-            self.workers.append(worker)
+            layers = {f"model.layers.{i}.self_attn.attn": cache[i] for i in range(LAYERS)}
+            self.workers.append(engine.start_rank(config, rank, layers))
             self.caches.append(cache)
         self.ended = [StepResults() for _ in range(tp)]
 

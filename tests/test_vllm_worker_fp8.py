@@ -22,13 +22,11 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from helpers.vllm_worker import RecordingStats, loopback_factory, worker_config
-from kvpush.config import SideChannelConfig, TimingConfig
+from helpers.vllm_worker import EngineRanks, RecordingStats, worker_config
+from kvpush.config import TimingConfig
 from kvpush.errors import FailureReason
 from kvpush.integrations.vllm.kvcache import cache_dtype_name
 from kvpush.integrations.vllm.plan import Receive, Send, StepPlan, StepResults
-from kvpush.integrations.vllm.worker import WorkerSide
-from kvpush.sidechannel import MetadataServer, PeerMetadata
 from kvpush.transports.loopback import LoopbackFabric
 
 pytestmark = pytest.mark.timeout(60)
@@ -54,23 +52,16 @@ class Engine:
         scales: dict[str, tuple[float, float]],
         seed: int,
     ) -> None:
-        self.ranks: dict[int, PeerMetadata] = {}
-        self.server = stack.enter_context(MetadataServer(HOST, 0, SideChannelConfig(), self.ranks))
+        engine = EngineRanks(stack, fabric)
+        self.ranks, self.server = engine.ranks, engine.server
         config = worker_config(
             name,
             role,
-            self.server.port,
+            engine.port,
             total_kv_heads=HEADS,
             block_size_tokens=TOKENS,
             timing=TimingConfig(heartbeat_interval_s=0.2, liveness_timeout_s=5.0, lease_s=3.0),
         )
-        self.worker: WorkerSide[RecordingStats] = WorkerSide(
-            dataclasses.replace(config, cache_dtype=cache_dtype),
-            0,
-            new_stats=RecordingStats,
-            transport_factory=loopback_factory(fabric),
-        )
-        stack.callback(self.worker.shutdown)
         storage = torch.randint(
             0,
             256,
@@ -79,10 +70,9 @@ class Engine:
             generator=torch.Generator().manual_seed(seed),
         )
         self.caches = {name: storage[i] for i, name in enumerate(NAMES)}
-        self.worker.register_kv_caches(self.caches, scales)
-        meta = self.worker.handshake_metadata()
-        assert meta is not None
-        self.ranks[0] = meta
+        self.worker = engine.start_rank(
+            dataclasses.replace(config, cache_dtype=cache_dtype), 0, self.caches, scales=scales
+        )
         self.ended = StepResults()
         self.stats = RecordingStats()
 

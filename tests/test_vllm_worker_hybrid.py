@@ -23,14 +23,11 @@ import msgspec
 import pytest
 import torch
 
-from helpers.vllm_worker import RecordingStats as Stats
-from helpers.vllm_worker import loopback_factory, worker_config
-from kvpush.config import SideChannelConfig
+from helpers.vllm_worker import EngineRanks, RecordingStats, worker_config
 from kvpush.geometry import CacheGeometry, KVCacheGroup, Region
 from kvpush.integrations.vllm.groups import moved_span, received_blocks, sent_blocks
 from kvpush.integrations.vllm.plan import Receive, Send, StepPlan, StepResults
 from kvpush.integrations.vllm.worker import WorkerSide
-from kvpush.sidechannel import MetadataServer, PeerMetadata
 from kvpush.topology import rank_heads
 from kvpush.transports.loopback import LoopbackFabric
 
@@ -65,12 +62,11 @@ class Engine:
         groups: tuple[KVCacheGroup, ...] = GROUPS,
     ) -> None:
         self.tp = tp
-        self.ranks: dict[int, PeerMetadata] = {}
-        self.server = stack.enter_context(MetadataServer(HOST, 0, SideChannelConfig(), self.ranks))
+        engine = EngineRanks(stack, fabric)
+        self.ranks, self.server = engine.ranks, engine.server
         config = worker_config(
-            name, role, self.server.port, total_kv_heads=HEADS, block_size_tokens=TOKENS, tp_size=tp
+            name, role, engine.port, total_kv_heads=HEADS, block_size_tokens=TOKENS, tp_size=tp
         )
-        loopback = loopback_factory(fabric)
 
         # The model's KV, [slots, blocks, heads, tokens, C], every byte random; each
         # rank's cache holds its heads of it.
@@ -78,20 +74,13 @@ class Engine:
         flat = self.model.view(torch.uint8).reshape(-1)
         gen = torch.Generator().manual_seed(seed)
         flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
-        self.workers: list[WorkerSide[Stats]] = []
+        self.workers: list[WorkerSide[RecordingStats]] = []
         self.caches: list[torch.Tensor] = []
         for rank in range(tp):
             held = rank_heads(rank, tp, HEADS, False)
             cache = self.model[:, :, held.first_head : held.stop].clone()
-            worker: WorkerSide[Stats] = WorkerSide(
-                config, rank, new_stats=Stats, transport_factory=loopback, groups=groups
-            )
-            stack.callback(worker.shutdown)
-            worker.register_kv_caches({name: cache[slot] for name, slot in LAYERS.items()})
-            meta = worker.handshake_metadata()
-            assert meta is not None
-            self.ranks[rank] = meta
-            self.workers.append(worker)
+            layers = {name: cache[slot] for name, slot in LAYERS.items()}
+            self.workers.append(engine.start_rank(config, rank, layers, groups=groups))
             self.caches.append(cache)
         self.ended = [StepResults() for _ in range(tp)]
         self.reports: list[dict[str, int]] = [{} for _ in range(tp)]

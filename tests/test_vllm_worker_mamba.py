@@ -22,8 +22,7 @@ import msgspec
 import pytest
 import torch
 
-from helpers.vllm_worker import RecordingStats, loopback_factory, worker_config
-from kvpush.config import SideChannelConfig
+from helpers.vllm_worker import EngineRanks, RecordingStats, worker_config
 from kvpush.errors import KVLayoutError
 from kvpush.geometry import (
     CacheGeometry,
@@ -42,8 +41,6 @@ from kvpush.integrations.vllm.groups import (
 )
 from kvpush.integrations.vllm.kvcache import register_vllm_kv_caches
 from kvpush.integrations.vllm.plan import Receive, Send, StepPlan, StepResults
-from kvpush.integrations.vllm.worker import WorkerSide
-from kvpush.sidechannel import MetadataServer, PeerMetadata
 from kvpush.topology import UnsupportedShape
 from kvpush.transports.loopback import LoopbackFabric
 
@@ -83,26 +80,20 @@ class Engine:
         seed: int,
         groups: tuple[KVCacheGroup, ...] = GROUPS,
     ):
-        ranks: dict[int, PeerMetadata] = {}
-        self.server = stack.enter_context(MetadataServer(HOST, 0, SideChannelConfig(), ranks))
+        engine = EngineRanks(stack, fabric)
+        self.server = engine.server
         config = worker_config(
-            name, role, self.server.port, total_kv_heads=HEADS, block_size_tokens=TOKENS
+            name, role, engine.port, total_kv_heads=HEADS, block_size_tokens=TOKENS
         )
         gen = torch.Generator().manual_seed(seed)
         self.raw = torch.randint(-128, 128, (BLOCKS * PAGE,), dtype=torch.int8, generator=gen)
-        self.worker: WorkerSide[RecordingStats] = WorkerSide(
+        self.worker = engine.start_rank(
             config,
             0,
-            new_stats=RecordingStats,
-            transport_factory=loopback_factory(fabric),
+            vllm_views(self.raw),
             groups=groups,
             state_layers=frozenset({MAMBA_LAYER}),
         )
-        stack.callback(self.worker.shutdown)
-        self.worker.register_kv_caches(vllm_views(self.raw))
-        meta = self.worker.handshake_metadata()
-        assert meta is not None
-        ranks[0] = meta
         self.ended = StepResults()
         self.stats = RecordingStats()
 

@@ -25,13 +25,13 @@ import torch
 
 from helpers.vllm_worker import (
     TIMING,
+    EngineRanks,
     RecordingStats,
-    loopback_factory,
     run_until_ended,
     step_each,
     worker_config,
 )
-from kvpush.config import SideChannelConfig, TimingConfig
+from kvpush.config import TimingConfig
 from kvpush.doctor.checks.options import DoctorOptions, Observed, Target
 from kvpush.doctor.checks.step3_compatibility import check_compatibility
 from kvpush.doctor.report import StepResult, Verdict
@@ -46,7 +46,6 @@ from kvpush.geometry import (
 )
 from kvpush.integrations.vllm.plan import Receive, Refuse, Send, StepPlan, StepResults
 from kvpush.integrations.vllm.worker import WorkerSide
-from kvpush.sidechannel import MetadataServer, PeerMetadata
 from kvpush.sidechannel.client import fetch_metadata_timed
 from kvpush.topology import decode_tp_named, rank_heads, stage_part_id
 from kvpush.transports.loopback import LoopbackFabric
@@ -80,12 +79,12 @@ class Engine:
         timing: TimingConfig = TIMING,
     ) -> None:
         self.tp, self.pp, self.layers = tp, len(layers), layers
-        self.ranks: dict[int, PeerMetadata] = {}
-        self.server = stack.enter_context(MetadataServer(HOST, 0, SideChannelConfig(), self.ranks))
+        engine = EngineRanks(stack, fabric)
+        self.ranks, self.server = engine.ranks, engine.server
         config = worker_config(
             name,
             role,
-            self.server.port,
+            engine.port,
             total_kv_heads=heads,
             block_size_tokens=TOKENS,
             tp_size=tp,
@@ -108,19 +107,10 @@ class Engine:
                     i: self.model[i].narrow(1, held.first_head, held.num_heads).clone()
                     for i in stage_layers
                 }
-                worker: WorkerSide[RecordingStats] = WorkerSide(
-                    config,
-                    rank,
-                    new_stats=RecordingStats,
-                    transport_factory=loopback_factory(fabric),
-                    stage=stage,
-                )
-                stack.callback(worker.shutdown)
-                worker.register_kv_caches({layer_name(i): c for i, c in caches.items()})
-                meta = worker.handshake_metadata()
-                assert meta is not None
-                assert meta.rank == stage * tp + rank
-                self.ranks[meta.rank] = meta
+                named = {layer_name(i): c for i, c in caches.items()}
+                before = set(self.ranks)
+                worker = engine.start_rank(config, rank, named, stage=stage)
+                assert set(self.ranks) - before == {stage * tp + rank}  # its metadata's rank
                 self.workers.append(worker)
                 self.caches.append(caches)
         self.ended = [StepResults() for _ in self.workers]

@@ -20,8 +20,7 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from helpers.vllm_worker import RecordingStats, loopback_factory, run_until_ended, worker_config
-from kvpush.config import SideChannelConfig
+from helpers.vllm_worker import EngineRanks, RecordingStats, run_until_ended, worker_config
 from kvpush.geometry import KVCacheGroup, sub_block_ids
 from kvpush.integrations.vllm.groups import in_sender_blocks, received_blocks
 from kvpush.integrations.vllm.plan import (
@@ -33,7 +32,6 @@ from kvpush.integrations.vllm.plan import (
     StepResults,
 )
 from kvpush.integrations.vllm.worker import WorkerSide
-from kvpush.sidechannel import MetadataServer, PeerMetadata
 from kvpush.topology import UnsupportedShape, rank_heads
 from kvpush.transports.loopback import LoopbackFabric
 
@@ -78,19 +76,17 @@ class Engine:
     ) -> None:
         self.tp = tp
         self.head_axis = 3 if kv_first else 2
-        self.ranks: dict[int, PeerMetadata] = {}
-        self.server = stack.enter_context(MetadataServer(HOST, 0, SideChannelConfig(), self.ranks))
+        engine = EngineRanks(stack, fabric)
+        self.ranks, self.server = engine.ranks, engine.server
         config = worker_config(
             name,
             role,
-            self.server.port,
+            engine.port,
             total_kv_heads=total_heads,
             block_size_tokens=tokens,
             tp_size=tp,
             use_mla=mla,
         )
-        loopback = loopback_factory(fabric)
-
         self.mla = mla
         self.model = model_kv(seed, total_heads, tokens, kv_first)
         self.workers: list[WorkerSide[RecordingStats]] = []
@@ -98,20 +94,12 @@ class Engine:
         for rank in range(tp):
             held = rank_heads(rank, tp, total_heads, mla)
             cache = self.model.narrow(self.head_axis, held.first_head, held.num_heads).clone()
-            worker: WorkerSide[RecordingStats] = WorkerSide(
-                config, rank, new_stats=RecordingStats, transport_factory=loopback
-            )
-            stack.callback(worker.shutdown)
             # MLA's cache is vLLM's [blocks, tokens, latent] per layer: no head axis.
             layers = {
                 f"model.layers.{i}.self_attn.attn": cache[i, :, 0] if mla else cache[i]
                 for i in range(LAYERS)
             }
-            worker.register_kv_caches(layers)
-            meta = worker.handshake_metadata()
-            assert meta is not None
-            self.ranks[rank] = meta
-            self.workers.append(worker)
+            self.workers.append(engine.start_rank(config, rank, layers))
             self.caches.append(cache)
         self.ended = [StepResults() for _ in range(tp)]
         # How often each rank reported each request: exactly once is the contract.

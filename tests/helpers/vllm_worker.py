@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvpush.config import TimingConfig
+from kvpush.config import SideChannelConfig, TimingConfig
 from kvpush.errors import FailureReason
 from kvpush.integrations.vllm.params import ConnectorConfig
 from kvpush.integrations.vllm.plan import StepPlan, StepResults
 from kvpush.runtime import TransferResult
+from kvpush.sidechannel import MetadataServer
 from kvpush.transports.base import Transport
 from kvpush.transports.loopback import LoopbackFabric, LoopbackTransport
 
 if TYPE_CHECKING:
+    import torch
+
     from kvpush.integrations.vllm.worker import WorkerSide
+    from kvpush.sidechannel import PeerMetadata
 
 HOST = "127.0.0.1"
 # Liveness 10 s: a loaded 2-core host (vLLM servers beside it) starves in-process ranks'
@@ -65,6 +70,52 @@ def loopback_factory(fabric: LoopbackFabric) -> Callable[[str], Transport]:
         return LoopbackTransport(fabric, agent_name)
 
     return make
+
+
+class EngineRanks:
+    """One engine as a worker-level test starts it: the scheduler's side channel (a real
+    `MetadataServer` on `HOST`) and its ranks, each a real `WorkerSide` over `fabric`'s
+    loopback data plane, started as vLLM starts them (caches registered, the rank's
+    metadata handed to the side channel) and shut down with `stack`. What the caches
+    hold, and how the engine steps, are the test's."""
+
+    def __init__(self, stack: ExitStack, fabric: LoopbackFabric, *, token: str | None = None):
+        self.stack, self.fabric = stack, fabric
+        self.ranks: dict[int, PeerMetadata] = {}  # by side-channel rank
+        self.server = stack.enter_context(
+            MetadataServer(HOST, 0, SideChannelConfig(token=token), self.ranks)
+        )
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def start_rank(
+        self,
+        config: ConnectorConfig,
+        rank: int,
+        caches: dict[str, torch.Tensor],
+        *,
+        scales: Mapping[str, tuple[float, float]] | None = None,
+        **worker_options: Any,
+    ) -> WorkerSide[RecordingStats]:
+        """Rank `rank`'s worker (`worker_options`: `WorkerSide`'s groups, state layers,
+        stage), its `caches` registered, its metadata on the side channel."""
+        from kvpush.integrations.vllm.worker import WorkerSide
+
+        worker: WorkerSide[RecordingStats] = WorkerSide(
+            config,
+            rank,
+            new_stats=RecordingStats,
+            transport_factory=loopback_factory(self.fabric),
+            **worker_options,
+        )
+        self.stack.callback(worker.shutdown)
+        worker.register_kv_caches(caches, scales)
+        meta = worker.handshake_metadata()
+        assert meta is not None
+        self.ranks[meta.rank] = meta
+        return worker
 
 
 class RecordingStats:
