@@ -380,21 +380,28 @@ def test_presets_span_one_block_to_a_gibibyte() -> None:
 
 @pytest.mark.parametrize("rounds", [1, QUICK_ROUNDS, 32, 100])
 def test_more_rounds_add_batches_and_never_shrink_them(rounds: int) -> None:
-    """Whatever the rounds, each round's batch of a size moves at least
-    `ROUND_MIN_BYTES` (or the largest batch the run allows) and its 1-block runs make at
-    least `ROUND_MIN_TRANSFERS`: more rounds measure the same batches more often. A run's
-    bytes divided among 32 rounds made `--quick`'s batches at 512 KiB six transfers."""
-    from kvpush.bench.workload import ROUND_MIN_BYTES, ROUND_MIN_TRANSFERS, make_workload
+    """Whatever the rounds, each round's batch of a size is no smaller than with
+    `--quick`'s 8, and moves at least `ROUND_MIN_BYTES` (or the largest batch the run
+    allows); its 1-block runs make at least `ROUND_MIN_TRANSFERS`: more rounds measure
+    the same batches more often. A run's bytes divided among 32 rounds made `--quick`'s
+    batches at 512 KiB six transfers, where 8 rounds made 24."""
+    from kvpush.bench import workload
 
-    w = make_workload(quick=True, rounds=rounds)
+    w = workload.make_workload(quick=True, rounds=rounds)
+    quick = workload.make_workload(quick=True, rounds=QUICK_ROUNDS)
+    for blocks in w.sizes_blocks:
+        assert w.iterations(blocks) >= quick.iterations(blocks), (rounds, blocks)
+    for count in (w.latency_transfers, w.rate_transfers):
+        assert w.round_share(count) >= quick.round_share(count), (rounds, count)
     for blocks in w.sizes_blocks:
         moved = w.iterations(blocks) * blocks * w.bytes_per_block
-        assert moved >= min(ROUND_MIN_BYTES, w.max_iters * blocks * w.bytes_per_block)
+        largest = w.max_iters * blocks * w.bytes_per_block
+        assert moved >= min(workload.ROUND_MIN_BYTES, largest)
         assert w.iterations(blocks) >= w.min_iters
-    assert w.round_share(w.latency_transfers) >= ROUND_MIN_TRANSFERS
-    assert w.round_share(w.rate_transfers) >= ROUND_MIN_TRANSFERS
+    assert w.round_share(w.latency_transfers) >= workload.ROUND_MIN_TRANSFERS
+    assert w.round_share(w.rate_transfers) >= workload.ROUND_MIN_TRANSFERS
     assert w.round_share(3) == 3  # a count under the minimum runs whole, once
-    fewer = make_workload(quick=True, rounds=1)
+    fewer = workload.make_workload(quick=True, rounds=1)
     for blocks in w.sizes_blocks:
         assert w.iterations(blocks) <= fewer.iterations(blocks)
 
