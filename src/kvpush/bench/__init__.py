@@ -14,8 +14,13 @@ DEFAULT_MODES = ("memcpy", "nixl-raw", "kvpush", "mooncake")
 # MAC (`kvpush.protocol.auth`): its cost beside kvpush's, in one run.
 ALL_MODES = (*DEFAULT_MODES, "kvpush-token")
 # Counted rounds of the interleaved local run (`interleave`), after its warm-up round:
-# each ratio is the median of this many paired ones. `--quick` takes 8 short ones (an
-# eighth of its bytes per size each, and never under `workload.ROUND_MIN_BYTES`), an even
-# count so that each pair of modes runs as often in one order as in the other.
+# each ratio is the median of this many paired ones, an even count so that each pair of
+# modes runs as often in one order as in the other. A ratio moves with the host, not only
+# with its noise: a shared host's slow spells last from seconds to a minute, and during
+# one kvpush and nixl-raw both slow down, by different amounts. A run must span several
+# of them for its medians to repeat, so `--quick` takes 48 rounds (about 40 s for two
+# modes), where 8 (12 s) let five runs in a row disagree by 11 to 22 %
+# (docs/benchmarks.md, "Sixth pass"). A round's batch of a size never shrinks below
+# `workload.ROUND_MIN_BYTES`.
 DEFAULT_ROUNDS = 5
-QUICK_ROUNDS = 8
+QUICK_ROUNDS = 48

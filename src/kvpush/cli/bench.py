@@ -43,7 +43,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "1:1,2:1), every rank its own process, in vLLM's packed layout; each shape's GB/s "
         "is also given over the first's",
     )
-    p.add_argument("--quick", action="store_true", help="a small run, under a minute")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small run: 8 layers, up to 64 MiB, about 40 s with two modes",
+    )
     p.add_argument(
         "--rounds",
         type=int,
