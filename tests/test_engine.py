@@ -13,7 +13,7 @@ from kvpush.serving.checkpoint import LoadedModel, load_model, make_model
 from kvpush.serving.engine import Engine
 from kvpush.serving.model import SeqSlice
 from kvpush.serving.paged import BlockAllocator, OutOfBlocks, PagedKVCache
-from kvpush.serving.sampling import RequestRejected, SamplingParams, SpecConfig
+from kvpush.serving.sampling import InvalidRequest, SamplingParams, SpecConfig
 
 TEXTS = [
     "Hello world, this is kvpush.",
@@ -186,16 +186,16 @@ def fresh_prefill_blocks(
 
 def test_bad_requests_are_rejected_with_reasons(tiny: LoadedModel) -> None:
     engine = Engine(tiny.model, num_blocks=8, block_size=4)
-    with pytest.raises(RequestRejected, match="empty"):
+    with pytest.raises(InvalidRequest, match="empty"):
         engine.add_request("a", [], SamplingParams())
-    with pytest.raises(RequestRejected, match="out of range"):
+    with pytest.raises(InvalidRequest, match="out of range"):
         engine.add_request("b", [1, 100000], SamplingParams())
-    with pytest.raises(RequestRejected, match="KV blocks"):
+    with pytest.raises(InvalidRequest, match="KV blocks"):
         engine.add_request("c", [1] * 30, SamplingParams(max_tokens=10))
-    with pytest.raises(RequestRejected, match="max_tokens"):
+    with pytest.raises(InvalidRequest, match="max_tokens"):
         SamplingParams(max_tokens=0)
     engine.add_request("d", [1, 2], SamplingParams(max_tokens=2))
-    with pytest.raises(RequestRejected, match="already in use"):
+    with pytest.raises(InvalidRequest, match="already in use"):
         engine.add_request("d", [1, 2], SamplingParams())
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from kvpush.errors import KVPushError
 from kvpush.serving.engine import Engine, FinishReason
 from kvpush.serving.metrics import Registry, RegistryTransferMetrics
-from kvpush.serving.sampling import RequestRejected
+from kvpush.serving.sampling import InvalidRequest
 from kvpush.serving.transfers import TRANSFER_POLL_S, count_ended, runtime_transfer_id
 from kvpush.serving.worker import IDLE_WAIT_S, Accepted, Done, Job, Jobs, Rejected
 from kvpush.transfer_params import BadTransferParams, parse_remote_prefill, wants_remote_prefill
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class _Incoming:
+class _IncomingRequest:
     """A decode request waiting for its KV."""
 
     transfer_id: str
@@ -73,7 +73,7 @@ class DecodeRole:
         self.runtime = runtime
         self.registry = registry
         self._transfer_metrics = RegistryTransferMetrics(registry)
-        self._incoming: dict[str, _Incoming] = {}  # by transfer id
+        self._incoming: dict[str, _IncomingRequest] = {}  # by transfer id
         self._transfer_of: dict[str, str] = {}  # request id -> transfer id
         self._queued: deque[_Queued] = deque()  # FIFO, waiting for blocks
         self._queued_ids: set[str] = set()
@@ -100,7 +100,7 @@ class DecodeRole:
             return True
         try:
             self.engine.check_request(job.request_id, job.prompt_token_ids, job.params)
-        except RequestRejected as exc:
+        except InvalidRequest as exc:
             self._refuse(job, tid, sender, Rejected(400, str(exc)))
             return True
         if not self._queued and self._place(job, tid, sender):
@@ -202,7 +202,7 @@ class DecodeRole:
         """Give the request blocks and register them with the sender; False: no room yet."""
         try:
             where = self.engine.add_remote_request(job.request_id, job.prompt_token_ids, job.params)
-        except RequestRejected as exc:
+        except InvalidRequest as exc:
             self._refuse(job, tid, sender, Rejected(400, str(exc)))
             return True
         if where is None:
@@ -214,7 +214,7 @@ class DecodeRole:
             self._refuse(job, tid, sender, Rejected(400, f"cannot receive transfer {tid!r}: {exc}"))
             return True
         log.debug("transfer %s: %d blocks registered", tid, len(where.blocks))
-        self._incoming[tid] = _Incoming(tid, job, time.monotonic())
+        self._incoming[tid] = _IncomingRequest(tid, job, time.monotonic())
         self._transfer_of[job.request_id] = tid
         self.jobs.add(job)
         job.sink(Accepted())

@@ -25,7 +25,7 @@ from kvpush.serving.model import LlamaModel, SeqSlice
 from kvpush.serving.paged import BlockAllocator, PagedKVCache, block_hash
 from kvpush.serving.sampling import (
     DraftCounts,
-    RequestRejected,
+    InvalidRequest,
     SamplingParams,
     SpecConfig,
     mean_acceptance_length,
@@ -177,22 +177,22 @@ class Engine:
     def _check_new(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
         cfg = self.model.config
         if request_id in self._seqs:
-            raise RequestRejected(f"request id {request_id!r} is already in use")
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
         if not prompt:
-            raise RequestRejected("prompt is empty: expected at least one token")
+            raise InvalidRequest("prompt is empty: expected at least one token")
         bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
         if bad:
-            raise RequestRejected(
+            raise InvalidRequest(
                 f"prompt token id {bad[0]} out of range: expected 0..{cfg.vocab_size - 1}"
             )
         total = len(prompt) + params.max_tokens
         if total > cfg.max_position_embeddings:
-            raise RequestRejected(
+            raise InvalidRequest(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"exceeds the model's context length {cfg.max_position_embeddings}"
             )
         if self._blocks_for(total) > self.allocator.num_blocks:
-            raise RequestRejected(
+            raise InvalidRequest(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs "
                 f"{self._blocks_for(total)} KV blocks; this server has {self.allocator.num_blocks}"
             )
@@ -263,7 +263,7 @@ class Engine:
         """The prompt's KV is in this request's blocks; decoding starts at the next step."""
         seq = self._get(request_id)
         if seq.state is not _State.WAITING_FOR_KV:
-            raise RequestRejected(f"request {request_id!r} is not waiting for KV")
+            raise InvalidRequest(f"request {request_id!r} is not waiting for KV")
         seq.num_computed = seq.prompt_len - 1
         self._register_full_blocks(seq)
         seq.state = _State.RUNNING
@@ -276,7 +276,7 @@ class Engine:
         """Blocks holding a held request's prompt KV, in order."""
         seq = self._get(request_id)
         if seq.state is not _State.HELD:
-            raise RequestRejected(f"request {request_id!r} holds no blocks")
+            raise InvalidRequest(f"request {request_id!r} holds no blocks")
         return seq.blocks[: self._blocks_for(seq.prompt_len)]
 
     def release(self, request_id: str) -> None:
@@ -308,7 +308,7 @@ class Engine:
     def check_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> None:
-        """Raises `RequestRejected` if the request could never be served here."""
+        """Raises `InvalidRequest` if the request could never be served here."""
         self._check_new(request_id, [int(t) for t in prompt_token_ids], params)
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -346,7 +346,7 @@ class Engine:
     def _get(self, request_id: str) -> _Seq:
         seq = self._seqs.get(request_id)
         if seq is None:
-            raise RequestRejected(f"unknown request id {request_id!r}")
+            raise InvalidRequest(f"unknown request id {request_id!r}")
         return seq
 
     @property

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvpush.serving.engine import Engine, FinishReason
 from kvpush.serving.metrics import Registry, RegistryTransferMetrics
-from kvpush.serving.sampling import RequestRejected, SamplingParams
+from kvpush.serving.sampling import InvalidRequest, SamplingParams
 from kvpush.serving.transfers import (
     TRANSFER_POLL_S,
     count_ended,
@@ -40,7 +40,7 @@ _CANCELLED_TTL_S = 120.0
 
 
 @dataclass(slots=True)
-class _Outgoing:
+class _OutgoingRequest:
     """A prefill request whose blocks go to a decode server."""
 
     transfer_id: str  # the runtime's id (bound to the prompt)
@@ -87,11 +87,11 @@ class PrefillRole:
         self._transfer_metrics = RegistryTransferMetrics(registry)
         self.layerwise = layerwise
         self._clock = clock
-        self._outgoing: dict[str, _Outgoing] = {}  # by request id
-        self._by_transfer: dict[str, _Outgoing] = {}  # by the runtime's id, once placed
-        self._by_client_id: dict[str, _Outgoing] = {}  # by the id in kv_transfer_params
+        self._outgoing: dict[str, _OutgoingRequest] = {}  # by request id
+        self._by_transfer: dict[str, _OutgoingRequest] = {}  # by the runtime's id, once placed
+        self._by_client_id: dict[str, _OutgoingRequest] = {}  # by the id in kv_transfer_params
         self._cancelled: OrderedDict[str, float] = OrderedDict()
-        self._waiting: deque[_Outgoing] = deque()  # FIFO, not in the engine yet
+        self._waiting: deque[_OutgoingRequest] = deque()  # FIFO, not in the engine yet
         self._registered: set[str] = set()  # runtime ids a decode server registered
         self._last_look = float("-inf")
         if layerwise:
@@ -125,12 +125,12 @@ class PrefillRole:
             return True
         try:
             self.engine.check_request(job.request_id, job.prompt_token_ids, _PREFILL_PARAMS)
-        except RequestRejected as exc:
+        except InvalidRequest as exc:
             job.sink(Rejected(400, str(exc)))
             return True
         tid = runtime_transfer_id(client_tid, job.prompt_token_ids)
         log.debug("transfer %s: prefill request accepted", tid)
-        out = _Outgoing(
+        out = _OutgoingRequest(
             tid,
             client_tid,
             job.request_id,
@@ -252,7 +252,7 @@ class PrefillRole:
             return
         free = self.engine.unclaimed_blocks
         reserve = self.engine.max_request_blocks
-        placed: list[_Outgoing] = []
+        placed: list[_OutgoingRequest] = []
         blocked = False
         for out in self._waiting:
             if out.transfer_id in self._registered:
@@ -273,7 +273,7 @@ class PrefillRole:
             self._waiting.remove(out)
             self._place(out)
 
-    def _place(self, out: _Outgoing) -> None:
+    def _place(self, out: _OutgoingRequest) -> None:
         job = self.jobs.get(out.request_id)
         assert job is not None  # in the table from `take` until it is answered
         self.engine.add_request(
@@ -309,7 +309,7 @@ class PrefillRole:
                 self._legs_differ(ours, tid, theirs)
         self._registered = registered
 
-    def _legs_differ(self, out: _Outgoing, their_tid: str, their_fingerprint: str) -> None:
+    def _legs_differ(self, out: _OutgoingRequest, their_tid: str, their_fingerprint: str) -> None:
         ours = out.transfer_id.rpartition("#")[2]
         why = (
             f"the prefill and decode legs of transfer_id {out.client_transfer_id!r} carry "
@@ -344,7 +344,7 @@ class PrefillRole:
             else:
                 self.runtime.layers_ready(out.transfer_id, [layer])
 
-    def _end_early(self, out: _Outgoing, why: str) -> None:
+    def _end_early(self, out: _OutgoingRequest, why: str) -> None:
         """Stop a transfer whose request ended early. Blocks a write may still read stay
         held until the runtime reports the transfer ended (fencing); others go at once.
         A decode server that registered for it already is told now."""
@@ -359,7 +359,7 @@ class PrefillRole:
             self._forget(out)
         log.debug("transfer %s ended early: %s", out.transfer_id, why)
 
-    def _forget(self, out: _Outgoing) -> None:
+    def _forget(self, out: _OutgoingRequest) -> None:
         self._outgoing.pop(out.request_id, None)
         self._by_transfer.pop(out.transfer_id, None)
         self._by_client_id.pop(out.client_transfer_id, None)

@@ -1,5 +1,5 @@
 """What a request asks of the engine, and how the engine chooses its tokens: the sampling
-parameters (checked when made: `RequestRejected` says what was wrong), `sample` for one
+parameters (checked when made: `InvalidRequest` says what was wrong), `sample` for one
 row of logits, and prompt-lookup speculation.
 
 Speculation is prompt lookup (with vLLM's parameter names): the last n tokens of a sequence
@@ -22,7 +22,7 @@ import torch
 from kvpush.errors import KVPushError
 
 
-class RequestRejected(KVPushError):
+class InvalidRequest(KVPushError):
     """A request cannot be served as asked (too long, bad parameters, unknown id)."""
 
 
@@ -40,11 +40,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
-            raise RequestRejected(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0 <= self.temperature <= 2 or not math.isfinite(self.temperature):
-            raise RequestRejected(f"temperature must be in 0..2, got {self.temperature}")
+            raise InvalidRequest(f"temperature must be in 0..2, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise RequestRejected(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

@@ -33,7 +33,7 @@ from typing import Protocol
 from kvpush.errors import ClosedError
 from kvpush.mailbox import Mailbox
 from kvpush.serving.engine import Engine, EngineStats, FinishReason, RequestStats
-from kvpush.serving.sampling import RequestRejected, SamplingParams
+from kvpush.serving.sampling import InvalidRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -367,7 +367,7 @@ class EngineWorker:
             return
         try:
             self.engine.add_request(job.request_id, job.prompt_token_ids, job.params)
-        except RequestRejected as exc:
+        except InvalidRequest as exc:
             job.sink(Rejected(400, str(exc)))
             return
         self.jobs.add(job)
