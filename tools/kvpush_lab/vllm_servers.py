@@ -951,9 +951,10 @@ def check_identical(
 ) -> None:
     """Every outcome succeeded with the reference's tokens, and its logprobs: wrong KV
     shows there even where the argmax survives it (batch composition moves them in the
-    last digits only). A failure quotes what the servers logged."""
+    last digits only). A failure quotes what the servers logged, then the failure itself
+    (last: a report that keeps only the head and tail of a long message keeps it)."""
     for got in outcomes:
-        assert got.ok, f"{what}: {got.prompt!r} failed: {got.error}\n{servers_said(servers)}"
+        assert got.ok, f"{servers_said(servers)}\n{what}: {got.prompt!r} failed: {got.error}"
         want = reference[got.prompt]
         assert got.token_ids == want.token_ids, (
             f"{what}: {got.prompt!r}: tokens {got.token_ids} differ from the single "
