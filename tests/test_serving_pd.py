@@ -310,11 +310,17 @@ def test_a_dead_prefill_server_fails_requests_promptly_and_a_restart_recovers(
 ) -> None:
     prompts = make_prompts(3, seed=9)
     stack.prefill.kill()
+    logged_before = stack.proxy.log_path.stat().st_size
     failed = run_workload(stack.proxy.url, prompts, max_tokens=8, concurrency=3, timeout_s=30)
     for r in failed:
         assert r.error is not None
         assert "prefill server" in r.error
         assert r.latency_s < 10
+    # The proxy logs each: a leg that failed with its transfer's id (the servers' logs
+    # name it), a request that failed before its legs went out without one.
+    said = stack.proxy.log_path.read_bytes()[logged_before:].decode(errors="replace")
+    logged = re.findall(r"WARNING .*(?:transfer xfer-[0-9a-f]{32}|a request) failed \(502\)", said)
+    assert len(logged) >= len(prompts), said
     # Blocks the dead sender might still write into stay fenced until its lease has
     # certainly run out (lease + 2 x liveness), then come back.
     fence_s = TimingConfig().lease_s + 2 * LIVENESS_S
@@ -486,7 +492,11 @@ def test_a_dead_decode_server_behind_the_proxy_frees_the_prefill_blocks_at_once(
             f"{proxy.url}/v1/completions", json={"prompt": "kv " * 150, "max_tokens": 4}, timeout=60
         )
         assert r.status_code == 502, r.text
-        assert "decode server" in r.json()["error"]["message"]
+        message = r.json()["error"]["message"]
+        assert "decode server" in message
+        # The operator reads it in the proxy's log too.
+        said = proxy.log_path.read_text(errors="replace")
+        assert f"WARNING kvpush.serving.proxy: a request failed (502): {message}" in said, said
         freed_after = _until(lambda: _held(stack.prefill) == 0, timeout_s=AT_ONCE_S)
         assert freed_after is not None, "freed only by the deadline, if ever"
         record_property("prefill_blocks_freed_after_decode_down_s", freed_after)

@@ -220,6 +220,14 @@ class ProxyRoutes:
     def done(self, outcome: str) -> None:
         self.registry.inc("kvpush_proxy_requests_total", labels={"outcome": outcome})
 
+    def _unavailable(self, outcome: str, server: str, exc: Exception) -> Response:
+        """A request failed before its legs went out: `server` did not say what the
+        legs need. Logged, as a leg's failure is (`Legs`)."""
+        self.done(outcome)
+        message = f"{server} is unavailable: {exc!s}"
+        log.warning("a request failed (502): %s", message)
+        return error_response(502, message)
+
     async def _info(self, inst: Instance, role: str, *, named: bool) -> ServerHealth:
         """What a server says of itself: given (`fixed_info`), or its /health, kept until
         a failure resets it. `named`: it must be a kvpush `role` server that names its
@@ -301,13 +309,11 @@ class ProxyRoutes:
             info = await self._info(p_inst, "prefill", named=True)
         except (httpx.HTTPError, ValueError, RuntimeError) as exc:
             p_inst.info = p_inst.shape = None
-            self.done("prefill_failed")
-            return error_response(502, f"prefill server {p_inst.label} is unavailable: {exc!s}")
+            return self._unavailable("prefill_failed", f"prefill server {p_inst.label}", exc)
         try:
             to_decode = await self._decode_side_channel(d_inst)
         except (httpx.HTTPError, ValueError, RuntimeError) as exc:
-            self.done("decode_failed")
-            return error_response(502, f"decode server {d_inst.label} is unavailable: {exc!s}")
+            return self._unavailable("decode_failed", f"decode server {d_inst.label}", exc)
         tid = f"xfer-{uuid.uuid4().hex}"
         # Both legs name both TP sizes: each side splits the transfer into the same
         # parts, one per pair of ranks (vLLM servers; kvpush serve runs TP 1); the decode

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -15,6 +16,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvpush.serving.http import error_event, error_response, wait_for_disconnect
 from kvpush.serving.proxy_pool import Instance, Lease
+
+log = logging.getLogger(__name__)
 
 
 def error_text(resp: httpx.Response) -> str:
@@ -88,8 +91,7 @@ class Legs:
             self._abort_prefill()
             # A restarted server may have moved its side channel, or changed its TP.
             d_inst.info = d_inst.shape = None
-            self._end("decode_failed")
-            return error_response(502, f"decode server {d_inst.label} failed: {exc}")
+            return self._failed("decode_failed", 502, f"decode server {d_inst.label} failed: {exc}")
         if d_resp.status_code != 200:
             self.gone.cancel()
             return await self._refused_by_decode(d_resp)
@@ -146,6 +148,18 @@ class Legs:
         self.lease.release()
         self.routes.done(outcome)
 
+    def _failed(self, outcome: str, status: int, message: str) -> Response:
+        """End the request with the error answer `status`, `message`."""
+        self._end(outcome)
+        self._log_failure(status, message)
+        return error_response(status, message)
+
+    def _log_failure(self, status: int, message: str) -> None:
+        """A server's failure (5xx) is logged with the transfer id, which both servers'
+        logs name; a client's mistake (4xx) is told to the client alone."""
+        if status >= 500:
+            log.warning("transfer %s failed (%d): %s", self.tid, status, message)
+
     async def _drop_decode(self) -> None:
         self.d_task.cancel()
         with contextlib.suppress(BaseException):
@@ -166,8 +180,7 @@ class Legs:
             p_error = self._prefill_failed_now(ready)
             if p_error is not None:
                 await self._drop_decode()
-                self._end("prefill_failed")
-                return error_response(*p_error)
+                return self._failed("prefill_failed", *p_error)
         return None
 
     async def _refused_by_decode(self, d_resp: httpx.Response) -> Response:
@@ -179,10 +192,14 @@ class Legs:
             # that is the cause to report (a dead prefill server, say).
             p_error = await self._prefill_outcome()
             if p_error is not None:
-                self._end("prefill_failed")
-                return error_response(*p_error)
+                return self._failed("prefill_failed", *p_error)
         self._abort_prefill()
         self._end("rejected")
+        self._log_failure(
+            d_resp.status_code,
+            f"decode server {self.d_inst.label} answered "
+            f"{d_resp.status_code}: {error_text(d_resp)}",
+        )
         headers = {}
         if "retry-after" in d_resp.headers:
             headers["Retry-After"] = d_resp.headers["retry-after"]
@@ -269,6 +286,7 @@ class Legs:
             self.routes.done("ok")
         except _LegFailed as exc:
             self.routes.done("failed")
+            self._log_failure(exc.status, exc.message)
             yield error_event(exc.status, exc.message)
             yield b"data: [DONE]\n\n"
         except _ClientGone:
@@ -281,6 +299,7 @@ class Legs:
                 parts.append(chunk)
         except _LegFailed as exc:
             self.routes.done("failed")
+            self._log_failure(exc.status, exc.message)
             return error_response(exc.status, exc.message)
         except _ClientGone:
             self.routes.done("client_gone")
