@@ -217,15 +217,27 @@ class ProxyRoutes:
     async def chat_completions(self, request: Request) -> Response:
         return await self._complete(request, "/v1/chat/completions")
 
-    def done(self, outcome: str) -> None:
+    def done(
+        self, outcome: str, failure: tuple[int, str] | None = None, tid: str | None = None
+    ) -> None:
+        """Count a client request's outcome. One answered with a server's failure
+        (`failure`: a 5xx status and its message) is logged too, with its transfer id
+        once its legs went out (both servers' logs name it); a client's own mistake
+        (4xx) is told to the client alone."""
         self.registry.inc("kvpush_proxy_requests_total", labels={"outcome": outcome})
+        if failure is None or failure[0] < 500:
+            return
+        status, message = failure
+        if tid is None:
+            log.warning("a request failed (%d): %s", status, message)
+        else:
+            log.warning("transfer %s failed (%d): %s", tid, status, message)
 
     def _unavailable(self, outcome: str, server: str, exc: Exception) -> Response:
         """A request failed before its legs went out: `server` did not say what the
-        legs need. Logged, as a leg's failure is (`Legs`)."""
-        self.done(outcome)
+        legs need."""
         message = f"{server} is unavailable: {exc!s}"
-        log.warning("a request failed (502): %s", message)
+        self.done(outcome, (502, message))
         return error_response(502, message)
 
     async def _info(self, inst: Instance, role: str, *, named: bool) -> ServerHealth:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -16,8 +15,6 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvpush.serving.http import error_event, error_response, wait_for_disconnect
 from kvpush.serving.proxy_pool import Instance, Lease
-
-log = logging.getLogger(__name__)
 
 
 def error_text(resp: httpx.Response) -> str:
@@ -38,7 +35,9 @@ class LegsOwner(Protocol):
 
     def abort_prefill(self, p_inst: Instance, p_task: asyncio.Task[Any], tid: str) -> None: ...
 
-    def done(self, outcome: str) -> None: ...
+    def done(
+        self, outcome: str, failure: tuple[int, str] | None = None, tid: str | None = None
+    ) -> None: ...
 
 
 class Legs:
@@ -144,21 +143,14 @@ class Legs:
     def _abort_prefill(self) -> None:
         self.routes.abort_prefill(self.p_inst, self.p_task, self.tid)
 
-    def _end(self, outcome: str) -> None:
+    def _end(self, outcome: str, failure: tuple[int, str] | None = None) -> None:
         self.lease.release()
-        self.routes.done(outcome)
+        self.routes.done(outcome, failure, self.tid)
 
     def _failed(self, outcome: str, status: int, message: str) -> Response:
         """End the request with the error answer `status`, `message`."""
-        self._end(outcome)
-        self._log_failure(status, message)
+        self._end(outcome, (status, message))
         return error_response(status, message)
-
-    def _log_failure(self, status: int, message: str) -> None:
-        """A server's failure (5xx) is logged with the transfer id, which both servers'
-        logs name; a client's mistake (4xx) is told to the client alone."""
-        if status >= 500:
-            log.warning("transfer %s failed (%d): %s", self.tid, status, message)
 
     async def _drop_decode(self) -> None:
         self.d_task.cancel()
@@ -194,11 +186,10 @@ class Legs:
             if p_error is not None:
                 return self._failed("prefill_failed", *p_error)
         self._abort_prefill()
-        self._end("rejected")
-        self._log_failure(
-            d_resp.status_code,
-            f"decode server {self.d_inst.label} answered "
-            f"{d_resp.status_code}: {error_text(d_resp)}",
+        status = d_resp.status_code
+        self._end(
+            "rejected",
+            (status, f"decode server {self.d_inst.label} answered {status}: {error_text(d_resp)}"),
         )
         headers = {}
         if "retry-after" in d_resp.headers:
@@ -285,8 +276,7 @@ class Legs:
                 yield chunk
             self.routes.done("ok")
         except _LegFailed as exc:
-            self.routes.done("failed")
-            self._log_failure(exc.status, exc.message)
+            self.routes.done("failed", (exc.status, exc.message), self.tid)
             yield error_event(exc.status, exc.message)
             yield b"data: [DONE]\n\n"
         except _ClientGone:
@@ -298,8 +288,7 @@ class Legs:
             async for chunk in self._relay(d_resp):
                 parts.append(chunk)
         except _LegFailed as exc:
-            self.routes.done("failed")
-            self._log_failure(exc.status, exc.message)
+            self.routes.done("failed", (exc.status, exc.message), self.tid)
             return error_response(exc.status, exc.message)
         except _ClientGone:
             self.routes.done("client_gone")
